@@ -1,0 +1,35 @@
+# One-command set-up: `make demo` and `make test` create .venv and install everything first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+DEMO_ARGS ?=
+
+.PHONY: setup demo test bench bench-full lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m swarm.demo $(DEMO_ARGS)
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) -m benchmarks.run --quick
+
+bench-full: setup
+	$(PY) -m benchmarks.run --full
+
+lint: setup
+	$(PY) -m ruff check swarm peers averaging bootstrap tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) build *.egg-info demo-out

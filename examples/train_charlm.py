@@ -1,0 +1,54 @@
+"""Join a Swarm run from your own training loop.
+
+    python examples/train_charlm.py --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/Qm... --run demo
+
+It trains the built-in charlm model on its own shard and averages with every other peer of the run,
+including peers started with `python -m swarm.peer --run demo --task charlm`.
+"""
+
+import argparse
+import contextlib
+
+import torch
+
+import swarm
+from swarm.tasks import get_task
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--initial-peers", nargs="*", default=[])
+    parser.add_argument("--run", default="demo")
+    parser.add_argument("--task-preset", default="tiny", help="must match the run's peers")
+    parser.add_argument("--shard-index", type=int, default=0)
+    parser.add_argument("--num-shards", type=int, default=16)
+    parser.add_argument("--sync-every", type=int, default=15)
+    parser.add_argument("--max-steps", type=int, default=300)
+    parser.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"])
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    task = get_task("charlm", preset=args.task_preset)
+    model = task.build_model(seed=0).to(device)  # every peer of a run starts from the same seed
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+    trainer = swarm.Trainer(model, optimizer, run=args.run, initial_peers=args.initial_peers,
+                            sync_every=args.sync_every, host_maddrs=args.host_maddrs)
+    try:
+        batches = task.train_batches(shard_index=args.shard_index, num_shards=args.num_shards)
+        for _ in range(args.max_steps):
+            x, y = (t.to(device) for t in next(batches))
+            with autocast:
+                loss = task.loss(model, (x, y))
+            loss.backward()
+            result = trainer.step(num_samples=len(x))  # inner step; an averaging round every sync_every steps
+            if result is not None:
+                print(f"round {result.round}: group of {result.group_size}, "
+                      f"val loss {task.evaluate(model, max_batches=4):.3f}", flush=True)
+    finally:
+        trainer.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""Swarm: peer-to-peer training on an open network, with no central coordinator.
+
+Owns the contributing peer process (`python -m swarm.peer`), the trainer API for users' own
+scripts (`swarm.Trainer`), peer identity and signatures (`swarm.identity`), the built-in task
+registry (`swarm.tasks`) and the one-command demo (`python -m swarm.demo`).
+
+Composes the other packages: `bootstrap` (DHT start-up, process lifetime) and hivemind's DHT and
+averager; later `peers` (capabilities) and `averaging` (groups, robust aggregation).
+Exports: Trainer, TrainerConfig, RoundResult, Identity (imported lazily: `import swarm` stays cheap).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["Identity", "RoundResult", "Trainer", "TrainerConfig"]
+__version__ = "0.1.0"
+
+_LAZY = {"Trainer": "swarm.trainer", "TrainerConfig": "swarm.trainer", "RoundResult": "swarm.trainer",
+         "Identity": "swarm.identity"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'swarm' has no attribute {name!r}")

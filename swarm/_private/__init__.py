@@ -1,0 +1,1 @@
+"""Helpers private to the swarm package; nothing outside swarm should import these."""

@@ -1,0 +1,92 @@
+"""Map frozen config dataclasses one-to-one onto argparse flags.
+
+A field ``sync_every`` becomes ``--sync-every``; its help text is the one-line docstring written
+under the field, so the flag, the config field and the docs can never drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+from functools import cache
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The string literal under each field of a dataclass (its attribute docstring)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, following in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
+                    docs[node.target.id] = " ".join(str(following.value.value).split())
+    return docs
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0], True
+    return tp, False
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
+    """Add one flag per field of ``cls`` (except ``skip``); defaults come from the dataclass."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    group = parser.add_argument_group(cls.__name__)
+    for field in dataclasses.fields(cls):
+        if field.name in skip:
+            continue
+        tp, optional = _unwrap_optional(hints[field.name])
+        kwargs: dict[str, Any] = {"dest": field.name, "help": docs.get(field.name, "")}
+        required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+        if required:
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+            kwargs["help"] += " (default: %(default)s)"
+        if tp is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(tp) is tuple:
+            (item_type, *_) = typing.get_args(tp)
+            kwargs.update(nargs="*" if not required else "+", type=item_type, metavar=field.name.upper())
+        else:
+            kwargs.update(type=tp, metavar=field.name.upper())
+            if optional and "default" not in kwargs:
+                kwargs["default"] = None
+        group.add_argument(flag_name(field.name), **kwargs)
+
+
+def dataclass_from_args(cls: type[T], namespace: argparse.Namespace, **overrides: Any) -> T:
+    """Build ``cls`` from parsed flags; ``overrides`` win. Tuples stay tuples."""
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        if field.name in overrides:
+            values[field.name] = overrides[field.name]
+        elif hasattr(namespace, field.name):
+            value = getattr(namespace, field.name)
+            values[field.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**values)
+
+
+def dataclass_flags(cls: type, *, skip: tuple[str, ...] = ()) -> list[str]:
+    return [flag_name(f.name) for f in dataclasses.fields(cls) if f.name not in skip]

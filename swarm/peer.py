@@ -1,0 +1,312 @@
+"""`python -m swarm.peer`: contribute this machine to a training run.
+
+    python -m swarm.peer --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/Qm... --run demo --task charlm
+
+Joins the DHT, builds the task's model and this peer's data shard, loads the run's current state
+from its peers, then trains: local steps, and every ``--sync-every`` steps an averaging round.
+Ctrl+C or SIGTERM leaves cleanly (the averager and the DHT with its p2pd stop; nothing is orphaned).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from safetensors.torch import save_file
+
+from bootstrap import DHTStartError, parse_initial_peers
+from swarm._private.cli import add_dataclass_arguments, dataclass_from_args
+from swarm.events import EventLog
+from swarm.identity import Identity, IdentityError
+from swarm.tasks import get_task
+from swarm.trainer import Trainer, TrainerConfig
+
+logger = logging.getLogger("swarm.peer")
+EXIT_BAD_INPUT = 2
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PeerConfig:
+    """What this peer trains and how (the run and networking settings are in TrainerConfig)."""
+
+    task: str = "charlm"
+    """Built-in task to train (see the list printed for an unknown name)."""
+    task_preset: str = "default"
+    """Size preset of the task's model (charlm: tiny, small, default)."""
+    device: str = "auto"
+    """auto (CUDA when available), cpu or cuda."""
+    optimizer: str = "adamw"
+    """Inner optimizer: adamw, or adamw8bit (bitsandbytes 8-bit states)."""
+    lr: float = 3e-3
+    """Inner optimizer learning rate."""
+    weight_decay: float = 0.01
+    """Inner optimizer weight decay."""
+    num_shards: int = 16
+    """Number of disjoint data shards the training split is cut into."""
+    shard_index: int | None = None
+    """This peer's shard; by default derived from its identity key."""
+    seed: int = 0
+    """Seed of the initial model (must be the same for all peers of a run) and of batch sampling."""
+    max_steps: int = 0
+    """Stop after this many local steps (0: no limit)."""
+    max_rounds: int = 0
+    """Stop after this many averaging rounds (0: no limit)."""
+    duration_s: float = 0.0
+    """Stop after this many seconds of training (0: no limit)."""
+    eval_batches: int = 4
+    """Validation batches evaluated after each round (0: no validation)."""
+    torch_threads: int = 0
+    """Torch CPU threads (0: torch's default)."""
+    identity_key: str | None = None
+    """Ed25519 identity key file (default ~/.swarm/identity.key, created 0600 on first run)."""
+    events: str | None = None
+    """Append JSON-lines events (steps, rounds, validation) to this file."""
+    dump_dir: str | None = None
+    """Debug: write each round's local and resulting parameters as safetensors files here."""
+    progress: bool = True
+    """Show a live progress line (rich) on the terminal."""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.optimizer not in ("adamw", "adamw8bit"):
+            raise ValueError(f"optimizer must be adamw or adamw8bit, got {self.optimizer!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+        if self.num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1, got {self.num_shards!r}")
+        if self.shard_index is not None and not 0 <= self.shard_index < self.num_shards:
+            raise ValueError(f"shard_index must be in [0, {self.num_shards}), got {self.shard_index!r}")
+        for name in ("max_steps", "max_rounds", "eval_batches", "torch_threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.duration_s < 0:
+            raise ValueError(f"duration_s must be >= 0, got {self.duration_s!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m swarm.peer",
+        description="Contribute this machine to a Swarm training run.",
+    )
+    add_dataclass_arguments(parser, TrainerConfig)
+    add_dataclass_arguments(parser, PeerConfig)
+    parser.add_argument("--log-level", default="INFO", help="Python logging level (default: %(default)s)")
+    return parser
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def make_inner_optimizer(config: PeerConfig, params: Any) -> torch.optim.Optimizer:
+    if config.optimizer == "adamw8bit":
+        import bitsandbytes as bnb  # imported lazily: it probes the GPU at import
+
+        return bnb.optim.AdamW8bit(params, lr=config.lr, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+
+
+def default_shard(identity: Identity, num_shards: int) -> int:
+    return int.from_bytes(hashlib.sha256(identity.public_key).digest()[:8], "big") % num_shards
+
+
+class _StopFlag:
+    """Set by SIGINT/SIGTERM; the training loop checks it between steps."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signal_name: str | None = None
+        self._pid = os.getpid()
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if os.getpid() != self._pid:  # a forked child (DHT, averager) inherited this handler: die as told
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self.event.is_set():  # a second Ctrl+C: the user insists
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+        self.event.set()
+
+
+class PeerRunner:
+    """Owns one peer's training loop: the task, the model, the trainer and the event log."""
+
+    def __init__(self, trainer_config: TrainerConfig, config: PeerConfig, *, stop: _StopFlag):
+        self.trainer_config, self.config, self.stop = trainer_config, config, stop
+        self.events = EventLog(config.events)
+        self.device = resolve_device(config.device)
+        self.task = get_task(config.task, preset=config.task_preset)
+        self.identity = Identity.load_or_create(config.identity_key)
+        self.shard_index = (
+            config.shard_index if config.shard_index is not None else default_shard(self.identity, config.num_shards)
+        )
+        torch.manual_seed(config.seed)
+        self.model = self.task.build_model(seed=config.seed).to(self.device)
+        self.optimizer = make_inner_optimizer(config, self.model.parameters())
+        self.trainer: Trainer | None = None
+        self.samples_seen = 0
+
+    def start(self) -> None:
+        started = time.time()
+        self.events.emit("start", pid=os.getpid(), shard=self.shard_index, task=self.task.name,
+                         params=sum(p.numel() for p in self.model.parameters()), device=str(self.device))
+        self.trainer = Trainer(self.model, self.optimizer, config=self.trainer_config, identity=self.identity)
+        if self.config.dump_dir:
+            self.trainer.before_sync.append(lambda round_, local: self._dump("local", round_, local))
+        self.events.emit("joined", peer_id=self.trainer.peer_id, round=self.trainer.round,
+                         state_loaded=self.trainer.counters.state_loaded > 0, join_s=time.time() - started)
+        logger.info(f"peer {self.trainer.peer_id} joined run {self.trainer_config.run!r} at round "
+                    f"{self.trainer.round}; training shard {self.shard_index}/{self.config.num_shards} on {self.device}")
+
+    def evaluate(self) -> float | None:
+        if self.config.eval_batches == 0:
+            return None
+        with self._autocast():
+            return float(self.task.evaluate(self.model, max_batches=self.config.eval_batches))
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def run(self, progress: Progress | None) -> None:
+        trainer, cfg = self.trainer, self.config
+        assert trainer is not None, "start() first"
+        val = self.evaluate()
+        self.events.emit("val", round=trainer.round, step=trainer.local_step, val_loss=val)
+        batches = self.task.train_batches(shard_index=self.shard_index, num_shards=cfg.num_shards, seed=cfg.seed)
+        task_id = progress.add_task("train", total=None, **_progress_fields()) if progress else None
+        started, window_start, window_samples = time.monotonic(), time.monotonic(), 0
+        while not self._should_stop(started):
+            x, y = next(batches)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with self._autocast():
+                loss = self.task.loss(self.model, (x, y))
+            loss.backward()
+            result = trainer.step(num_samples=x.shape[0])
+            self.samples_seen += x.shape[0]
+            if trainer.local_step == 1:
+                self.events.emit("first_step", round=trainer.round, loss=loss.item())
+            window_samples += x.shape[0]
+            samples_per_s = window_samples / max(time.monotonic() - window_start, 1e-9)
+            if trainer.local_step % 10 == 0:
+                self.events.emit("train", step=trainer.local_step, round=trainer.round, loss=loss.item(),
+                                 samples_per_s=samples_per_s, samples=self.samples_seen)
+            if result is not None:
+                if cfg.dump_dir:
+                    self._dump("global", result.round, list(self.model.parameters()))
+                val = self.evaluate()
+                self.events.emit("round", round=result.round, step=trainer.local_step, group_size=result.group_size,
+                                 duration_s=result.duration_s, val_loss=val, rejected=list(result.rejected))
+                logger.info(f"round {result.round}: group of {result.group_size} in {result.duration_s:.2f}s, "
+                            f"val loss {val if val is None else round(val, 4)}")
+                window_start, window_samples = time.monotonic(), 0
+            if progress is not None:
+                last = trainer.last_round
+                progress.update(task_id, **_progress_fields(
+                    step=trainer.local_step, loss=loss.item(), sps=samples_per_s, round=trainer.round,
+                    group=last.group_size if last else "-", val=val))
+
+    def _should_stop(self, started: float) -> bool:
+        cfg, trainer = self.config, self.trainer
+        if self.stop.event.is_set():
+            return True
+        if cfg.max_steps and trainer.local_step >= cfg.max_steps:
+            return True
+        if cfg.max_rounds and trainer.counters.rounds_ok + trainer.counters.rounds_solo >= cfg.max_rounds:
+            return True
+        return bool(cfg.duration_s and time.monotonic() - started >= cfg.duration_s)
+
+    def _dump(self, kind: str, round_: int, params: list[torch.Tensor]) -> None:
+        names = [n for n, p in self.model.named_parameters()]
+        tensors = {n: p.detach().to("cpu", torch.float32).contiguous() for n, p in zip(names, params)}
+        path = Path(self.config.dump_dir) / f"{kind}_round{round_:04d}.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)
+
+    def shutdown(self) -> None:
+        if self.trainer is not None:
+            self.events.emit("stop", step=self.trainer.local_step, round=self.trainer.round,
+                             signal=self.stop.signal_name)
+            self.trainer.shutdown()
+        self.events.close()
+
+
+def _progress_fields(*, step: Any = 0, loss: Any = None, sps: Any = 0.0, round: Any = 0, group: Any = "-",
+                     val: Any = None) -> dict[str, str]:
+    return {"fields": f"step {step}  loss {_fmt(loss)}  {sps:.1f} samples/s  round {round}  "
+                      f"group {group}  val {_fmt(val)}"}
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _fail(console: Console, message: str) -> int:
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    return EXIT_BAD_INPUT
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=True)
+    logging.basicConfig(level=args.log_level.upper(), format="%(message)s",
+                        handlers=[RichHandler(console=console, show_path=False)])
+    for noisy in ("hivemind", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        peers = parse_initial_peers(args.initial_peers)
+        trainer_config = dataclass_from_args(TrainerConfig, args, initial_peers=tuple(peers))
+        config = dataclass_from_args(PeerConfig, args)
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        stop = _StopFlag()
+        stop.install()
+        runner = PeerRunner(trainer_config, config, stop=stop)
+    except (ValueError, IdentityError) as e:  # UnknownTaskError (a ValueError) lists the known tasks
+        return _fail(console, str(e))
+    try:
+        runner.start()
+        show = config.progress and console.is_terminal
+        columns = (SpinnerColumn(), TextColumn("{task.fields[fields]}"), TimeElapsedColumn())
+        with Progress(*columns, console=console, disable=not show) as progress:
+            runner.run(progress if show else None)
+    except (DHTStartError, ValueError) as e:
+        return _fail(console, str(e))
+    except KeyboardInterrupt:
+        logger.info("interrupted again: leaving now")
+    finally:
+        runner.shutdown()
+    logger.info("left the run cleanly")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Training tasks: the model, data and loss a swarm trains, taken from a registry built into the package.
+
+Owns the task interface (`Task`), the registry of built-in tasks (`known_tasks`, `get_task`) and the
+built-in `charlm` task (a small character-level transformer over the CPython help text). A run names
+its task; the code always comes from this installed package and never from the network.
+
+Depends on torch and on `pydoc_data` from the standard library (the charlm corpus); nothing else
+in swarm. Exports: Task, Batch, get_task, known_tasks, UnknownTaskError, num_params, CharLMConfig,
+CharLMTask, PRESETS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor, nn
+
+from swarm.tasks._registry import UnknownTaskError, get_task, known_tasks
+from swarm.tasks.charlm import PRESETS, Batch, CharLMConfig, CharLMTask
+
+__all__ = [
+    "PRESETS",
+    "Batch",
+    "CharLMConfig",
+    "CharLMTask",
+    "Task",
+    "UnknownTaskError",
+    "get_task",
+    "known_tasks",
+    "num_params",
+]
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What the swarm needs from a task. Every peer of a run builds the same task from the same config."""
+
+    name: str
+    """Registry name of the task."""
+    config: Any
+    """The task's frozen config dataclass."""
+
+    def config_dict(self) -> dict[str, Any]:
+        """JSON-able description of the task and its config; equal dicts mean interchangeable models."""
+        ...
+
+    def build_model(self, *, seed: int | None = None) -> nn.Module:
+        """A fresh CPU model; the same seed (default: the config's) gives identical weights everywhere."""
+        ...
+
+    def train_batches(self, *, shard_index: int, num_shards: int, seed: int = 0) -> Iterator[Batch]:
+        """Endless deterministic CPU batches from shard `shard_index` of `num_shards` of the training split."""
+        ...
+
+    def loss(self, model: nn.Module, batch: Batch) -> Tensor:
+        """Scalar training loss of `model` on `batch`, on the model's device."""
+        ...
+
+    def val_batches(self) -> list[Batch]:
+        """The fixed validation set, disjoint from every training shard and identical in every process."""
+        ...
+
+    def evaluate(self, model: nn.Module, *, max_batches: int | None = None) -> float:
+        """Mean validation loss without gradients; the model's train/eval mode is restored."""
+        ...
+
+
+def num_params(model: nn.Module) -> int:
+    """Number of distinct parameters' elements (a tied weight counts once)."""
+    return sum(parameter.numel() for parameter in model.parameters())

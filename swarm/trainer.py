@@ -1,0 +1,423 @@
+"""The trainer API: wrap a model and its (inner) optimizer, and train it with the swarm.
+
+DiLoCo-style training (Douillard et al., 2023): every peer takes ``sync_every`` local steps with its
+own inner optimizer, then the peers of a group average their parameters and each applies an outer
+Nesterov-SGD step to its copy of the global parameters, with the pseudo-gradient
+
+    delta = global_params - weighted_mean(local_params of the group)
+
+When all members hold the same global parameters this is exactly DiLoCo's averaged pseudo-gradient;
+when they do not (after a missed round, say) averaging the local parameters also pulls the bases
+together instead of letting them drift apart forever. With ``outer_lr=1, outer_momentum=0`` a round
+is plain parameter averaging.
+
+    trainer = swarm.Trainer(model, torch.optim.AdamW(model.parameters()), run="my-run",
+                            initial_peers=["/ip4/1.2.3.4/tcp/31337/p2p/Qm..."], sync_every=50)
+    for x, y in batches:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        trainer.step(num_samples=len(x))
+    trainer.shutdown()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hivemind import DHT
+from hivemind.averaging import DecentralizedAverager
+from hivemind.compression import Float16Compression, NoCompression
+
+from bootstrap import start_dht, start_reaper, stop_dht
+from swarm.identity import Identity, PeerBinding
+
+logger = logging.getLogger(__name__)
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_COMPRESSIONS = {"none": NoCompression, "fp16": Float16Compression}
+_STATE_FORMAT = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerConfig:
+    """How a trainer joins a run and averages with its peers."""
+
+    run: str
+    """Name of the run to join (letters, digits, '_', '.', '-'; at most 64 characters)."""
+    initial_peers: tuple[str, ...] = ()
+    """Multiaddrs of any live peers of the network (bootstrap node or any peer); empty starts a new network."""
+    sync_every: int = 50
+    """Local (inner) optimizer steps between averaging rounds."""
+    outer_lr: float = 0.7
+    """Learning rate of the outer Nesterov-SGD step applied to the averaged pseudo-gradient."""
+    outer_momentum: float = 0.9
+    """Momentum of the outer step (0 disables momentum and Nesterov)."""
+    target_group_size: int = 8
+    """Largest averaging group."""
+    min_group_size: int = 2
+    """Smallest averaging group; with fewer peers a round is retried until averaging_timeout_s."""
+    matchmaking_time_s: float = 3.0
+    """How long a group leader gathers peers before the round starts."""
+    averaging_timeout_s: float = 30.0
+    """Deadline to find a group; a peer with no group by then applies its own update alone."""
+    request_timeout_s: float = 2.0
+    """Timeout of one matchmaking request (must be below matchmaking_time_s)."""
+    allreduce_timeout_s: float = 60.0
+    """Deadline of the all-reduce once the group is formed."""
+    chunk_timeout_s: float = 10.0
+    """A peer silent this long while sending or reducing is dropped from the round."""
+    compression: str = "none"
+    """Compression of averaged tensors on the wire: none (fp32) or fp16."""
+    load_state: bool = True
+    """Download the run's current state from a peer at start-up (a fresh run starts from the model as given)."""
+    load_state_timeout_s: float = 60.0
+    """Deadline for the state download at start-up."""
+    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    """Multiaddrs this peer listens on."""
+    announce_maddrs: tuple[str, ...] = ()
+    """Multiaddrs announced to others (when behind NAT or port forwarding)."""
+    connect_timeout_s: float = 30.0
+    """Deadline to reach one of initial_peers."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run, str) or not _RUN_NAME.match(self.run):
+            raise ValueError(f"run must match {_RUN_NAME.pattern}, got {self.run!r}")
+        for name in ("sync_every", "target_group_size", "min_group_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.min_group_size > self.target_group_size:
+            raise ValueError(
+                f"min_group_size ({self.min_group_size}) must not exceed target_group_size ({self.target_group_size})"
+            )
+        if not 0 < self.outer_lr <= 10:
+            raise ValueError(f"outer_lr must be in (0, 10], got {self.outer_lr!r}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
+        for name in ("matchmaking_time_s", "averaging_timeout_s", "request_timeout_s", "allreduce_timeout_s",
+                     "chunk_timeout_s", "load_state_timeout_s", "connect_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.request_timeout_s >= self.matchmaking_time_s:
+            raise ValueError(
+                f"request_timeout_s ({self.request_timeout_s}) must be below matchmaking_time_s "
+                f"({self.matchmaking_time_s}); hivemind can deadlock otherwise"
+            )
+        if self.averaging_timeout_s <= self.matchmaking_time_s:
+            raise ValueError(f"averaging_timeout_s must exceed matchmaking_time_s, got {self.averaging_timeout_s!r}")
+        if self.compression not in _COMPRESSIONS:
+            raise ValueError(f"compression must be one of {sorted(_COMPRESSIONS)}, got {self.compression!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RoundResult:
+    """What one averaging round did, as seen by this peer."""
+
+    round: int
+    """Round number after this round (the run's round counter)."""
+    group_size: int
+    """Peers whose contributions were averaged (1: no group was found, own update applied alone)."""
+    weight: float
+    """This peer's weight (samples since the last round)."""
+    duration_s: float
+    """Wall time of matchmaking plus all-reduce."""
+    rejected: tuple[str, ...] = ()
+    """Group members whose gathered metadata failed validation."""
+
+
+@dataclass(slots=True)
+class TrainerCounters:
+    rounds_ok: int = 0
+    rounds_solo: int = 0
+    state_loaded: int = 0
+    rejected: Counter = field(default_factory=Counter)
+
+
+class _StateSharingAverager(DecentralizedAverager):
+    """hivemind's averager, serving our trainer's state (global params + outer momentum) to joiners."""
+
+    def __init__(self, *args: Any, state_fn: Callable[[], tuple[dict, list[torch.Tensor]]], **kwargs: Any):
+        self._state_fn = state_fn
+        super().__init__(*args, **kwargs)
+
+    def get_current_state(self):  # runs in the host process, in hivemind's background thread
+        metadata, tensors = self._state_fn()
+        return metadata, tensors, None
+
+
+class Trainer:
+    """Train ``model`` with ``inner_optimizer`` locally and average with the run's peers every ``sync_every`` steps.
+
+    ``config`` holds every setting; keyword ``overrides`` replace single fields of it, so
+    ``Trainer(model, opt, run="r", initial_peers=[...], sync_every=20)`` works without a config.
+    Pass ``dht`` to share one DHT between components (the caller then owns its shutdown).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        config: TrainerConfig | None = None,
+        dht: DHT | None = None,
+        identity: Identity | None = None,
+        **overrides: Any,
+    ):
+        if "initial_peers" in overrides:
+            overrides["initial_peers"] = tuple(overrides["initial_peers"])
+        if config is None:
+            config = TrainerConfig(**overrides)
+        elif overrides:
+            config = dataclasses.replace(config, **overrides)
+        self.config = config
+        self.model, self.inner_optimizer = model, inner_optimizer
+        self.identity = identity if identity is not None else Identity.generate()
+        self.counters = TrainerCounters()
+        self.local_step = 0
+        self.round = 0
+        self.last_round: RoundResult | None = None
+        self._samples_since_sync = 0
+        self.before_sync: list[Callable[[int, list[torch.Tensor]], None]] = []
+        """Callbacks run with (round, local parameters) right before each averaging round."""
+        self._state_lock = threading.Lock()
+        self._names, self._params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
+        self._global = [p.detach().to("cpu", torch.float32, copy=True) for p in self._params]
+        self._outer_optimizer = self._make_outer_optimizer(self._global)
+
+        start_reaper()
+        self._owns_dht = dht is None
+        self.dht = dht if dht is not None else start_dht(
+            initial_peers=list(config.initial_peers),
+            host_maddrs=list(config.host_maddrs),
+            announce_maddrs=list(config.announce_maddrs),
+            connect_timeout_s=config.connect_timeout_s,
+        )
+        self.peer_id = str(self.dht.peer_id)
+        self.binding = self.identity.bind(self.peer_id)
+        try:
+            self.averager = self._make_averager()
+            if config.load_state:
+                self.load_state_from_peers(timeout_s=config.load_state_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ----------------------------------------------------------------------------------------- setup
+    def _make_outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.SGD:
+        momentum = self.config.outer_momentum
+        return torch.optim.SGD(params, lr=self.config.outer_lr, momentum=momentum, nesterov=momentum > 0)
+
+    def _make_averager(self) -> DecentralizedAverager:
+        cfg = self.config
+        return _StateSharingAverager(
+            [torch.zeros_like(t) for t in self._global],
+            self.dht,
+            start=True,
+            prefix=f"swarm_{cfg.run}_avg",
+            target_group_size=cfg.target_group_size,
+            min_group_size=cfg.min_group_size,
+            min_matchmaking_time=cfg.matchmaking_time_s,
+            request_timeout=cfg.request_timeout_s,
+            allreduce_timeout=cfg.allreduce_timeout_s,
+            next_chunk_timeout=cfg.chunk_timeout_s,
+            sender_timeout=cfg.chunk_timeout_s,
+            reducer_timeout=2 * cfg.chunk_timeout_s,
+            compression=_COMPRESSIONS[cfg.compression](),
+            state_compression=NoCompression(),
+            declare_state_period=10.0,
+            shutdown_timeout=5.0,
+            state_fn=self._current_state,
+        )
+
+    # ----------------------------------------------------------------------------------------- training
+    def step(self, *, num_samples: int = 1) -> RoundResult | None:
+        """One inner optimizer step (and zero_grad); every ``sync_every`` steps also an averaging round.
+
+        Returns the round's result when a round ran, else None.
+        """
+        self.inner_optimizer.step()
+        self.inner_optimizer.zero_grad(set_to_none=True)
+        self.local_step += 1
+        self._samples_since_sync += num_samples
+        if self.local_step % self.config.sync_every == 0:
+            return self.sync()
+        return None
+
+    def sync(self) -> RoundResult:
+        """Average with a group now and apply the outer step. Never blocks past the configured deadlines."""
+        cfg = self.config
+        started = time.perf_counter()
+        weight = float(max(self._samples_since_sync, 1))
+        local = [p.detach().to("cpu", torch.float32) for p in self._params]
+        for hook in self.before_sync:
+            hook(self.round, local)
+        with self.averager.get_tensors() as tensors:
+            for dst, src in zip(tensors, local):
+                dst.copy_(src)
+        gather = {"round": self.round, "samples": int(self._samples_since_sync), "binding": self.binding.to_dict()}
+        try:
+            gathered = self.averager.step(
+                gather=gather, weight=weight, timeout=cfg.averaging_timeout_s,
+                allow_retries=True,
+            )
+        except Exception as e:  # a failed round must not kill training; the update is applied alone
+            logger.warning(f"averaging round failed: {e!r}; applying this peer's update alone")
+            gathered = None
+        rejected: tuple[str, ...] = ()
+        if gathered:
+            with self.averager.get_tensors() as tensors:
+                averaged = [t.clone() for t in tensors]
+            rejected = self._check_gathered(gathered)
+            group_rounds = [g.get("round") for g in gathered.values() if isinstance(g, dict)]
+            next_round = 1 + max([self.round] + [r for r in group_rounds if isinstance(r, int) and r >= 0])
+            self.counters.rounds_ok += 1
+        else:
+            averaged, next_round = local, self.round + 1
+            self.counters.rounds_solo += 1
+        self._apply_outer_step(averaged, next_round=next_round)
+        self._samples_since_sync = 0
+        self.last_round = RoundResult(
+            round=self.round, group_size=len(gathered) if gathered else 1, weight=weight,
+            duration_s=time.perf_counter() - started, rejected=rejected,
+        )
+        self.averager.state_sharing_priority = float(self.round)
+        return self.last_round
+
+    def _check_gathered(self, gathered: dict) -> tuple[str, ...]:
+        """Validate what each group member sent alongside its tensors; log and count what fails."""
+        rejected = []
+        for peer_id, data in gathered.items():
+            reason = _gathered_problem(str(peer_id), data)
+            if reason is not None:
+                rejected.append(str(peer_id))
+                self.counters.rejected[reason] += 1
+                logger.warning(f"round {self.round}: rejected metadata from {peer_id}: {reason}")
+        return tuple(rejected)
+
+    def _apply_outer_step(self, averaged: Sequence[torch.Tensor], *, next_round: int) -> None:
+        with self._state_lock:
+            for base, avg in zip(self._global, averaged):
+                base.grad = base - avg
+            self._outer_optimizer.step()
+            self._outer_optimizer.zero_grad(set_to_none=True)
+            self._copy_global_to_model()
+            self.round = next_round
+
+    def _copy_global_to_model(self) -> None:
+        with torch.no_grad():
+            for param, base in zip(self._params, self._global):
+                param.copy_(base)
+
+    # ----------------------------------------------------------------------------------------- state
+    def _current_state(self) -> tuple[dict, list[torch.Tensor]]:
+        with self._state_lock:
+            momentum = [self._momentum_buffer(p).clone() for p in self._global]
+            tensors = [p.detach().clone() for p in self._global] + momentum
+            metadata = {"format": _STATE_FORMAT, "run": self.config.run, "round": self.round,
+                        "names": list(self._names)}
+        return metadata, tensors
+
+    def _momentum_buffer(self, param: torch.Tensor) -> torch.Tensor:
+        buf = self._outer_optimizer.state.get(param, {}).get("momentum_buffer")
+        return buf if buf is not None else torch.zeros_like(param)
+
+    def load_state_from_peers(self, *, timeout_s: float | None = None, attempts: int = 3) -> bool:
+        """Replace the global parameters (and outer momentum) with a peer's; True on success.
+
+        Every downloaded state is validated (run, parameter names, shapes, dtypes, finite values);
+        a bad state is rejected with a logged reason and the next donor is tried.
+        """
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.load_state_timeout_s)
+        for _ in range(attempts):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                result = self.averager.load_state_from_peers(timeout=remaining)
+            except Exception as e:  # TimeoutError from the MPFuture, or a donor failure
+                logger.info(f"state download failed: {e!r}")
+                result = None
+            if result is None:
+                logger.info("no peer of this run could share its state; starting from the model as given")
+                return False
+            problem = self._state_problem(*result)
+            if problem is None:
+                self._install_state(*result)
+                return True
+            self.counters.rejected[f"state: {problem}"] += 1
+            logger.warning(f"rejected a downloaded state: {problem}")
+        return False
+
+    def _state_problem(self, metadata: Any, tensors: Sequence[torch.Tensor]) -> str | None:
+        if not isinstance(metadata, dict):
+            return f"metadata is {type(metadata).__name__}, not a dict"
+        if metadata.get("format") != _STATE_FORMAT or metadata.get("run") != self.config.run:
+            return f"format/run mismatch: {metadata.get('format')!r}/{metadata.get('run')!r}"
+        if not isinstance(metadata.get("round"), int) or metadata["round"] < 0:
+            return f"bad round {metadata.get('round')!r}"
+        if metadata.get("names") != list(self._names):
+            return "parameter names differ from this model's"
+        if len(tensors) != 2 * len(self._global):
+            return f"expected {2 * len(self._global)} tensors, got {len(tensors)}"
+        for i, (got, want) in enumerate(zip(tensors, self._global + self._global)):
+            if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+                return f"tensor {i} has shape/dtype {getattr(got, 'shape', None)}/{getattr(got, 'dtype', None)}"
+            if not torch.isfinite(got).all():
+                return f"tensor {i} has non-finite values"
+        return None
+
+    def _install_state(self, metadata: dict, tensors: Sequence[torch.Tensor]) -> None:
+        count = len(self._global)
+        with self._state_lock:
+            for base, new in zip(self._global, tensors[:count]):
+                base.copy_(new)
+            if self.config.outer_momentum > 0:
+                for base, buf in zip(self._global, tensors[count:]):
+                    self._outer_optimizer.state[base]["momentum_buffer"] = buf.clone()
+            self._copy_global_to_model()
+            self.round = metadata["round"]
+        self.counters.state_loaded += 1
+        self.averager.state_sharing_priority = float(self.round)
+        logger.info(f"loaded the run's state at round {self.round}")
+
+    # ----------------------------------------------------------------------------------------- lifetime
+    def shutdown(self) -> None:
+        """Leave the run: stop the averager, then the DHT if this trainer started it. Idempotent."""
+        averager = getattr(self, "averager", None)
+        if averager is not None and averager.is_alive():
+            averager.shutdown()
+        if getattr(self, "_owns_dht", False) and getattr(self, "dht", None) is not None:
+            stop_dht(self.dht)
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _gathered_problem(peer_id: str, data: Any) -> str | None:
+    """Why a group member's gathered metadata is unacceptable, or None."""
+    if not isinstance(data, dict):
+        return "metadata is not a dict"
+    if not isinstance(data.get("round"), int) or data["round"] < 0:
+        return "bad round"
+    if not isinstance(data.get("samples"), int) or data["samples"] < 0:
+        return "bad sample count"
+    try:
+        binding = PeerBinding.from_dict(data.get("binding"))
+    except ValueError:
+        return "malformed identity binding"
+    if binding.peer_id != peer_id:
+        return "identity binding names another peer"
+    if not binding.is_valid():
+        return "identity binding signature does not verify"
+    return None

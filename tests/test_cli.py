@@ -1,0 +1,100 @@
+"""Every command-line entry point: --help works, the option set is frozen, bad input fails clearly."""
+
+import os
+import stat
+import time
+
+import pytest
+
+from swarm._private.cli import dataclass_flags
+from swarm.peer import PeerConfig, build_parser
+from swarm.trainer import TrainerConfig
+from tests.helpers import free_port, python_cmd, spawn, wait_until
+
+# Adding, renaming or removing a flag is a decision: update this list in the same change.
+PEER_FLAGS = [
+    "--run", "--initial-peers", "--sync-every", "--outer-lr", "--outer-momentum", "--target-group-size",
+    "--min-group-size", "--matchmaking-time-s", "--averaging-timeout-s", "--request-timeout-s",
+    "--allreduce-timeout-s", "--chunk-timeout-s", "--compression", "--load-state", "--load-state-timeout-s",
+    "--host-maddrs", "--announce-maddrs", "--connect-timeout-s",
+    "--task", "--task-preset", "--device", "--optimizer", "--lr", "--weight-decay", "--num-shards",
+    "--shard-index", "--seed", "--max-steps", "--max-rounds", "--duration-s", "--eval-batches",
+    "--torch-threads", "--identity-key", "--events", "--dump-dir", "--progress",
+]
+
+
+def test_peer_flags_are_frozen_and_map_onto_config_fields():
+    assert dataclass_flags(TrainerConfig) + dataclass_flags(PeerConfig) == PEER_FLAGS
+    parser_flags = {s for a in build_parser()._actions for s in a.option_strings if s.startswith("--")}
+    assert parser_flags == set(PEER_FLAGS) | {"--help", "--log-level", "--no-load-state", "--no-progress"}
+
+
+@pytest.mark.parametrize("module", ["bootstrap", "swarm.peer", "swarm.demo"])
+def test_help(module):
+    child = spawn(python_cmd("-m", module, "--help"))
+    wait_until(lambda: child.returncode is not None, timeout_s=60, message=child.describe)
+    child.join_output()
+    assert child.returncode == 0, child.describe()
+    assert "usage:" in child.stdout()
+
+
+def _run_peer(*args: str, timeout_s: float = 60):
+    child = spawn(python_cmd("-m", "swarm.peer", "--no-progress", *args))
+    started = time.monotonic()
+    wait_until(lambda: child.returncode is not None, timeout_s=timeout_s, message=child.describe)
+    child.join_output()
+    return child, time.monotonic() - started
+
+
+def test_malformed_initial_peer_is_named_and_exits_2(tmp_path):
+    child, _ = _run_peer("--run", "x", "--identity-key", str(tmp_path / "k"), "--initial-peers", "/ip4/1.2.3/tcp/x")
+    assert child.returncode == 2, child.describe()
+    assert "/ip4/1.2.3/tcp/x" in child.stderr()
+
+
+def test_unreachable_initial_peer_is_named_within_the_timeout(tmp_path):
+    addr = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/QmVekjsvS68BRG1RfmybbEmgNmt8Yk1Anpan5uqYmkmczq"
+    child, elapsed_s = _run_peer("--run", "x", "--identity-key", str(tmp_path / "k"), "--initial-peers", addr,
+                                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--connect-timeout-s", "10")
+    assert child.returncode == 2, child.describe()
+    assert addr in " ".join(child.stderr().split()), child.describe()
+    assert elapsed_s < 30
+
+
+def test_unknown_task_lists_known_tasks(tmp_path):
+    child, _ = _run_peer("--run", "x", "--task", "nope", "--identity-key", str(tmp_path / "k"))
+    assert child.returncode == 2, child.describe()
+    assert "known tasks: charlm" in child.stderr()
+    assert not (tmp_path / "k").exists(), "a failed start must not create files"
+
+
+@pytest.mark.parametrize("problem", ["corrupt", "unsafe"])
+def test_bad_identity_key_is_refused_and_left_alone(tmp_path, problem):
+    key = tmp_path / "identity.key"
+    key.write_bytes(b"not a key" if problem == "corrupt" else b"swarm-ed25519-v1\n" + b"ab" * 32 + b"\n")
+    os.chmod(key, 0o600 if problem == "corrupt" else 0o644)
+    before = key.read_bytes()
+    child, _ = _run_peer("--run", "x", "--identity-key", str(key))
+    assert child.returncode == 2, child.describe()
+    assert str(key) in " ".join(child.stderr().split())
+    assert key.read_bytes() == before
+    assert stat.S_IMODE(key.stat().st_mode) == (0o600 if problem == "corrupt" else 0o644)
+
+
+def test_port_in_use_is_a_clear_error(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        child, _ = _run_peer("--run", "x", "--identity-key", str(tmp_path / "k"),
+                             "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--connect-timeout-s", "15")
+    assert child.returncode == 2, child.describe()
+    assert str(port) in child.stderr()
+
+
+def test_bad_config_value_names_the_field(tmp_path):
+    child, _ = _run_peer("--run", "x", "--sync-every", "0", "--identity-key", str(tmp_path / "k"))
+    assert child.returncode == 2, child.describe()
+    assert "sync_every" in child.stderr()

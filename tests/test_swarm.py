@@ -1,0 +1,81 @@
+"""End to end on loopback: a bootstrap node and three `swarm.peer` processes average for real.
+
+Every peer dumps its local parameters right before each round and the resulting parameters right
+after it; the test recomputes each round in this process (weighted mean, then the outer SGD step with
+torch's own optimizer) and requires every peer to match within 1e-5.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from swarm.events import read_events
+from swarm.tasks import get_task
+from tests.helpers import python_cmd, spawn, terminate, wait_until
+
+NUM_PEERS = 3
+NUM_ROUNDS = 3
+SYNC_EVERY = 10
+
+
+def _peer_cmd(tmp_path: Path, initial_peers: list[str], index: int, *, outer_lr: float, outer_momentum: float):
+    return python_cmd(
+        "-m", "swarm.peer", "--initial-peers", *initial_peers, "--run", "e2e", "--task", "charlm",
+        "--task-preset", "tiny", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--shard-index", str(index),
+        "--num-shards", str(NUM_PEERS), "--identity-key", str(tmp_path / f"peer{index}.key"),
+        "--events", str(tmp_path / f"peer{index}.jsonl"), "--dump-dir", str(tmp_path / f"dump{index}"),
+        "--torch-threads", "1", "--no-progress", "--sync-every", str(SYNC_EVERY), "--max-rounds", str(NUM_ROUNDS),
+        "--target-group-size", str(NUM_PEERS), "--min-group-size", str(NUM_PEERS),
+        "--outer-lr", str(outer_lr), "--outer-momentum", str(outer_momentum), "--averaging-timeout-s", "60",
+    )
+
+
+def _reference_rounds(tmp_path: Path, *, outer_lr: float, outer_momentum: float) -> list[dict[str, torch.Tensor]]:
+    """Single-process replay: base <- outer_step(base - mean(local params of all peers))."""
+    model = get_task("charlm", preset="tiny").build_model(seed=0)
+    names = [n for n, _ in model.named_parameters()]
+    base = [p.detach().clone().float() for _, p in model.named_parameters()]
+    optimizer = torch.optim.SGD(base, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
+    expected = []
+    for round_ in range(NUM_ROUNDS):
+        local = [load_file(tmp_path / f"dump{i}" / f"local_round{round_:04d}.safetensors") for i in range(NUM_PEERS)]
+        for name, param in zip(names, base):
+            param.grad = param - torch.stack([peer[name] for peer in local]).mean(0)
+        optimizer.step()
+        expected.append({name: param.detach().clone() for name, param in zip(names, base)})
+    return expected
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("outer_lr", "outer_momentum"), [(1.0, 0.0), (0.7, 0.9)], ids=["plain-mean", "diloco"])
+def test_three_peers_average_exactly_and_learn(bootstrap_node, tmp_path, outer_lr, outer_momentum):
+    peers = [spawn(_peer_cmd(tmp_path, bootstrap_node, i, outer_lr=outer_lr, outer_momentum=outer_momentum))
+             for i in range(NUM_PEERS)]
+    try:
+        for peer in peers:
+            wait_until(lambda p=peer: p.returncode is not None, timeout_s=180, message=peer.describe)
+            assert peer.returncode == 0, peer.describe()
+    finally:
+        for peer in peers:
+            terminate(peer, timeout_s=15)
+
+    expected = _reference_rounds(tmp_path, outer_lr=outer_lr, outer_momentum=outer_momentum)
+    for round_, reference in enumerate(expected, start=1):
+        for i in range(NUM_PEERS):
+            got = load_file(tmp_path / f"dump{i}" / f"global_round{round_:04d}.safetensors")
+            err = max((got[name] - want).abs().max().item() for name, want in reference.items())
+            assert err < 1e-5, f"peer {i}, round {round_}: max abs error {err:.3g} vs the single-process reference"
+    if outer_lr == 1.0 and outer_momentum == 0.0:  # the literal criterion: parameters == mean of pre-round values
+        local = [load_file(tmp_path / f"dump{i}" / "local_round0000.safetensors") for i in range(NUM_PEERS)]
+        got = load_file(tmp_path / "dump0" / "global_round0001.safetensors")
+        for name in got:
+            torch.testing.assert_close(got[name], torch.stack([p[name] for p in local]).mean(0), atol=1e-5, rtol=0)
+
+    for i in range(NUM_PEERS):
+        events = read_events(tmp_path / f"peer{i}.jsonl")
+        rounds = [e for e in events if e["event"] == "round"]
+        assert [e["group_size"] for e in rounds] == [NUM_PEERS] * NUM_ROUNDS
+        start = next(e["val_loss"] for e in events if e["event"] == "val")
+        assert rounds[-1]["val_loss"] < 0.9 * start, f"peer {i}: val loss {start:.3f} -> {rounds[-1]['val_loss']:.3f}"
