@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import signal
 import threading
 import time
 from collections import Counter
@@ -216,6 +217,17 @@ class Trainer:
         return torch.optim.SGD(params, lr=self.config.outer_lr, momentum=momentum, nesterov=momentum > 0)
 
     def _make_averager(self) -> DecentralizedAverager:
+        # hivemind's averager sets SIGINT to SIG_IGN in *this* process when it starts its child;
+        # put the caller's handler back so that Ctrl+C keeps working in users' scripts.
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        sigint_handler = signal.getsignal(signal.SIGINT) if in_main_thread else None
+        try:
+            return self._new_averager()
+        finally:
+            if in_main_thread and sigint_handler is not None:
+                signal.signal(signal.SIGINT, sigint_handler)
+
+    def _new_averager(self) -> DecentralizedAverager:
         cfg = self.config
         return _StateSharingAverager(
             [torch.zeros_like(t) for t in self._global],

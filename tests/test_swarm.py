@@ -79,3 +79,29 @@ def test_three_peers_average_exactly_and_learn(bootstrap_node, tmp_path, outer_l
         assert [e["group_size"] for e in rounds] == [NUM_PEERS] * NUM_ROUNDS
         start = next(e["val_loss"] for e in events if e["event"] == "val")
         assert rounds[-1]["val_loss"] < 0.9 * start, f"peer {i}: val loss {start:.3f} -> {rounds[-1]['val_loss']:.3f}"
+
+
+@pytest.mark.timeout(240)
+def test_user_script_on_the_trainer_api_joins_a_swarm_peer_run(bootstrap_node, tmp_path):
+    """examples/train_charlm.py and `python -m swarm.peer` average together in the same run."""
+    repo = Path(__file__).resolve().parents[1]
+    common = ["--initial-peers", *bootstrap_node, "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+    peer = spawn(python_cmd(
+        "-m", "swarm.peer", *common, "--run", "mixed", "--task-preset", "tiny", "--shard-index", "0",
+        "--num-shards", "2", "--identity-key", str(tmp_path / "k"), "--events", str(tmp_path / "peer.jsonl"),
+        "--torch-threads", "1", "--no-progress", "--sync-every", "15", "--max-rounds", "3",
+    ))
+    script = spawn(python_cmd(str(repo / "examples" / "train_charlm.py"), *common, "--run", "mixed",
+                              "--shard-index", "1", "--num-shards", "2", "--sync-every", "15", "--max-steps", "45"),
+                   env={"OMP_NUM_THREADS": "1"})
+    try:
+        for child in (peer, script):
+            wait_until(lambda c=child: c.returncode is not None, timeout_s=200, message=child.describe)
+            assert child.returncode == 0, child.describe()
+    finally:
+        for child in (peer, script):
+            terminate(child, timeout_s=15)
+    script.join_output()
+    assert "group of 2" in script.stdout(), script.describe()
+    rounds = [e for e in read_events(tmp_path / "peer.jsonl") if e["event"] == "round"]
+    assert any(e["group_size"] == 2 for e in rounds), rounds

@@ -1,0 +1,78 @@
+"""Bootstrap: the swarm's entry point and the plumbing every Swarm process needs to start a DHT.
+
+Owns
+  * the bootstrap DHT node, `python -m bootstrap` (`node.BootstrapConfig`, `node.main`): a plain,
+    long-lived hivemind DHT peer that prints the `--initial-peers` line other peers join with;
+  * DHT start-up helpers (`node`): validated initial peers, identity files, a `start_dht` that fails
+    with a clear error within a timeout instead of hanging, and a `stop_dht` that leaves no `p2pd`;
+  * the process-lifetime reaper (`lifetime`): children (DHT, averager, `p2pd`) die with their parent.
+
+Uses hivemind (DHT, P2P, PeerID, Multiaddr) and psutil; rich and uvloop for the CLI only. Knows
+nothing of `swarm`: dependencies point swarm -> bootstrap.
+
+Exports the names in `__all__`. They load lazily, so `python -m bootstrap.lifetime` (the watchdog)
+imports psutil only, not hivemind and torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bootstrap.lifetime import set_parent_death_signal, start_reaper
+    from bootstrap.node import (
+        BootstrapConfig,
+        DHTStartError,
+        check_identity_file,
+        ensure_identity,
+        initial_peers_line,
+        num_known_peers,
+        parse_initial_peers,
+        start_dht,
+        stop_dht,
+        visible_maddrs,
+    )
+
+_EXPORTS = {
+    "start_reaper": "bootstrap.lifetime",
+    "set_parent_death_signal": "bootstrap.lifetime",
+    "BootstrapConfig": "bootstrap.node",
+    "DHTStartError": "bootstrap.node",
+    "check_identity_file": "bootstrap.node",
+    "ensure_identity": "bootstrap.node",
+    "initial_peers_line": "bootstrap.node",
+    "num_known_peers": "bootstrap.node",
+    "parse_initial_peers": "bootstrap.node",
+    "start_dht": "bootstrap.node",
+    "stop_dht": "bootstrap.node",
+    "visible_maddrs": "bootstrap.node",
+}
+
+__all__ = [
+    "BootstrapConfig",
+    "DHTStartError",
+    "check_identity_file",
+    "ensure_identity",
+    "initial_peers_line",
+    "num_known_peers",
+    "parse_initial_peers",
+    "set_parent_death_signal",
+    "start_dht",
+    "start_reaper",
+    "stop_dht",
+    "visible_maddrs",
+]
+assert sorted(__all__) == sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'bootstrap' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,1 @@
+"""Internals of the bootstrap package; nothing outside `bootstrap` should import from here."""

@@ -1,0 +1,133 @@
+"""Session-wide guard against leaked processes, plus fixtures for bootstrap nodes.
+
+Leak guard (autouse, session scope): every process spawned during the session inherits the marker
+`SWARM_TEST_SESSION=<uuid>` in its environment (hivemind passes `os.environ` on to `p2pd`). At the
+end of the session, any process that is (a) still a descendant of pytest, or (b) a `p2pd` or other
+process carrying this session's marker that did not exist at the start (i.e. an orphan), is
+SIGKILLed and the session fails with the list of leaked pids and command lines. Processes from other
+sessions on the same machine (no marker, or another marker) are left alone. Leaks get a few seconds
+to exit on their own first, since a reaper needs up to a poll interval plus its grace period.
+
+Fixtures: `free_port` (a function), `bootstrap_node` (a running loopback bootstrap node; yields
+its list of `--initial-peers` maddrs). More helpers live in `tests/helpers.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import BootstrapNode, alive, start_bootstrap, terminate
+from helpers import free_port as _free_port
+
+SESSION_ENV = "SWARM_TEST_SESSION"
+_LEAK_GRACE_S = 5.0
+# interpreter-lifetime helpers that exit with pytest itself
+_BENIGN_CMDLINE_PARTS = (
+    "multiprocessing.resource_tracker",
+    "multiprocessing.forkserver",
+    "torch_shm_manager",
+)
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline()) or proc.name()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return "?"
+
+
+def _carries_marker(proc: psutil.Process, token: str) -> bool:
+    try:
+        return proc.environ().get(SESSION_ENV) == token
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+        return False
+
+
+def _is_benign(proc: psutil.Process, me: int) -> bool:
+    cmdline = _cmdline(proc)
+    if any(part in cmdline for part in _BENIGN_CMDLINE_PARTS):
+        return True
+    # a lifetime reaper that watches pytest itself exits when pytest does: that is its job
+    return "bootstrap.lifetime" in cmdline and f"--parent {me} " in f"{cmdline} "
+
+
+def _leaked(token: str, me: int, existing: set[tuple[int, float]]) -> list[psutil.Process]:
+    found = {proc.pid: proc for proc in psutil.Process(me).children(recursive=True)}
+    for proc in psutil.process_iter():
+        if proc.pid != me and proc.pid not in found and _carries_marker(proc, token):
+            found[proc.pid] = proc
+    leaks = []
+    for proc in alive(found.values()):
+        try:
+            key = (proc.pid, proc.create_time())
+        except psutil.NoSuchProcess:
+            continue
+        if key not in existing and not _is_benign(proc, me):
+            leaks.append(proc)
+    return leaks
+
+
+def _snapshot_existing() -> set[tuple[int, float]]:
+    existing = set()
+    for proc in psutil.process_iter():
+        try:
+            existing.add((proc.pid, proc.create_time()))
+        except psutil.NoSuchProcess:
+            continue
+    return existing
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_processes() -> Iterator[None]:
+    """Fail the session if it leaves processes behind (see the module docstring)."""
+    token = uuid.uuid4().hex
+    previous = os.environ.get(SESSION_ENV)
+    os.environ[SESSION_ENV] = token
+    existing = _snapshot_existing()
+    me = os.getpid()
+    yield
+    try:
+        deadline = time.monotonic() + _LEAK_GRACE_S
+        leaks = _leaked(token, me, existing)
+        while leaks and time.monotonic() < deadline:
+            time.sleep(0.1)
+            leaks = _leaked(token, me, existing)
+        if leaks:
+            report = "\n".join(f"  pid {proc.pid}: {_cmdline(proc)}" for proc in leaks)
+            for proc in leaks:
+                try:
+                    proc.kill()
+                except psutil.NoSuchProcess:
+                    continue
+            pytest.fail(f"{len(leaks)} process(es) leaked by the test session (now SIGKILLed):\n{report}")
+    finally:
+        if previous is None:
+            os.environ.pop(SESSION_ENV, None)
+        else:
+            os.environ[SESSION_ENV] = previous
+
+
+@pytest.fixture(name="free_port")
+def free_port_fixture() -> Callable[[], int]:
+    """A function returning a TCP port on 127.0.0.1 that was free a moment ago."""
+    return _free_port
+
+
+@pytest.fixture
+def bootstrap_node(tmp_path: Path) -> Iterator[list[str]]:
+    """A loopback bootstrap node (`python -m bootstrap`); yields its `--initial-peers` maddrs.
+
+    Teardown sends SIGTERM and requires exit code 0 within 15 s.
+    """
+    node: BootstrapNode = start_bootstrap(tmp_path / "bootstrap.id")
+    try:
+        yield node.maddrs
+    finally:
+        returncode = terminate(node.child, timeout_s=15)
+    assert returncode == 0, node.child.describe()
