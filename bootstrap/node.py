@@ -131,7 +131,7 @@ def check_identity_file(path: str | os.PathLike[str]) -> PeerID:
     except OSError as e:
         raise ValueError(f"cannot read identity file {path}: {e.strerror or e}; {hint}") from e
     try:
-        peer_id = PeerID.from_identity(data)
+        peer_id = _peer_id_of_identity(data)
     except Exception as e:  # protobuf and cryptography raise various exception types
         reason = _one_line(e) or type(e).__name__
         raise ValueError(
@@ -143,6 +143,17 @@ def check_identity_file(path: str | os.PathLike[str]) -> PeerID:
             f"run `chmod 600 {path}`"
         )
     return peer_id
+
+
+def _peer_id_of_identity(data: bytes) -> PeerID:
+    """Peer id of a libp2p private key file: RSA (hivemind's own) or Ed25519 (Swarm peers' identity keys)."""
+    key = crypto_pb2.PrivateKey.FromString(data)
+    if key.key_type == crypto_pb2.KeyType.Ed25519:
+        if len(key.data) != 64:
+            raise ValueError(f"an Ed25519 key holds 64 bytes, got {len(key.data)}")
+        public = crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.Ed25519, data=key.data[32:]).SerializeToString()
+        return PeerID(b"\x00" + bytes([len(public)]) + public)  # identity multihash, as libp2p does for small keys
+    return PeerID.from_identity(data)
 
 
 def ensure_identity(path: str | os.PathLike[str]) -> PeerID:

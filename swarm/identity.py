@@ -6,17 +6,26 @@ bytes. A signature made for one kind or run therefore never verifies for another
 
 The key lives at ``~/.swarm/identity.key`` (or a path of the user's choice), created with mode 0600.
 A key file that other users can read is refused rather than used: it may already be compromised.
+
+The same key is the peer's libp2p identity: its peer ID ("12D3KooW...") is derived from the Ed25519
+public key, so anyone can check that a public key speaks for a peer ID without trusting a third
+party (:func:`peer_id_from_public_key`), and the key can never be claimed by another peer ID.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import stat
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import base58
 from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
@@ -28,7 +37,20 @@ BINDING_KIND = "swarm/binding"
 
 
 class IdentityError(RuntimeError):
-    """The identity key file is missing, unsafe, unreadable or corrupt."""
+    """The identity key file is missing, unsafe, unreadable, corrupt or already in use."""
+
+
+# libp2p's protobuf framing of an Ed25519 key: field 1 (KeyType) = 1 (Ed25519), field 2 = bytes
+_LIBP2P_ED25519_PUBLIC_PREFIX = b"\x08\x01\x12\x20"
+_LIBP2P_ED25519_PRIVATE_PREFIX = b"\x08\x01\x12\x40"
+
+
+def peer_id_from_public_key(public_key: bytes) -> str:
+    """The libp2p peer ID (base58) of an Ed25519 public key: an identity multihash of the framed key."""
+    if not isinstance(public_key, bytes) or len(public_key) != 32:
+        raise ValueError("an Ed25519 public key is 32 bytes")
+    framed = _LIBP2P_ED25519_PUBLIC_PREFIX + public_key
+    return base58.b58encode(b"\x00" + bytes([len(framed)]) + framed).decode()
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -97,7 +119,11 @@ class PeerBinding:
         return canonical_json({"peer_id": self.peer_id, "public_key": self.public_key.hex()})
 
     def is_valid(self) -> bool:
-        if not isinstance(self.peer_id, str) or not self.peer_id:
+        """The signature verifies and the peer ID is the one derived from the public key."""
+        try:
+            if self.peer_id != peer_id_from_public_key(self.public_key):
+                return False
+        except ValueError:
             return False
         return verify(
             public_key=self.public_key, kind=BINDING_KIND, run_id="", payload=self.payload(), signature=self.signature
@@ -126,6 +152,49 @@ class Identity:
     def __init__(self, signing_key: SigningKey, *, path: Path | None = None):
         self._signing_key = signing_key
         self.path = path
+        self._lock_fd: int | None = None
+
+    @property
+    def peer_id(self) -> str:
+        """The libp2p peer ID this key is (see module docstring)."""
+        return peer_id_from_public_key(self.public_key)
+
+    @contextlib.contextmanager
+    def libp2p_identity_file(self) -> Iterator[str]:
+        """A private (0600, in a 0700 temp dir) libp2p key file for p2pd, removed on exit.
+
+        p2pd reads it once at start-up, so the file need not outlive the DHT's start.
+        """
+        folder = tempfile.mkdtemp(prefix="swarm-id-")
+        path = os.path.join(folder, "libp2p.key")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(_LIBP2P_ED25519_PRIVATE_PREFIX + bytes(self._signing_key) + self.public_key)
+            yield path
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+            os.rmdir(folder)
+
+    def lock(self) -> None:
+        """Claim this key for this process: two live peers with one key would share a peer ID.
+
+        Raises IdentityError if another process on this machine holds the key. Released at exit.
+        """
+        if self.path is None or self._lock_fd is not None:
+            return
+        lock_path = self.path.with_name(self.path.name + ".lock")
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise IdentityError(
+                f"identity key {self.path} is in use by another running peer on this machine; "
+                f"give each peer its own key with --identity-key PATH"
+            ) from None
+        self._lock_fd = fd
 
     @property
     def public_key(self) -> bytes:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
+import json
 import logging
 import math
 import os
@@ -24,17 +26,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hivemind import DHT
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from safetensors.torch import save_file
 
-from bootstrap import DHTStartError, parse_initial_peers
-from swarm._private.cli import add_dataclass_arguments, dataclass_from_args
+from bootstrap import DHTStartError, parse_initial_peers, stop_dht
+from peers import ResourceGraph, pick_run, probe_hardware, probe_software
+from swarm._private.cli import add_dataclass_arguments, dataclass_from_args, field_docs
 from swarm.events import EventLog
 from swarm.identity import Identity, IdentityError
+from swarm.network import start_swarm_dht
 from swarm.tasks import get_task
-from swarm.trainer import Trainer, TrainerConfig
+from swarm.trainer import TaskInfo, Trainer, TrainerConfig
 
 logger = logging.getLogger("swarm.peer")
 EXIT_BAD_INPUT = 2
@@ -104,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m swarm.peer",
         description="Contribute this machine to a Swarm training run.",
     )
-    add_dataclass_arguments(parser, TrainerConfig)
+    parser.add_argument("--run", default=None, help=field_docs(TrainerConfig)["run"] + (
+        " Without --run, the peer lists the open runs of the network and joins the best-fitting one."))
+    add_dataclass_arguments(parser, TrainerConfig, skip=("run",))
     add_dataclass_arguments(parser, PeerConfig)
     parser.add_argument("--log-level", default="INFO", help="Python logging level (default: %(default)s)")
     return parser
@@ -156,12 +163,13 @@ class _StopFlag:
 class PeerRunner:
     """Owns one peer's training loop: the task, the model, the trainer and the event log."""
 
-    def __init__(self, trainer_config: TrainerConfig, config: PeerConfig, *, stop: _StopFlag):
+    def __init__(self, trainer_config: TrainerConfig, config: PeerConfig, *, stop: _StopFlag, identity: Identity,
+                 dht: DHT | None = None):
         self.trainer_config, self.config, self.stop = trainer_config, config, stop
-        self.events = EventLog(config.events)
+        self.identity, self.dht = identity, dht
         self.device = resolve_device(config.device)
         self.task = get_task(config.task, preset=config.task_preset)
-        self.identity = Identity.load_or_create(config.identity_key)
+        self.events = EventLog(config.events)
         self.shard_index = (
             config.shard_index if config.shard_index is not None else default_shard(self.identity, config.num_shards)
         )
@@ -175,7 +183,10 @@ class PeerRunner:
         started = time.time()
         self.events.emit("start", pid=os.getpid(), shard=self.shard_index, task=self.task.name,
                          params=sum(p.numel() for p in self.model.parameters()), device=str(self.device))
-        self.trainer = Trainer(self.model, self.optimizer, config=self.trainer_config, identity=self.identity)
+        digest = hashlib.sha256(json.dumps(self.task.config_dict(), sort_keys=True).encode()).hexdigest()
+        task_info = TaskInfo(name=self.task.name, preset=self.config.task_preset, config_digest=digest)
+        self.trainer = Trainer(self.model, self.optimizer, config=self.trainer_config, identity=self.identity,
+                               dht=self.dht, task_info=task_info)
         if self.config.dump_dir:
             self.trainer.before_sync.append(lambda round_, local: self._dump("local", round_, local))
         self.events.emit("joined", peer_id=self.trainer.peer_id, round=self.trainer.round,
@@ -256,6 +267,8 @@ class PeerRunner:
             self.events.emit("stop", step=self.trainer.local_step, round=self.trainer.round,
                              signal=self.stop.signal_name)
             self.trainer.shutdown()
+        if self.dht is not None:
+            stop_dht(self.dht)
         self.events.close()
 
 
@@ -274,6 +287,17 @@ def _fail(console: Console, message: str) -> int:
     return EXIT_BAD_INPUT
 
 
+def choose_run(dht: DHT, device: torch.device, console: Console) -> tuple[str, str, str]:
+    """Pick the best-fitting open run of the network; returns (run, task, task preset)."""
+    runs = ResourceGraph(dht).runs()
+    picked, reasons = pick_run(runs, probe_hardware(device), probe_software())
+    for line in reasons:
+        console.print(line, highlight=False, soft_wrap=True)
+    if picked is None:
+        raise ValueError("no open run fits this peer; pass --run NAME to join or start one")
+    return picked.name, picked.task, picked.task_preset
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(stderr=True)
@@ -281,29 +305,41 @@ def main(argv: list[str] | None = None) -> int:
                         handlers=[RichHandler(console=console, show_path=False)])
     for noisy in ("hivemind", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    runner: PeerRunner | None = None
+    dht: DHT | None = None
     try:
         peers = parse_initial_peers(args.initial_peers)
-        trainer_config = dataclass_from_args(TrainerConfig, args, initial_peers=tuple(peers))
         config = dataclass_from_args(PeerConfig, args)
+        dataclass_from_args(TrainerConfig, args, run=args.run or "unnamed", initial_peers=tuple(peers))  # validate
+        get_task(config.task, preset=config.task_preset)  # unknown task: fail before touching any file
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         stop = _StopFlag()
         stop.install()
-        runner = PeerRunner(trainer_config, config, stop=stop)
-    except (ValueError, IdentityError) as e:  # UnknownTaskError (a ValueError) lists the known tasks
-        return _fail(console, str(e))
-    try:
+        identity = Identity.load_or_create(config.identity_key)
+        identity.lock()
+        run = args.run
+        if run is None:
+            dht = start_swarm_dht(identity, initial_peers=peers, host_maddrs=args.host_maddrs,
+                                  announce_maddrs=args.announce_maddrs, connect_timeout_s=args.connect_timeout_s)
+            run, task, preset = choose_run(dht, resolve_device(config.device), console)
+            config = dataclasses.replace(config, task=task, task_preset=preset)
+        trainer_config = dataclass_from_args(TrainerConfig, args, run=run, initial_peers=tuple(peers))
+        runner = PeerRunner(trainer_config, config, stop=stop, identity=identity, dht=dht)
         runner.start()
         show = config.progress and console.is_terminal
         columns = (SpinnerColumn(), TextColumn("{task.fields[fields]}"), TimeElapsedColumn())
         with Progress(*columns, console=console, disable=not show) as progress:
             runner.run(progress if show else None)
-    except (DHTStartError, ValueError) as e:
+    except (ValueError, IdentityError, DHTStartError) as e:  # UnknownTaskError and RunMismatch are ValueErrors
         return _fail(console, str(e))
     except KeyboardInterrupt:
         logger.info("interrupted again: leaving now")
     finally:
-        runner.shutdown()
+        if runner is not None:
+            runner.shutdown()
+        elif dht is not None:
+            stop_dht(dht)
     logger.info("left the run cleanly")
     return 0
 

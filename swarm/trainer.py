@@ -23,6 +23,7 @@ is plain parameter averaging.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import re
 import signal
@@ -31,15 +32,33 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import Float16Compression, NoCompression
+from packaging.version import InvalidVersion, Version
 
-from bootstrap import start_dht, start_reaper, stop_dht
+from bootstrap import start_reaper, stop_dht, visible_maddrs
+from peers import (
+    MAX_LIFETIME_S,
+    Advertiser,
+    Network,
+    PeerRecord,
+    Performance,
+    Requirements,
+    ResourceGraph,
+    RunInfo,
+    Trust,
+    probe_hardware,
+    probe_software,
+    reachability,
+    unmet_requirements,
+)
 from swarm.identity import Identity, PeerBinding
+from swarm.network import start_swarm_dht
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +107,24 @@ class TrainerConfig:
     """Multiaddrs announced to others (when behind NAT or port forwarding)."""
     connect_timeout_s: float = 30.0
     """Deadline to reach one of initial_peers."""
+    advertise: bool = True
+    """Publish this peer's signed capability record (hardware, throughput, run, trust) in the DHT."""
+    record_refresh_s: float = 15.0
+    """Heartbeat of the capability record."""
+    record_expiry_s: float = 45.0
+    """Lifetime of one capability record: a dead peer vanishes from the resource graph after this."""
+    region: str | None = None
+    """Free-form region label advertised with this peer (e.g. eu-west)."""
+    available_until: str | None = None
+    """Declared availability: an ISO-8601 time or unix seconds (default: until stopped)."""
+    require_memory_gb: float = 0.0
+    """Run requirement (when this peer starts the run): free accelerator memory, or RAM on CPU peers."""
+    require_dtype: str = "fp32"
+    """Run requirement: fp32, or bf16 (peers without bf16 support are refused)."""
+    require_swarm_version: str = ""
+    """Run requirement: oldest swarm version allowed to join (empty: any)."""
+    require_torch_version: str = ""
+    """Run requirement: oldest torch version allowed to join (empty: any)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.run, str) or not _RUN_NAME.match(self.run):
@@ -116,6 +153,52 @@ class TrainerConfig:
             raise ValueError(f"averaging_timeout_s must exceed matchmaking_time_s, got {self.averaging_timeout_s!r}")
         if self.compression not in _COMPRESSIONS:
             raise ValueError(f"compression must be one of {sorted(_COMPRESSIONS)}, got {self.compression!r}")
+        if not 0 < self.record_refresh_s < self.record_expiry_s <= MAX_LIFETIME_S:
+            raise ValueError(f"need 0 < record_refresh_s < record_expiry_s <= {MAX_LIFETIME_S}, got "
+                             f"{self.record_refresh_s!r} and {self.record_expiry_s!r}")
+        if self.require_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"require_dtype must be fp32 or bf16, got {self.require_dtype!r}")
+        if not (0 <= self.require_memory_gb < 1e6):
+            raise ValueError(f"require_memory_gb must be in [0, 1e6), got {self.require_memory_gb!r}")
+        for name in ("require_swarm_version", "require_torch_version"):
+            if getattr(self, name):
+                try:
+                    Version(getattr(self, name))
+                except InvalidVersion:
+                    raise ValueError(f"{name} must be a version like 2.1, got {getattr(self, name)!r}") from None
+        if self.region is not None and not 0 < len(self.region) <= 64:
+            raise ValueError(f"region must be 1-64 characters, got {self.region!r}")
+        self.available_until_unix()  # validates
+
+    def available_until_unix(self) -> int | None:
+        if self.available_until is None:
+            return None
+        text = self.available_until.strip()
+        try:
+            return int(text) if text.isdigit() else int(datetime.fromisoformat(text).timestamp())
+        except ValueError:
+            raise ValueError(f"available_until must be an ISO-8601 time or unix seconds, got {text!r}") from None
+
+    def requirements(self) -> Requirements:
+        return Requirements(min_memory_bytes=int(self.require_memory_gb * 2**30), dtype=self.require_dtype,
+                            min_swarm_version=self.require_swarm_version,
+                            min_torch_version=self.require_torch_version)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TaskInfo:
+    """What model a run trains; peers of one run must agree on ``config_digest``."""
+
+    name: str = "custom"
+    """Task name (a registry task, or "custom" for a user's own model)."""
+    preset: str = ""
+    """Size preset of a registry task."""
+    config_digest: str = ""
+    """SHA-256 hex of the model's configuration; empty: derived from parameter names and shapes."""
+
+
+class RunMismatch(ValueError):
+    """This peer may not join the run: unmet requirements or a different model."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -170,10 +253,13 @@ class Trainer:
         config: TrainerConfig | None = None,
         dht: DHT | None = None,
         identity: Identity | None = None,
+        task_info: TaskInfo | None = None,
         **overrides: Any,
     ):
         if "initial_peers" in overrides:
             overrides["initial_peers"] = tuple(overrides["initial_peers"])
+        if "host_maddrs" in overrides:
+            overrides["host_maddrs"] = tuple(overrides["host_maddrs"])
         if config is None:
             config = TrainerConfig(**overrides)
         elif overrides:
@@ -185,33 +271,95 @@ class Trainer:
         self.local_step = 0
         self.round = 0
         self.last_round: RoundResult | None = None
+        self.samples_per_s = 0.0
+        self.state = "joining"
+        self._started_at = time.time()
         self._samples_since_sync = 0
+        self._last_sync_end = time.perf_counter()
         self.before_sync: list[Callable[[int, list[torch.Tensor]], None]] = []
         """Callbacks run with (round, local parameters) right before each averaging round."""
         self._state_lock = threading.Lock()
         self._names, self._params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
         self._global = [p.detach().to("cpu", torch.float32, copy=True) for p in self._params]
         self._outer_optimizer = self._make_outer_optimizer(self._global)
+        self.task_info = _with_digest(task_info or TaskInfo(), self._names, self._global)
+        self.advertiser: Advertiser | None = None
 
+        self.identity.lock()
         start_reaper()
         self._owns_dht = dht is None
-        self.dht = dht if dht is not None else start_dht(
-            initial_peers=list(config.initial_peers),
-            host_maddrs=list(config.host_maddrs),
-            announce_maddrs=list(config.announce_maddrs),
-            connect_timeout_s=config.connect_timeout_s,
+        self.dht = dht if dht is not None else start_swarm_dht(
+            self.identity, initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
+            announce_maddrs=config.announce_maddrs, connect_timeout_s=config.connect_timeout_s,
         )
         self.peer_id = str(self.dht.peer_id)
         self.binding = self.identity.bind(self.peer_id)
         try:
+            self.graph = ResourceGraph(self.dht)
+            self.device = self._params[0].device
+            self.requirements = self._check_run(self.graph)
             self.averager = self._make_averager()
+            self._start_advertising()
             if config.load_state:
                 self.load_state_from_peers(timeout_s=config.load_state_timeout_s)
+            self._set_state("training")
         except BaseException:
             self.shutdown()
             raise
 
     # ----------------------------------------------------------------------------------------- setup
+    def _check_run(self, graph: ResourceGraph) -> Requirements:
+        """The run's requirements (as advertised by its live peers, else this peer's config); raise
+        RunMismatch if this peer does not meet them or builds a different model."""
+        run = self.config.run
+        try:
+            summary = next((r for r in graph.runs() if r.name == run), None)
+        except Exception as e:  # a DHT hiccup must not stop a peer from starting or joining
+            logger.warning(f"could not read run {run!r} from the DHT: {e!r}")
+            summary = None
+        requirements = summary.requirements if summary is not None else self.config.requirements()
+        if summary is not None and summary.config_digest != self.task_info.config_digest:
+            raise RunMismatch(
+                f"cannot join run {run!r}: it trains {summary.task}/{summary.task_preset} "
+                f"(model digest {summary.config_digest[:12]}), this peer built "
+                f"{self.task_info.name}/{self.task_info.preset} (digest {self.task_info.config_digest[:12]})")
+        problems = unmet_requirements(requirements, probe_hardware(self.device), probe_software())
+        if problems:
+            raise RunMismatch(f"cannot join run {run!r}: " + "; ".join(problems))
+        return requirements
+
+    def _start_advertising(self) -> None:
+        cfg = self.config
+        if not cfg.advertise:
+            return
+        if self.identity.peer_id != self.peer_id:
+            logger.warning("not advertising: the DHT's peer ID is not this trainer's identity (pass no dht=)")
+            return
+        self._maddrs = tuple(visible_maddrs(self.dht))[:16]
+        self.advertiser = Advertiser(self.dht, self.identity, self._build_record, refresh_s=cfg.record_refresh_s,
+                                     expiry_s=cfg.record_expiry_s).start()
+
+    def _set_state(self, state: str) -> None:
+        self.state = state
+        if self.advertiser is not None:
+            self.advertiser.refresh_now()
+
+    def _build_record(self, *, issued_at: int, expires_at: int, seq: int) -> PeerRecord:
+        cfg, info = self.config, self.task_info
+        return PeerRecord(
+            v=1, peer_id=self.peer_id, public_key=self.identity.public_key.hex(), issued_at=issued_at,
+            expires_at=expires_at, seq=seq, state=self.state,
+            run=RunInfo(name=cfg.run, task=info.name, task_preset=info.preset, config_digest=info.config_digest,
+                        requirements=self.requirements, round=self.round, step=self.local_step),
+            hardware=probe_hardware(self.device), software=probe_software(),
+            perf=Performance(samples_per_s_milli=int(self.samples_per_s * 1000), upload_kbps=None,
+                             download_kbps=None, rtt_us=None),
+            network=Network(reachability=reachability(self._maddrs), maddrs=self._maddrs, region=cfg.region),
+            available_until=cfg.available_until_unix(),
+            trust=Trust(uptime_s=int(time.time() - self._started_at), rounds_completed=self.counters.rounds_ok,
+                        checkpoints_cosigned=0),
+        )
+
     def _make_outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.SGD:
         momentum = self.config.outer_momentum
         return torch.optim.SGD(params, lr=self.config.outer_lr, momentum=momentum, nesterov=momentum > 0)
@@ -267,6 +415,7 @@ class Trainer:
         """Average with a group now and apply the outer step. Never blocks past the configured deadlines."""
         cfg = self.config
         started = time.perf_counter()
+        self.samples_per_s = self._samples_since_sync / max(started - self._last_sync_end, 1e-9)
         weight = float(max(self._samples_since_sync, 1))
         local = [p.detach().to("cpu", torch.float32) for p in self._params]
         for hook in self.before_sync:
@@ -301,6 +450,7 @@ class Trainer:
             duration_s=time.perf_counter() - started, rejected=rejected,
         )
         self.averager.state_sharing_priority = float(self.round)
+        self._last_sync_end = time.perf_counter()
         return self.last_round
 
     def _check_gathered(self, gathered: dict) -> tuple[str, ...]:
@@ -402,7 +552,12 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------- lifetime
     def shutdown(self) -> None:
-        """Leave the run: stop the averager, then the DHT if this trainer started it. Idempotent."""
+        """Leave the run: withdraw the record, stop the averager, then the DHT if this trainer started it.
+
+        Idempotent."""
+        advertiser = getattr(self, "advertiser", None)
+        if advertiser is not None:
+            advertiser.close()
         averager = getattr(self, "averager", None)
         if averager is not None and averager.is_alive():
             averager.shutdown()
@@ -433,3 +588,10 @@ def _gathered_problem(peer_id: str, data: Any) -> str | None:
     if not binding.is_valid():
         return "identity binding signature does not verify"
     return None
+
+
+def _with_digest(info: TaskInfo, names: Sequence[str], params: Sequence[torch.Tensor]) -> TaskInfo:
+    if info.config_digest:
+        return info
+    shapes = ";".join(f"{name}:{tuple(p.shape)}" for name, p in zip(names, params))
+    return dataclasses.replace(info, config_digest=hashlib.sha256(shapes.encode()).hexdigest())

@@ -16,7 +16,9 @@ PEER_FLAGS = [
     "--run", "--initial-peers", "--sync-every", "--outer-lr", "--outer-momentum", "--target-group-size",
     "--min-group-size", "--matchmaking-time-s", "--averaging-timeout-s", "--request-timeout-s",
     "--allreduce-timeout-s", "--chunk-timeout-s", "--compression", "--load-state", "--load-state-timeout-s",
-    "--host-maddrs", "--announce-maddrs", "--connect-timeout-s",
+    "--host-maddrs", "--announce-maddrs", "--connect-timeout-s", "--advertise", "--record-refresh-s",
+    "--record-expiry-s", "--region", "--available-until", "--require-memory-gb", "--require-dtype",
+    "--require-swarm-version", "--require-torch-version",
     "--task", "--task-preset", "--device", "--optimizer", "--lr", "--weight-decay", "--num-shards",
     "--shard-index", "--seed", "--max-steps", "--max-rounds", "--duration-s", "--eval-batches",
     "--torch-threads", "--identity-key", "--events", "--dump-dir", "--progress",
@@ -26,7 +28,8 @@ PEER_FLAGS = [
 def test_peer_flags_are_frozen_and_map_onto_config_fields():
     assert dataclass_flags(TrainerConfig) + dataclass_flags(PeerConfig) == PEER_FLAGS
     parser_flags = {s for a in build_parser()._actions for s in a.option_strings if s.startswith("--")}
-    assert parser_flags == set(PEER_FLAGS) | {"--help", "--log-level", "--no-load-state", "--no-progress"}
+    assert parser_flags == set(PEER_FLAGS) | {"--help", "--log-level", "--no-load-state", "--no-progress",
+                                              "--no-advertise"}
 
 
 @pytest.mark.parametrize("module", ["bootstrap", "swarm.peer", "swarm.demo"])

@@ -2,6 +2,8 @@
 
 import os
 import stat
+import subprocess
+import sys
 
 import pytest
 
@@ -71,12 +73,16 @@ def test_verify_never_raises_on_malformed_signatures(bad):
 
 def test_binding_round_trip_and_tampering():
     ident = Identity.generate()
-    binding = ident.bind("QmPeer")
+    binding = ident.bind(ident.peer_id)
     assert binding.is_valid()
+    assert not ident.bind("QmSomeoneElse").is_valid(), "a key can only speak for the peer ID it derives"
     parsed = PeerBinding.from_dict(binding.to_dict())
     assert parsed == binding and parsed.is_valid()
-    stolen = PeerBinding(peer_id="QmOther", public_key=binding.public_key, signature=binding.signature)
+    other = Identity.generate()
+    stolen = PeerBinding(peer_id=other.peer_id, public_key=binding.public_key, signature=binding.signature)
     assert not stolen.is_valid()
+    forged = other.bind(ident.peer_id)  # validly signed, but by a key that is not ident's
+    assert not forged.is_valid()
     for bad in [None, {}, {"peer_id": "x", "public_key": "zz", "signature": "00"}, [1, 2]]:
         with pytest.raises(ValueError):
             PeerBinding.from_dict(bad)
@@ -86,3 +92,23 @@ def test_canonical_json_is_deterministic_and_refuses_floats():
     assert canonical_json({"b": 1, "a": [2, "x"]}) == b'{"a":[2,"x"],"b":1}'
     with pytest.raises(TypeError):
         canonical_json({"loss": 0.5})
+
+
+def test_peer_id_is_the_libp2p_id_of_the_key(tmp_path):
+    from bootstrap.node import check_identity_file
+
+    ident = Identity.generate()
+    assert ident.peer_id.startswith("12D3KooW")
+    with ident.libp2p_identity_file() as path:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert str(check_identity_file(path)) == ident.peer_id
+    assert not os.path.exists(path)
+
+
+def test_a_key_in_use_by_a_live_peer_is_refused(tmp_path):
+    path = tmp_path / "identity.key"
+    Identity.load_or_create(path).lock()  # held by this (test) process until it exits
+    code = f"from swarm.identity import Identity; Identity.load_or_create({str(path)!r}).lock()"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "in use by another running peer" in out.stderr

@@ -1,0 +1,351 @@
+"""Signed capability records: what one peer can do, as published in the DHT.
+
+A record lives under the DHT key :data:`PEERS_KEY` with the peer's own peer ID as subkey. Its value
+is ``{"p": payload, "s": signature}``: ``payload`` is canonical JSON (sorted keys, ints and strings
+only), ``signature`` is the peer's Ed25519 signature over it (domain ``swarm/record``). The peer ID is
+derived from the public key inside the payload, so a record is accepted only when
+
+* the signature verifies, and the public key derives the payload's peer ID, and the subkey is it;
+* it is not expired, not issued in the future, and lives at most :data:`MAX_LIFETIME_S`;
+* it is at most :data:`MAX_RECORD_BYTES` and matches the schema exactly (no missing or extra field).
+
+:class:`PeerRecordValidator` applies the same rules inside every Swarm DHT node, on store and on
+get, so no peer can overwrite, withdraw or replay another peer's record: only the key's owner can
+sign a record for its subkey, and a replayed old record loses to the newer one (later expiry) or
+is refused outright once expired.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+import types
+import typing
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils.serializer import MSGPackSerializer
+
+from swarm.identity import Identity, canonical_json, peer_id_from_public_key, verify
+
+logger = logging.getLogger(__name__)
+
+PEERS_KEY = "swarm/peers"
+RECORD_KIND = "swarm/record"
+RECORD_VERSION = 1
+MAX_RECORD_BYTES = 8192
+MAX_LIFETIME_S = 300
+CLOCK_SKEW_S = 30
+STATES = ("joining", "training", "idle", "left")
+REACHABILITY = ("public", "private", "relayed", "client-only")
+
+
+class RecordRejected(ValueError):
+    """A record failed validation; ``reason`` is a short, countable label."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Hardware:
+    """What the machine has; memory in bytes."""
+
+    accelerator: str
+    """cpu or cuda."""
+    name: str
+    """Accelerator name (GPU model, or the CPU model on CPU peers)."""
+    count: int
+    """Number of accelerators (CPU peers: 1)."""
+    memory_total_bytes: int
+    """Accelerator memory (CPU peers: RAM)."""
+    memory_free_bytes: int
+    """Free accelerator memory (CPU peers: available RAM)."""
+    bf16: bool
+    """bf16 compute supported."""
+    fp16: bool
+    """fp16 compute supported."""
+    cpu_model: str
+    """CPU model name."""
+    cpu_cores: int
+    """Logical CPU cores."""
+    ram_total_bytes: int
+    """System RAM."""
+    ram_available_bytes: int
+    """Available system RAM."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Software:
+    """Versions of what the peer runs."""
+
+    python: str
+    torch: str
+    cuda: str
+    hivemind: str
+    swarm: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Performance:
+    """Measured figures (integers, so that the signed payload never holds a float)."""
+
+    samples_per_s_milli: int
+    """Training throughput on the run's task, in thousandths of a sample per second (0: not measured yet)."""
+    upload_kbps: int | None
+    """Median measured upload bandwidth to probed peers, kbit/s."""
+    download_kbps: int | None
+    """Median measured download bandwidth from probed peers, kbit/s."""
+    rtt_us: int | None
+    """Median round-trip time to probed peers, microseconds."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Network:
+    """How to reach the peer."""
+
+    reachability: str
+    """public, private (LAN/loopback only), relayed or client-only."""
+    maddrs: tuple[str, ...]
+    """Multiaddrs the peer listens on or announces."""
+    region: str | None
+    """Free-form region label (--region), or None."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Trust:
+    """Signals of reliability, as claimed by the peer (later checked against receipts)."""
+
+    uptime_s: int
+    rounds_completed: int
+    checkpoints_cosigned: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Requirements:
+    """What a run asks of a peer that joins it."""
+
+    min_memory_bytes: int
+    """Free accelerator memory (or available RAM on CPU peers) needed."""
+    dtype: str
+    """fp32, or bf16 (the peer must support it)."""
+    min_swarm_version: str
+    """Oldest swarm version that may join."""
+    min_torch_version: str
+    """Oldest torch version that may join."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunInfo:
+    """The run a peer trains, as advertised by that peer."""
+
+    name: str
+    task: str
+    task_preset: str
+    config_digest: str
+    """SHA-256 of the task's config; peers of one run must agree on it."""
+    requirements: Requirements
+    round: int
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PeerRecord:
+    """One peer's signed capability record (the payload; the signature travels beside it)."""
+
+    v: int
+    peer_id: str
+    public_key: str
+    """Ed25519 public key, hex."""
+    issued_at: int
+    """Unix seconds."""
+    expires_at: int
+    """Unix seconds; readers drop the record after this."""
+    seq: int
+    """Increases with every record the peer publishes."""
+    state: str
+    """joining, training, idle or left (a withdrawn record)."""
+    run: RunInfo | None
+    hardware: Hardware
+    software: Software
+    perf: Performance
+    network: Network
+    available_until: int | None
+    """Declared availability, unix seconds; None: until stopped."""
+    trust: Trust
+
+    def payload(self) -> bytes:
+        return canonical_json(dataclasses.asdict(self))
+
+    def is_live(self, now: float | None = None) -> bool:
+        return self.state != "left" and (now if now is not None else time.time()) < self.expires_at
+
+
+def sign_record(record: PeerRecord, identity: Identity) -> dict[str, bytes]:
+    """The DHT value for ``record``: payload plus its signature."""
+    if record.peer_id != identity.peer_id or record.public_key != identity.public_key.hex():
+        raise ValueError("a record can only be signed by the key of the peer it describes")
+    payload = record.payload()
+    if len(payload) + 64 > MAX_RECORD_BYTES:
+        raise ValueError(f"record is {len(payload)} bytes, above the {MAX_RECORD_BYTES}-byte limit")
+    return {"p": payload, "s": identity.sign(kind=RECORD_KIND, run_id="", payload=payload)}
+
+
+def parse_record(subkey: Any, value: Any, *, now: float | None = None) -> PeerRecord:
+    """Validate an untrusted (subkey, value) pair from the DHT; raise RecordRejected with the reason."""
+    now = time.time() if now is None else now
+    if not isinstance(value, dict) or set(value) != {"p", "s"}:
+        raise RecordRejected("malformed", "value is not {p, s}")
+    payload, signature = value["p"], value["s"]
+    if not isinstance(payload, bytes) or not isinstance(signature, bytes):
+        raise RecordRejected("malformed", "payload or signature is not bytes")
+    if len(payload) + len(signature) > MAX_RECORD_BYTES:
+        raise RecordRejected("oversized", f"{len(payload) + len(signature)} bytes")
+    try:
+        data = json.loads(payload)
+        record = _from_dict(PeerRecord, data, "record")
+    except (ValueError, TypeError, RecursionError) as e:
+        raise RecordRejected("malformed", str(e)[:200]) from None
+    if record.v != RECORD_VERSION:
+        raise RecordRejected("version", f"v={record.v}")
+    if record.payload() != payload:
+        raise RecordRejected("malformed", "payload is not canonical")
+    try:
+        public_key = bytes.fromhex(record.public_key)
+        derived = peer_id_from_public_key(public_key)
+    except ValueError:
+        raise RecordRejected("malformed", "bad public key") from None
+    if derived != record.peer_id or subkey != record.peer_id:
+        raise RecordRejected("peer id mismatch", f"subkey {str(subkey)[:60]!r}, record {record.peer_id!r}")
+    if not verify(public_key=public_key, kind=RECORD_KIND, run_id="", payload=payload, signature=signature):
+        raise RecordRejected("bad signature", record.peer_id)
+    _check_times(record, now)
+    _check_enums(record)
+    return record
+
+
+def _check_times(record: PeerRecord, now: float) -> None:
+    if record.expires_at <= now:
+        raise RecordRejected("expired", f"{now - record.expires_at:.0f} s ago")
+    if record.issued_at > now + CLOCK_SKEW_S:
+        raise RecordRejected("from the future", f"issued {record.issued_at - now:.0f} s ahead")
+    if not 0 < record.expires_at - record.issued_at <= MAX_LIFETIME_S:
+        raise RecordRejected("bad lifetime", f"{record.expires_at - record.issued_at} s")
+
+
+def _check_enums(record: PeerRecord) -> None:
+    if record.state not in STATES:
+        raise RecordRejected("malformed", f"state {record.state!r}")
+    if record.network.reachability not in REACHABILITY:
+        raise RecordRejected("malformed", f"reachability {record.network.reachability!r}")
+    if record.run is not None and record.run.requirements.dtype not in ("fp32", "bf16"):
+        raise RecordRejected("malformed", f"dtype {record.run.requirements.dtype!r}")
+
+
+_MAX_STR = 512
+
+
+def _from_dict(cls: type, data: Any, path: str) -> Any:
+    """Build a frozen dataclass from untrusted JSON, requiring exactly its fields and their types."""
+    if not isinstance(data, dict):
+        raise TypeError(f"{path}: expected an object")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if set(data) != set(fields):
+        raise TypeError(f"{path}: fields {sorted(set(data) ^ set(fields))} missing or unexpected")
+    hints = typing.get_type_hints(cls)
+    return cls(**{name: _coerce(hints[name], data[name], f"{path}.{name}") for name in fields})
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(inner, value, path)
+    if dataclasses.is_dataclass(tp):
+        return _from_dict(tp, value, path)
+    if origin is tuple:
+        if not isinstance(value, list) or len(value) > 16:
+            raise TypeError(f"{path}: expected a list of at most 16 items")
+        return tuple(_coerce(args[0], item, f"{path}[]") for item in value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"{path}: expected a boolean")
+        return value
+    if tp is int:
+        if not isinstance(value, int) or isinstance(value, bool) or not -(2**63) <= value < 2**63:
+            raise TypeError(f"{path}: expected a 64-bit integer")
+        return value
+    if tp is str:
+        if not isinstance(value, str) or len(value) > _MAX_STR:
+            raise TypeError(f"{path}: expected a string of at most {_MAX_STR} characters")
+        return value
+    raise TypeError(f"{path}: unsupported type {tp}")
+
+
+@dataclass(slots=True)
+class RejectionCounter:
+    """Counts rejected records by reason and logs each rejection once per (reason, peer)."""
+
+    counts: Counter = dataclasses.field(default_factory=Counter)
+    _logged: set = dataclasses.field(default_factory=set)
+
+    def reject(self, error: RecordRejected, *, where: str, subkey: Any) -> None:
+        self.counts[error.reason] += 1
+        if (error.reason, str(subkey)) not in self._logged and len(self._logged) < 10_000:
+            self._logged.add((error.reason, str(subkey)))
+            logger.warning(f"{where}: rejected a capability record for {str(subkey)[:60]!r}: {error}")
+
+
+class PeerRecordValidator(RecordValidatorBase):
+    """Enforces :func:`parse_record` inside the DHT for the :data:`PEERS_KEY` key; other keys pass through.
+
+    Also refuses a record whose DHT expiration outlives the signed ``expires_at``, so a valid record
+    cannot be kept alive past its own expiry.
+    """
+
+    def __init__(self) -> None:
+        self._key_id = DHTID.generate(source=PEERS_KEY).to_bytes()
+        self.rejections = RejectionCounter()
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key != self._key_id:
+            return True
+        subkey: Any = "?"
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+            value = MSGPackSerializer.loads(record.value)
+            parsed = parse_record(subkey, value)
+            if record.expiration_time > parsed.expires_at + 1:
+                raise RecordRejected("outlives its expiry", f"{record.expiration_time - parsed.expires_at:.0f} s")
+        except RecordRejected as e:
+            self.rejections.reject(e, where="DHT", subkey=subkey)
+            return False
+        except Exception as e:  # msgpack raises many types on garbage
+            self.rejections.reject(RecordRejected("malformed", repr(e)[:200]), where="DHT", subkey=subkey)
+            return False
+        return True
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, PeerRecordValidator)
+
+
+async def _rejections_in_node(_dht: Any, node: Any) -> dict[str, int]:
+    validator = node.protocol.record_validator
+    # hivemind wraps several validators in a CompositeValidator; look inside it
+    for candidate in getattr(validator, "_validators", [validator]):
+        if isinstance(candidate, PeerRecordValidator):
+            return dict(candidate.rejections.counts)
+    return {}
+
+
+def dht_record_rejections(dht: Any, *, timeout_s: float = 10.0) -> dict[str, int]:
+    """Capability records that this DHT node's validator refused (on store or on get), by reason."""
+    return dht.run_coroutine(_rejections_in_node, return_future=True).result(timeout=timeout_s)

@@ -1,0 +1,29 @@
+"""Start the DHT of a Swarm process: its libp2p identity is the peer's Ed25519 key, and every
+capability record it stores or reads is checked by :class:`peers.records.PeerRecordValidator`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hivemind import DHT
+
+from bootstrap import start_dht
+from peers.records import PeerRecordValidator
+from swarm.identity import Identity
+
+
+def start_swarm_dht(identity: Identity, *, initial_peers: Sequence[str] = (),
+                    host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",), announce_maddrs: Sequence[str] = (),
+                    connect_timeout_s: float = 30.0, client_mode: bool = False) -> DHT:
+    """A started DHT whose peer ID is ``identity.peer_id``; raises bootstrap.DHTStartError on failure."""
+    with identity.libp2p_identity_file() as identity_path:
+        return start_dht(
+            list(initial_peers), host_maddrs=list(host_maddrs), announce_maddrs=list(announce_maddrs),
+            identity_path=identity_path, connect_timeout_s=connect_timeout_s, client_mode=client_mode,
+            # hivemind's "is this identity taken" probe only understands RSA keys; Identity.lock()
+            # guards against running one key twice on this machine instead.
+            check_if_identity_free=False,
+            record_validators=[PeerRecordValidator()],
+            # UPnP/NAT-PMP port mapping only makes sense for a peer listening beyond loopback
+            nat_port_map=not all(m.startswith(("/ip4/127.", "/ip6/::1/")) for m in host_maddrs),
+        )

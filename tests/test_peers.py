@@ -1,0 +1,320 @@
+"""Capability records, the resource graph and run discovery.
+
+Unit tests feed forged, expired, oversized and malformed records to the parser; DHT tests run real
+hivemind DHTs on loopback in this process and attack a live record from a peer that does not run
+our validator, then check the attack was refused where it landed *and* the real record survived.
+"""
+
+import dataclasses
+import hashlib
+import json
+import time
+
+import hivemind
+import pytest
+from hivemind.utils.serializer import MSGPackSerializer
+
+from bootstrap import stop_dht, visible_maddrs
+from peers import (
+    MAX_RECORD_BYTES,
+    PEERS_KEY,
+    Advertiser,
+    Hardware,
+    Network,
+    PeerRecord,
+    PeerRecordValidator,
+    Performance,
+    RecordRejected,
+    Requirements,
+    ResourceGraph,
+    RunInfo,
+    Software,
+    Trust,
+    dht_record_rejections,
+    parse_record,
+    pick_run,
+    probe_hardware,
+    probe_software,
+    score_peers,
+    sign_record,
+    summarize_runs,
+)
+from swarm.identity import Identity
+from swarm.network import start_swarm_dht
+from swarm.tasks import get_task
+from tests.helpers import python_cmd, spawn, wait_until
+
+LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
+NO_REQUIREMENTS = Requirements(min_memory_bytes=0, dtype="fp32", min_swarm_version="", min_torch_version="")
+
+
+def make_record(identity: Identity, *, run: str | None = "r", requirements: Requirements = NO_REQUIREMENTS,
+                issued_at: int | None = None, lifetime_s: int = 45, seq: int = 1, samples_milli: int = 1000,
+                task_preset: str = "tiny", digest: str = "d" * 64, state: str = "training") -> PeerRecord:
+    issued_at = int(time.time()) if issued_at is None else issued_at
+    hardware = Hardware(accelerator="cpu", name="test cpu", count=1, memory_total_bytes=2**34,
+                        memory_free_bytes=2**33, bf16=True, fp16=False, cpu_model="test cpu", cpu_cores=2,
+                        ram_total_bytes=2**34, ram_available_bytes=2**33)
+    run_info = None if run is None else RunInfo(name=run, task="charlm", task_preset=task_preset,
+                                                config_digest=digest, requirements=requirements, round=3, step=30)
+    return PeerRecord(
+        v=1, peer_id=identity.peer_id, public_key=identity.public_key.hex(), issued_at=issued_at,
+        expires_at=issued_at + lifetime_s, seq=seq, state=state, run=run_info, hardware=hardware,
+        software=Software(python="3.11", torch="2.13.0", cuda="none", hivemind="1.1.12", swarm="0.1.0"),
+        perf=Performance(samples_per_s_milli=samples_milli, upload_kbps=None, download_kbps=None, rtt_us=None),
+        network=Network(reachability="private", maddrs=("/ip4/127.0.0.1/tcp/1",), region=None),
+        available_until=None, trust=Trust(uptime_s=10, rounds_completed=2, checkpoints_cosigned=0),
+    )
+
+
+# ------------------------------------------------------------------------------------------- parsing
+def test_record_round_trip_and_size():
+    ident = Identity.generate()
+    value = sign_record(make_record(ident), ident)
+    record = parse_record(ident.peer_id, value)
+    assert record == make_record(ident, issued_at=record.issued_at)
+    size = len(MSGPackSerializer.dumps(value))
+    print(f"one capability record: {size} bytes on the wire (payload {len(value['p'])})")
+    assert size < MAX_RECORD_BYTES
+
+
+def _rejected(subkey, value) -> str:
+    with pytest.raises(RecordRejected) as info:
+        parse_record(subkey, value)
+    return info.value.reason
+
+
+def test_forged_records_are_rejected():
+    victim, attacker = Identity.generate(), Identity.generate()
+    genuine = sign_record(make_record(victim), victim)
+    # the attacker signs a record naming the victim's peer ID and key with its own key
+    forged = {"p": genuine["p"], "s": attacker.sign(kind="swarm/record", run_id="", payload=genuine["p"])}
+    assert _rejected(victim.peer_id, forged) == "bad signature"
+    # ...or puts its own key in a record for the victim's subkey
+    own = make_record(attacker)
+    claim = dataclasses.replace(own, peer_id=victim.peer_id)
+    value = {"p": claim.payload(), "s": attacker.sign(kind="swarm/record", run_id="", payload=claim.payload())}
+    assert _rejected(victim.peer_id, value) == "peer id mismatch"
+    # ...or stores its own valid record under the victim's subkey
+    assert _rejected(victim.peer_id, sign_record(own, attacker)) == "peer id mismatch"
+    # a signature made for another purpose (domain) does not verify as a record
+    other_domain = {"p": genuine["p"], "s": victim.sign(kind="swarm/manifest", run_id="", payload=genuine["p"])}
+    assert _rejected(victim.peer_id, other_domain) == "bad signature"
+
+
+def test_expired_future_and_overlong_records_are_rejected():
+    ident = Identity.generate()
+    now = int(time.time())
+    assert _rejected(ident.peer_id, sign_record(make_record(ident, issued_at=now - 100, lifetime_s=45), ident)) \
+        == "expired"
+    assert _rejected(ident.peer_id, sign_record(make_record(ident, issued_at=now + 3600), ident)) \
+        == "from the future"
+    assert _rejected(ident.peer_id, sign_record(make_record(ident, lifetime_s=10**6), ident)) == "bad lifetime"
+
+
+@pytest.mark.parametrize("value", [
+    None, b"bytes", {"p": b"{}"}, {"p": "str", "s": b"x"}, {"p": b"not json", "s": b"x" * 64},
+    {"p": b"{}", "s": b"x" * 64}, {"p": b"[1,2]", "s": b"x" * 64}, {"p": b'{"v": 1}', "s": b"x" * 64},
+    {"p": b"\xff\xfe", "s": b"x" * 64}, {"p": b"[" * 100_000, "s": b""},
+])
+def test_malformed_records_are_rejected(value):
+    assert _rejected("12D3KooWx", value) in ("malformed", "oversized")
+
+
+def test_oversized_and_non_canonical_records_are_rejected():
+    ident = Identity.generate()
+    value = sign_record(make_record(ident), ident)
+    assert _rejected(ident.peer_id, {"p": value["p"] + b" " * MAX_RECORD_BYTES, "s": value["s"]}) == "oversized"
+    spaced = json.dumps(json.loads(value["p"]), indent=1).encode()
+    signed = {"p": spaced, "s": ident.sign(kind="swarm/record", run_id="", payload=spaced)}
+    assert _rejected(ident.peer_id, signed) == "malformed"  # one record, one byte string: no malleability
+    bad_type = json.loads(value["p"])
+    bad_type["seq"] = "1"
+    payload = json.dumps(bad_type, sort_keys=True, separators=(",", ":")).encode()
+    assert _rejected(ident.peer_id, {"p": payload, "s": ident.sign(kind="swarm/record", run_id="",
+                                                                     payload=payload)}) == "malformed"
+
+
+# ------------------------------------------------------------------------------------------- scoring
+def test_score_ranks_fit_throughput_and_requirements():
+    a, b, c = Identity.generate(), Identity.generate(), Identity.generate()
+    fast, slow = make_record(a, samples_milli=9000), make_record(b, samples_milli=1000)
+    huge = Requirements(min_memory_bytes=2**40, dtype="fp32", min_swarm_version="", min_torch_version="")
+    ranked = score_peers([slow, fast])
+    assert [p.record.peer_id for p in ranked] == [a.peer_id, b.peer_id]
+    assert all(0 < p.score <= 100 for p in ranked)
+    unfit = score_peers([make_record(c)], huge)
+    assert unfit[0].fit == 0 and unfit[0].score == 0
+
+
+def test_pick_run_prefers_the_biggest_run_this_peer_fits_and_says_why():
+    huge = Requirements(min_memory_bytes=2**60, dtype="fp32", min_swarm_version="", min_torch_version="")
+    records = [make_record(Identity.generate(), run="crowded", requirements=huge) for _ in range(3)]
+    records += [make_record(Identity.generate(), run="small") for _ in range(1)]
+    records += [make_record(Identity.generate(), run="medium") for _ in range(2)]
+    runs = summarize_runs(records)
+    assert {r.name: r.num_peers for r in runs} == {"crowded": 3, "small": 1, "medium": 2}
+    picked, reasons = pick_run(runs, probe_hardware("cpu"), probe_software())
+    assert picked.name == "medium"
+    assert "picked run 'medium'" in reasons[0]
+    assert any("skipped run 'crowded'" in line and "GiB" in line for line in reasons)
+    newer = Requirements(min_memory_bytes=0, dtype="fp32", min_swarm_version="99.0", min_torch_version="")
+    none, why = pick_run(summarize_runs([make_record(Identity.generate(), requirements=newer)]),
+                         probe_hardware("cpu"), probe_software())
+    assert none is None and "needs swarm >= 99.0" in why[0]
+
+
+# ------------------------------------------------------------------------------------------- DHT
+@pytest.fixture
+def network():
+    """Two Swarm DHT nodes (with the record validator) and a plain hivemind DHT (an attacker without it)."""
+    dhts = []
+    try:
+        first = start_swarm_dht(Identity.generate(), host_maddrs=LOOPBACK)
+        dhts.append(first)
+        initial = visible_maddrs(first)
+        dhts.append(start_swarm_dht(Identity.generate(), initial_peers=initial, host_maddrs=LOOPBACK))
+        dhts.append(hivemind.DHT(initial_peers=initial, start=True, host_maddrs=list(LOOPBACK), nat_port_map=False))
+        yield dhts
+    finally:
+        for dht in dhts:
+            stop_dht(dht)
+
+
+def _validator_rejections(dht) -> dict:
+    """What the record validator inside this DHT node refused, by reason."""
+    return dht_record_rejections(dht)
+
+
+@pytest.mark.timeout(120)
+def test_no_peer_can_overwrite_replay_or_withdraw_another_peers_record(network):
+    honest_dht, reader_dht, attacker_dht = network
+    victim = Identity.generate()
+    # the victim publishes through the honest node with its own key (records are checked by content, not by node)
+    victim_value = sign_record(make_record(victim, seq=7), victim)
+    expires = json.loads(victim_value["p"])["expires_at"]
+    assert honest_dht.store(PEERS_KEY, victim_value, expiration_time=expires, subkey=victim.peer_id)
+
+    attacker = Identity.generate()
+    attacks = {
+        "own record under the victim's subkey": sign_record(make_record(attacker), attacker),
+        "forged 'left' record": {"p": make_record(victim, state="left", seq=8).payload(),
+                                 "s": attacker.sign(kind="swarm/record", run_id="",
+                                                    payload=make_record(victim, state="left", seq=8).payload())},
+        "garbage": {"p": b"garbage", "s": b"x" * 64},
+    }
+    for name, value in attacks.items():
+        assert not attacker_dht.store(PEERS_KEY, value, expiration_time=expires + 30, subkey=victim.peer_id), name
+    # replay: the victim's own genuine record, kept alive past its signed expiry
+    assert not attacker_dht.store(PEERS_KEY, victim_value, expiration_time=expires + 60, subkey=victim.peer_id)
+
+    rejected = _validator_rejections(honest_dht)
+    rejected_reader = _validator_rejections(reader_dht)
+    total = {k: rejected.get(k, 0) + rejected_reader.get(k, 0) for k in set(rejected) | set(rejected_reader)}
+    assert total.get("peer id mismatch", 0) >= 1 and total.get("bad signature", 0) >= 1, total
+    assert total.get("malformed", 0) >= 1 and total.get("outlives its expiry", 0) >= 1, total
+
+    records = ResourceGraph(reader_dht).records()
+    assert [(r.peer_id, r.seq, r.state) for r in records] == [(victim.peer_id, 7, "training")]
+
+
+@pytest.mark.timeout(120)
+def test_advertiser_heartbeat_and_clean_withdrawal(network):
+    honest_dht, reader_dht, _ = network
+    ident = Identity.generate()
+    build = lambda *, issued_at, expires_at, seq: make_record(  # noqa: E731
+        ident, issued_at=issued_at, lifetime_s=expires_at - issued_at, seq=seq)
+    # the advertiser needs a DHT whose peer ID is its identity, as a Trainer has
+    own_dht = start_swarm_dht(ident, initial_peers=visible_maddrs(honest_dht), host_maddrs=LOOPBACK)
+    try:
+        advertiser = Advertiser(own_dht, ident, build, refresh_s=0.5, expiry_s=5).start()
+        graph = ResourceGraph(reader_dht)
+        wait_until(lambda: any(r.seq >= 3 for r in graph.records()), timeout_s=20, message="heartbeats")
+        advertiser.close()
+        assert advertiser.last_record.state == "left"
+        assert graph.records() == [], "a withdrawn peer must vanish at once"
+        advertiser.close()  # idempotent
+    finally:
+        stop_dht(own_dht)
+
+
+def _charlm_digest(preset: str) -> str:
+    return hashlib.sha256(json.dumps(get_task("charlm", preset=preset).config_dict(), sort_keys=True)
+                          .encode()).hexdigest()
+
+
+@pytest.mark.timeout(180)
+def test_requirements_refusal_and_auto_pick_with_real_peers(network, tmp_path):
+    honest_dht, _, _ = network
+    initial = visible_maddrs(honest_dht)
+    huge = Requirements(min_memory_bytes=2**60, dtype="fp32", min_swarm_version="", min_torch_version="")
+    advertisers = []
+    owned = []
+    try:
+        for run, requirements in (("too-big", huge), ("too-big", huge), ("open", NO_REQUIREMENTS)):
+            ident = Identity.generate()
+            dht = start_swarm_dht(ident, initial_peers=initial, host_maddrs=LOOPBACK)
+            owned.append(dht)
+
+            def build(*, issued_at, expires_at, seq, ident=ident, run=run, requirements=requirements):
+                return make_record(ident, run=run, requirements=requirements, issued_at=issued_at,
+                                   lifetime_s=expires_at - issued_at, seq=seq, digest=_charlm_digest("tiny"))
+            advertisers.append(Advertiser(dht, ident, build, refresh_s=5, expiry_s=30).start())
+
+        common = ["-m", "swarm.peer", "--initial-peers", *initial, "--host-maddrs", *LOOPBACK, "--no-progress",
+                  "--torch-threads", "1", "--task-preset", "tiny", "--load-state-timeout-s", "5"]
+        refused = spawn(python_cmd(*common, "--run", "too-big", "--identity-key", str(tmp_path / "a")))
+        picker = spawn(python_cmd(*common, "--identity-key", str(tmp_path / "b"), "--max-steps", "3"))
+        for child in (refused, picker):
+            wait_until(lambda c=child: c.returncode is not None, timeout_s=120, message=child.describe)
+            child.join_output()
+        assert refused.returncode == 2, refused.describe()
+        assert "cannot join run 'too-big'" in refused.stderr() and "GiB" in refused.stderr(), refused.describe()
+        assert picker.returncode == 0, picker.describe()
+        assert "picked run 'open'" in picker.stderr() and "skipped run 'too-big'" in picker.stderr()
+    finally:
+        for advertiser in advertisers:
+            advertiser.close()
+        for dht in owned:
+            stop_dht(dht)
+
+
+@pytest.mark.timeout(120)
+def test_peers_list_json_schema(network):
+    honest_dht, _, _ = network
+    ident = Identity.generate()
+    own_dht = start_swarm_dht(ident, initial_peers=visible_maddrs(honest_dht), host_maddrs=LOOPBACK)
+    build = lambda *, issued_at, expires_at, seq: make_record(  # noqa: E731
+        ident, issued_at=issued_at, lifetime_s=expires_at - issued_at, seq=seq)
+    advertiser = Advertiser(own_dht, ident, build, refresh_s=5, expiry_s=30).start()
+    try:
+        for args, key in ((["list", "--run", "r"], "peers"), (["runs"], "runs")):
+            child = spawn(python_cmd("-m", "peers", *args, "--initial-peers", *visible_maddrs(honest_dht), "--json"))
+            wait_until(lambda c=child: c.returncode is not None, timeout_s=60, message=child.describe)
+            child.join_output()
+            assert child.returncode == 0, child.describe()
+            data = json.loads(child.stdout())
+            assert set(data) == {key, "query_s", "rejected"}
+            assert len(data[key]) == 1
+        child = spawn(python_cmd("-m", "peers", "list", "--initial-peers", *visible_maddrs(honest_dht), "--json"))
+        wait_until(lambda: child.returncode is not None, timeout_s=60, message=child.describe)
+        child.join_output()
+        (entry,) = json.loads(child.stdout())["peers"]
+        assert set(entry) == {"peer_id", "score", "fit", "record"}
+        assert entry["peer_id"] == ident.peer_id
+        assert set(entry["record"]) == {f.name for f in dataclasses.fields(PeerRecord)}
+        assert set(entry["record"]["hardware"]) >= {"accelerator", "memory_total_bytes", "memory_free_bytes"}
+    finally:
+        advertiser.close()
+        stop_dht(own_dht)
+
+
+def test_validator_ignores_other_keys():
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+
+    validator = PeerRecordValidator()
+    other = DHTRecord(key=DHTID.generate(source="something else").to_bytes(), subkey=b"", value=b"x",
+                      expiration_time=time.time() + 10)
+    assert validator.validate(other)
+    assert not validator.rejections.counts
