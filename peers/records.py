@@ -301,7 +301,9 @@ class RejectionCounter:
         self.counts[error.reason] += 1
         if (error.reason, str(subkey)) not in self._logged and len(self._logged) < 10_000:
             self._logged.add((error.reason, str(subkey)))
-            logger.warning(f"{where}: rejected a capability record for {str(subkey)[:60]!r}: {error}")
+            # a record that expires while in flight is routine; anything else is worth a warning
+            level = logging.INFO if error.reason == "expired" else logging.WARNING
+            logger.log(level, f"{where}: rejected a capability record for {str(subkey)[:60]!r}: {error}")
 
 
 class PeerRecordValidator(RecordValidatorBase):

@@ -57,6 +57,7 @@ from peers import (
     reachability,
     unmet_requirements,
 )
+from peers.bandwidth import BandwidthProber
 from swarm.identity import Identity, PeerBinding
 from swarm.network import start_swarm_dht
 
@@ -113,6 +114,8 @@ class TrainerConfig:
     """Heartbeat of the capability record."""
     record_expiry_s: float = 45.0
     """Lifetime of one capability record: a dead peer vanishes from the resource graph after this."""
+    bandwidth_probe_period_s: float = 300.0
+    """Measure bandwidth and RTT to up to 3 peers of the run this often (0: never; probes are served anyway)."""
     region: str | None = None
     """Free-form region label advertised with this peer (e.g. eu-west)."""
     available_until: str | None = None
@@ -156,6 +159,8 @@ class TrainerConfig:
         if not 0 < self.record_refresh_s < self.record_expiry_s <= MAX_LIFETIME_S:
             raise ValueError(f"need 0 < record_refresh_s < record_expiry_s <= {MAX_LIFETIME_S}, got "
                              f"{self.record_refresh_s!r} and {self.record_expiry_s!r}")
+        if not self.bandwidth_probe_period_s >= 0:
+            raise ValueError(f"bandwidth_probe_period_s must be >= 0, got {self.bandwidth_probe_period_s!r}")
         if self.require_dtype not in ("fp32", "bf16"):
             raise ValueError(f"require_dtype must be fp32 or bf16, got {self.require_dtype!r}")
         if not (0 <= self.require_memory_gb < 1e6):
@@ -284,6 +289,9 @@ class Trainer:
         self._outer_optimizer = self._make_outer_optimizer(self._global)
         self.task_info = _with_digest(task_info or TaskInfo(), self._names, self._global)
         self.advertiser: Advertiser | None = None
+        self.prober: BandwidthProber | None = None
+        self._closing = threading.Event()
+        self._probe_thread: threading.Thread | None = None
 
         self.identity.lock()
         start_reaper()
@@ -336,8 +344,26 @@ class Trainer:
             logger.warning("not advertising: the DHT's peer ID is not this trainer's identity (pass no dht=)")
             return
         self._maddrs = tuple(visible_maddrs(self.dht))[:16]
+        self.prober = BandwidthProber(dht=self.dht)
+        if cfg.bandwidth_probe_period_s > 0:
+            self._probe_thread = threading.Thread(target=self._probe_loop, name="swarm-probe-loop", daemon=True)
+            self._probe_thread.start()
         self.advertiser = Advertiser(self.dht, self.identity, self._build_record, refresh_s=cfg.record_refresh_s,
                                      expiry_s=cfg.record_expiry_s).start()
+
+    def _probe_loop(self) -> None:
+        """Measure bandwidth to a few peers of the run soon after joining, then every probe period."""
+        delay_s = 1.0
+        while not self._closing.wait(timeout=delay_s):
+            try:
+                others = [r.peer_id for r in self.graph.records(run=self.config.run) if r.peer_id != self.peer_id]
+                results = self.prober.probe(others, max_peers=3) if others else []
+            except Exception as e:  # a failed probe only leaves the figures unmeasured
+                logger.info(f"bandwidth probe failed: {e!r}")
+                results = []
+            delay_s = self.config.bandwidth_probe_period_s if results else self.config.record_refresh_s
+            if results and self.advertiser is not None:
+                self.advertiser.refresh_now()
 
     def _set_state(self, state: str) -> None:
         self.state = state
@@ -352,8 +378,7 @@ class Trainer:
             run=RunInfo(name=cfg.run, task=info.name, task_preset=info.preset, config_digest=info.config_digest,
                         requirements=self.requirements, round=self.round, step=self.local_step),
             hardware=probe_hardware(self.device), software=probe_software(),
-            perf=Performance(samples_per_s_milli=int(self.samples_per_s * 1000), upload_kbps=None,
-                             download_kbps=None, rtt_us=None),
+            perf=self._performance(),
             network=Network(reachability=reachability(self._maddrs), maddrs=self._maddrs, region=cfg.region),
             available_until=cfg.available_until_unix(),
             trust=Trust(uptime_s=int(time.time() - self._started_at), rounds_completed=self.counters.rounds_ok,
@@ -396,6 +421,16 @@ class Trainer:
             shutdown_timeout=5.0,
             state_fn=self._current_state,
         )
+
+    def _performance(self) -> Performance:
+        measured = self.prober.summary() if self.prober is not None else {}
+
+        def scaled(key: str, factor: float) -> int | None:
+            value = measured.get(key)
+            return None if value is None else int(value * factor)
+        return Performance(samples_per_s_milli=int(self.samples_per_s * 1000),
+                           upload_kbps=scaled("upload_mbps", 1000), download_kbps=scaled("download_mbps", 1000),
+                           rtt_us=scaled("rtt_ms", 1000))
 
     # ----------------------------------------------------------------------------------------- training
     def step(self, *, num_samples: int = 1) -> RoundResult | None:
@@ -555,9 +590,18 @@ class Trainer:
         """Leave the run: withdraw the record, stop the averager, then the DHT if this trainer started it.
 
         Idempotent."""
+        closing = getattr(self, "_closing", None)
+        if closing is not None:
+            closing.set()
+        probe_thread = getattr(self, "_probe_thread", None)
+        if probe_thread is not None:
+            probe_thread.join(timeout=15)
         advertiser = getattr(self, "advertiser", None)
         if advertiser is not None:
             advertiser.close()
+        prober = getattr(self, "prober", None)
+        if prober is not None:
+            prober.close()
         averager = getattr(self, "averager", None)
         if averager is not None and averager.is_alive():
             averager.shutdown()

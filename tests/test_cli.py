@@ -17,7 +17,7 @@ PEER_FLAGS = [
     "--min-group-size", "--matchmaking-time-s", "--averaging-timeout-s", "--request-timeout-s",
     "--allreduce-timeout-s", "--chunk-timeout-s", "--compression", "--load-state", "--load-state-timeout-s",
     "--host-maddrs", "--announce-maddrs", "--connect-timeout-s", "--advertise", "--record-refresh-s",
-    "--record-expiry-s", "--region", "--available-until", "--require-memory-gb", "--require-dtype",
+    "--record-expiry-s", "--bandwidth-probe-period-s", "--region", "--available-until", "--require-memory-gb", "--require-dtype",
     "--require-swarm-version", "--require-torch-version",
     "--task", "--task-preset", "--device", "--optimizer", "--lr", "--weight-decay", "--num-shards",
     "--shard-index", "--seed", "--max-steps", "--max-rounds", "--duration-s", "--eval-batches",

@@ -19,17 +19,11 @@ from peers import (
     MAX_RECORD_BYTES,
     PEERS_KEY,
     Advertiser,
-    Hardware,
-    Network,
     PeerRecord,
     PeerRecordValidator,
-    Performance,
     RecordRejected,
     Requirements,
     ResourceGraph,
-    RunInfo,
-    Software,
-    Trust,
     dht_record_rejections,
     parse_record,
     pick_run,
@@ -39,32 +33,13 @@ from peers import (
     sign_record,
     summarize_runs,
 )
+from peers.testing import NO_REQUIREMENTS, make_record, record_builder
 from swarm.identity import Identity
 from swarm.network import start_swarm_dht
 from swarm.tasks import get_task
-from tests.helpers import python_cmd, spawn, wait_until
+from tests.helpers import python_cmd, spawn, terminate, wait_until
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
-NO_REQUIREMENTS = Requirements(min_memory_bytes=0, dtype="fp32", min_swarm_version="", min_torch_version="")
-
-
-def make_record(identity: Identity, *, run: str | None = "r", requirements: Requirements = NO_REQUIREMENTS,
-                issued_at: int | None = None, lifetime_s: int = 45, seq: int = 1, samples_milli: int = 1000,
-                task_preset: str = "tiny", digest: str = "d" * 64, state: str = "training") -> PeerRecord:
-    issued_at = int(time.time()) if issued_at is None else issued_at
-    hardware = Hardware(accelerator="cpu", name="test cpu", count=1, memory_total_bytes=2**34,
-                        memory_free_bytes=2**33, bf16=True, fp16=False, cpu_model="test cpu", cpu_cores=2,
-                        ram_total_bytes=2**34, ram_available_bytes=2**33)
-    run_info = None if run is None else RunInfo(name=run, task="charlm", task_preset=task_preset,
-                                                config_digest=digest, requirements=requirements, round=3, step=30)
-    return PeerRecord(
-        v=1, peer_id=identity.peer_id, public_key=identity.public_key.hex(), issued_at=issued_at,
-        expires_at=issued_at + lifetime_s, seq=seq, state=state, run=run_info, hardware=hardware,
-        software=Software(python="3.11", torch="2.13.0", cuda="none", hivemind="1.1.12", swarm="0.1.0"),
-        perf=Performance(samples_per_s_milli=samples_milli, upload_kbps=None, download_kbps=None, rtt_us=None),
-        network=Network(reachability="private", maddrs=("/ip4/127.0.0.1/tcp/1",), region=None),
-        available_until=None, trust=Trust(uptime_s=10, rounds_completed=2, checkpoints_cosigned=0),
-    )
 
 
 # ------------------------------------------------------------------------------------------- parsing
@@ -222,8 +197,7 @@ def test_no_peer_can_overwrite_replay_or_withdraw_another_peers_record(network):
 def test_advertiser_heartbeat_and_clean_withdrawal(network):
     honest_dht, reader_dht, _ = network
     ident = Identity.generate()
-    build = lambda *, issued_at, expires_at, seq: make_record(  # noqa: E731
-        ident, issued_at=issued_at, lifetime_s=expires_at - issued_at, seq=seq)
+    build = record_builder(ident)
     # the advertiser needs a DHT whose peer ID is its identity, as a Trainer has
     own_dht = start_swarm_dht(ident, initial_peers=visible_maddrs(honest_dht), host_maddrs=LOOPBACK)
     try:
@@ -255,10 +229,7 @@ def test_requirements_refusal_and_auto_pick_with_real_peers(network, tmp_path):
             ident = Identity.generate()
             dht = start_swarm_dht(ident, initial_peers=initial, host_maddrs=LOOPBACK)
             owned.append(dht)
-
-            def build(*, issued_at, expires_at, seq, ident=ident, run=run, requirements=requirements):
-                return make_record(ident, run=run, requirements=requirements, issued_at=issued_at,
-                                   lifetime_s=expires_at - issued_at, seq=seq, digest=_charlm_digest("tiny"))
+            build = record_builder(ident, run=run, requirements=requirements, digest=_charlm_digest("tiny"))
             advertisers.append(Advertiser(dht, ident, build, refresh_s=5, expiry_s=30).start())
 
         common = ["-m", "swarm.peer", "--initial-peers", *initial, "--host-maddrs", *LOOPBACK, "--no-progress",
@@ -284,8 +255,7 @@ def test_peers_list_json_schema(network):
     honest_dht, _, _ = network
     ident = Identity.generate()
     own_dht = start_swarm_dht(ident, initial_peers=visible_maddrs(honest_dht), host_maddrs=LOOPBACK)
-    build = lambda *, issued_at, expires_at, seq: make_record(  # noqa: E731
-        ident, issued_at=issued_at, lifetime_s=expires_at - issued_at, seq=seq)
+    build = record_builder(ident)
     advertiser = Advertiser(own_dht, ident, build, refresh_s=5, expiry_s=30).start()
     try:
         for args, key in ((["list", "--run", "r"], "peers"), (["runs"], "runs")):
@@ -318,3 +288,35 @@ def test_validator_ignores_other_keys():
                       expiration_time=time.time() + 10)
     assert validator.validate(other)
     assert not validator.rejections.counts
+
+
+@pytest.mark.timeout(240)
+def test_real_peers_measure_bandwidth_and_a_killed_peer_vanishes_in_time(bootstrap_node, tmp_path):
+    refresh_s, expiry_s = 1, 4
+    common = ["-m", "swarm.peer", "--initial-peers", *bootstrap_node, "--host-maddrs", *LOOPBACK, "--no-progress",
+              "--torch-threads", "1", "--task-preset", "tiny", "--run", "bw", "--duration-s", "120",
+              "--record-refresh-s", str(refresh_s), "--record-expiry-s", str(expiry_s), "--sync-every", "20"]
+    peers = [spawn(python_cmd(*common, "--identity-key", str(tmp_path / f"k{i}"))) for i in range(2)]
+    reader = start_swarm_dht(Identity.generate(), initial_peers=bootstrap_node, host_maddrs=LOOPBACK)
+    try:
+        graph = ResourceGraph(reader)
+
+        def measured():
+            records = graph.records(run="bw")
+            done = len(records) == 2 and all(r.perf.upload_kbps and r.perf.rtt_us is not None for r in records)
+            return records if done else None
+        records = wait_until(measured, timeout_s=120, interval_s=0.5,
+                             message=lambda: f"records: {graph.records()}; {peers[0].describe()}")
+        assert all(r.perf.samples_per_s_milli > 0 or r.run.round == 0 for r in records)
+        victim = peers[1]
+        victim.popen.kill()
+        victim.popen.wait(timeout=10)
+        killed_at = time.monotonic()
+        wait_until(lambda: len(graph.records(run="bw")) == 1, timeout_s=expiry_s + refresh_s + 10, interval_s=0.1)
+        vanish_s = time.monotonic() - killed_at
+        print(f"killed peer vanished from the graph after {vanish_s:.2f} s (bound {expiry_s + refresh_s} s)")
+        assert vanish_s <= expiry_s + refresh_s, f"{vanish_s:.2f} s > expiry + refresh"
+    finally:
+        stop_dht(reader)
+        for peer in peers:
+            terminate(peer, timeout_s=30)
