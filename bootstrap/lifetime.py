@@ -68,12 +68,46 @@ def start_reaper(*, poll_interval_s: float = 0.25, grace_s: float = 2.0) -> subp
     with _lock:
         if _reaper is not None and _reaper[0] == os.getpid() and _reaper[1].poll() is None:
             return _reaper[1]
+        _install_fork_hook()
         token = uuid.uuid4().hex
         tokens = [t for t in os.environ.get(LIFETIME_TOKENS_ENV, "").split(":") if t]
         os.environ[LIFETIME_TOKENS_ENV] = ":".join([*tokens, token])
         reaper = _spawn_watchdog(token, poll_interval_s=poll_interval_s, grace_s=grace_s)
         _reaper = (os.getpid(), reaper)
         return reaper
+
+
+_fork_hook_installed = False
+
+
+def _install_fork_hook() -> None:
+    """Make every child this process forks (without exec: hivemind's DHT and averager) die with it.
+
+    The watchdog finds exec'd children by their token and others by its snapshots, but a child
+    forked less than one poll interval before a SIGKILL is in no snapshot yet; the kernel's parent
+    death signal closes that gap.
+    """
+    global _fork_hook_installed
+    if not _fork_hook_installed:
+        os.register_at_fork(before=_note_forking_thread, after_in_child=_die_with_parent)
+        _fork_hook_installed = True
+
+
+_forked_from_main_thread = False
+
+
+def _note_forking_thread() -> None:
+    global _forked_from_main_thread
+    _forked_from_main_thread = threading.current_thread() is threading.main_thread()
+
+
+def _die_with_parent() -> None:
+    # Linux sends the signal when the forking *thread* exits: only safe for forks from the main thread
+    if not _forked_from_main_thread:
+        return
+    parent = os.getppid()
+    if set_parent_death_signal(signal.SIGKILL) and os.getppid() != parent:
+        os._exit(1)  # the parent died between our fork and the prctl call
 
 
 def _spawn_watchdog(token: str, *, poll_interval_s: float, grace_s: float) -> subprocess.Popen:

@@ -1,0 +1,85 @@
+"""Settings of group averaging, and the record of one round."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AveragingConfig:
+    """How groups form and how long every phase of a round may take (no wait is unbounded)."""
+
+    min_group_size: int = 2
+    """Smallest group worth averaging in; with fewer peers the attempt fails and is retried."""
+    target_group_size: int = 8
+    """Largest group."""
+    matchmaking_time_s: float = 2.0
+    """How long peers gather in the DHT before groups are drawn."""
+    join_timeout_s: float = 5.0
+    """Deadline for followers to join their leader and hear the final group."""
+    sender_timeout_s: float = 10.0
+    """A reducer waits this long (after the group forms) for every member's part; late parts are dropped."""
+    reducer_timeout_s: float = 20.0
+    """A sender waits this long for a reducer's averaged slice; a silent reducer fails the attempt."""
+    agreement_timeout_s: float = 5.0
+    """Reducers wait this long for each other's lists of received parts."""
+    round_timeout_s: float = 60.0
+    """Deadline of the whole round (matchmaking, all-reduce and retries)."""
+    max_attempts: int = 3
+    """All-reduce attempts per round (a failed slice re-forms the group from the survivors)."""
+    codec: str = "fp32"
+    """Wire format of averaged tensors: fp32, fp16 or int8 (bitsandbytes blockwise 8-bit)."""
+    aggregator: str = "centered_clip"
+    """Robust rule applied to each slice: centered_clip, trimmed_mean or mean."""
+    max_weight: float = 1e6
+    """A contribution claiming a larger weight (or a non-finite or non-positive one) is rejected."""
+
+    def __post_init__(self) -> None:
+        if self.min_group_size < 2:
+            raise ValueError(f"min_group_size must be >= 2, got {self.min_group_size!r}")
+        if self.target_group_size < self.min_group_size:
+            raise ValueError(f"target_group_size must be >= min_group_size, got {self.target_group_size!r}")
+        for name in ("matchmaking_time_s", "join_timeout_s", "sender_timeout_s", "reducer_timeout_s",
+                     "agreement_timeout_s", "round_timeout_s", "max_weight"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if self.round_timeout_s <= self.matchmaking_time_s + self.join_timeout_s:
+            raise ValueError(f"round_timeout_s must exceed matchmaking and joining, got {self.round_timeout_s!r}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts!r}")
+        if self.codec not in ("fp32", "fp16", "int8"):
+            raise ValueError(f"codec must be fp32, fp16 or int8, got {self.codec!r}")
+        if self.aggregator not in ("centered_clip", "trimmed_mean", "mean"):
+            raise ValueError(f"aggregator must be centered_clip, trimmed_mean or mean, got {self.aggregator!r}")
+
+
+@dataclass(slots=True)
+class RoundRecord:
+    """Everything one peer saw of one averaging round; the evidence ledger stores these."""
+
+    round: int
+    group_id: str = ""
+    members: list[str] = field(default_factory=list)
+    """The final group, in slice order (member i reduces slice i)."""
+    included: list[str] = field(default_factory=list)
+    """Members whose contributions are in the result."""
+    rejected: dict[str, str] = field(default_factory=dict)
+    """Senders whose contributions failed validation, with the reason."""
+    failures: list[dict[str, str]] = field(default_factory=list)
+    """(peer, phase, reason) of every fault seen: dropped senders, silent reducers, refused joins."""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    phase_s: dict[str, float] = field(default_factory=dict)
+    """Seconds spent in matchmaking, all-reduce, agreement and in total."""
+    attempts: int = 0
+    outcome: str = "failed"
+    """ok (every member included), partial (survivors' mean: some senders dropped), retried (a slice was
+    lost and the group re-formed from the survivors), or failed (no group; the caller keeps its own values)."""
+
+    def fail(self, peer: str, phase: str, reason: str) -> None:
+        self.failures.append({"peer": peer, "phase": phase, "reason": reason})
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__}

@@ -1,0 +1,577 @@
+"""Group averaging over hivemind's P2P streams: DHT matchmaking, butterfly all-reduce, robust slices.
+
+Matchmaking (no coordinator). Every peer that wants to average announces itself under the run's
+matchmaking key in the DHT, waits ``matchmaking_time_s``, and reads who else is looking. All peers
+sort that list the same way -- by bandwidth class (so a slow peer does not drag a fast group down),
+then by a hash of (peer ID, the list's own digest), which reshuffles groups from round to round so
+updates mix across the swarm (Moshpit-style) -- and cut it into groups of at most
+``target_group_size``. The first member of each chunk leads: the others join it over a stream and it
+answers with the final membership (who actually joined) and everyone's gathered metadata.
+
+All-reduce (butterfly). Member i reduces slice i: every member sends slice i of its vector to member
+i (encoded as fp32, fp16 or 8-bit), member i validates each part and aggregates the parts with a
+robust rule (CenteredClip by default), and sends the result back on the same stream. Each peer
+therefore sends and receives 2(N-1)/N of the vector, the bandwidth floor.
+
+Faults. A sender silent past ``sender_timeout_s`` (a straggler or a dead peer) is dropped. Before
+aggregating, reducers exchange the lists of parts they received and all use their intersection,
+so every slice averages the *same* survivors: the result is the weighted mean of the surviving
+contributions, exactly. A reducer that never answers loses its slice: the members re-form a group
+from the survivors and retry, within the round's deadline. Every outcome is in the RoundRecord.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import struct
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import hivemind
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from averaging.aggregation import Contribution, aggregate
+from averaging.compression import get_codec, wire_bytes
+from averaging.config import AveragingConfig, RoundRecord
+from peers.bandwidth import open_p2p_replica
+
+logger = logging.getLogger(__name__)
+
+_LEN = struct.Struct(">I")
+_MAX_HEADER_BYTES = 64 * 1024
+_MAX_MEMBERS = 64
+
+
+class ProtocolError(Exception):
+    """A peer sent something malformed or unexpected; ``reason`` is a short countable label."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+# --------------------------------------------------------------------------------------------- framing
+async def write_message(writer: asyncio.StreamWriter, header: dict, payload: bytes = b"") -> int:
+    data = json.dumps(header, separators=(",", ":")).encode()
+    writer.write(_LEN.pack(len(data)) + data + payload)
+    await writer.drain()
+    return _LEN.size + len(data) + len(payload)
+
+
+async def read_header(reader: asyncio.StreamReader) -> dict:
+    try:
+        (length,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+        if length > _MAX_HEADER_BYTES:
+            raise ProtocolError("oversized header", f"{length} bytes")
+        header = json.loads(await reader.readexactly(length))
+    except asyncio.IncompleteReadError as e:
+        raise ProtocolError("truncated", f"stream ended after {len(e.partial)} bytes") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError("malformed header", str(e)[:100]) from None
+    if not isinstance(header, dict):
+        raise ProtocolError("malformed header", "not an object")
+    return header
+
+
+async def read_payload(reader: asyncio.StreamReader, num_bytes: int) -> bytes:
+    try:
+        return await reader.readexactly(num_bytes)
+    except asyncio.IncompleteReadError as e:
+        raise ProtocolError("truncated payload", f"{len(e.partial)} of {num_bytes} bytes") from None
+
+
+def _field(header: dict, name: str, kind: type | tuple, *, low: int | None = None, high: int | None = None) -> Any:
+    value = header.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise ProtocolError("malformed header", f"{name} must be {kind}, got {type(value).__name__}")
+    if low is not None and not low <= value <= (high if high is not None else value):
+        raise ProtocolError("malformed header", f"{name}={value!r} out of range")
+    return value
+
+
+# --------------------------------------------------------------------------------------------- groups
+@dataclass(frozen=True, slots=True)
+class Group:
+    group_id: str
+    members: tuple[str, ...]
+    """In slice order; member i reduces slice i."""
+    gathered: dict[str, Any]
+    """Each member's gathered metadata (as sent, untrusted)."""
+
+
+def slice_bounds(numel: int, num_parts: int) -> list[tuple[int, int]]:
+    base, extra = divmod(numel, num_parts)
+    bounds, start = [], 0
+    for i in range(num_parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def draw_groups(candidates: dict[str, int], target_size: int, min_size: int) -> list[list[str]]:
+    """Deterministic groups from {peer: bandwidth class}: equal inputs give equal groups on every peer."""
+    digest = hashlib.sha256(",".join(sorted(candidates)).encode()).hexdigest()
+    order = sorted(candidates, key=lambda p: (-candidates[p], hashlib.sha256((digest + p).encode()).digest()))
+    num_groups = max(1, math.ceil(len(order) / target_size))
+    while num_groups > 1 and len(order) // num_groups < min_size:
+        num_groups -= 1
+    bounds = slice_bounds(len(order), num_groups)
+    return [order[a:b] for a, b in bounds]
+
+
+def bandwidth_class(mbps: float | None) -> int:
+    """Peers within a factor of ~4 in bandwidth share a class (unknown bandwidth: class 0)."""
+    return 0 if not mbps or mbps <= 0 else max(1, int(math.log(mbps, 4)) + 1)
+
+
+# --------------------------------------------------------------------------------------------- state
+@dataclass
+class _ReduceState:
+    """This peer's part of one all-reduce attempt: the slice it reduces."""
+
+    group: Group
+    my_index: int
+    numel: int
+    weight: float
+    sender_deadline: float
+    parts: dict[str, Contribution] = field(default_factory=dict)
+    all_parts: asyncio.Event = field(default_factory=asyncio.Event)
+    received_sets: dict[str, frozenset] = field(default_factory=dict)
+    all_sets: asyncio.Event = field(default_factory=asyncio.Event)
+    result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+@dataclass
+class _Lobby:
+    """A leader's open invitation: followers join until the chunk is complete or time is up."""
+
+    expected: frozenset
+    joined: dict[str, Any] = field(default_factory=dict)
+    complete: asyncio.Event = field(default_factory=asyncio.Event)
+    final: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+FaultHook = Callable[[str, str], None]
+"""Called with (phase, peer) at fault-injection points; tests make it raise or stall."""
+
+
+class GroupAverager:
+    """Averages a flat float32 vector with a group of peers of a run; thread-safe, synchronous API.
+
+    Runs its own event loop in a background thread over a P2P replica of ``dht``'s daemon.
+    ``step`` returns ``(averaged_tensor or None, RoundRecord)``: None when no group could average
+    within the round's deadline (the caller then keeps its own values).
+    """
+
+    def __init__(self, dht: hivemind.DHT, *, prefix: str, config: AveragingConfig | None = None,
+                 bandwidth_mbps: Callable[[], float | None] | None = None, start_timeout_s: float = 30.0):
+        self.dht, self.prefix = dht, prefix
+        self.config = config or AveragingConfig()
+        self.codec = get_codec(self.config.codec)
+        self._bandwidth_mbps = bandwidth_mbps or (lambda: None)
+        self.rejected: Counter = Counter()
+        self.fault_hook: FaultHook | None = None
+        self._rounds = 0
+        self._states: dict[str, _ReduceState] = {}
+        self._state_added: asyncio.Event | None = None
+        self._lobbies: dict[str, _Lobby] = {}
+        self._step_lock = threading.Lock()
+        self._ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, name=f"swarm-averager-{prefix}", daemon=True)
+        self._thread.start()
+        self._loop, self._p2p, self._stop = self._ready.result(timeout=start_timeout_s)
+        self.peer_id = str(self._p2p.peer_id)
+
+    # ------------------------------------------------------------------------------------ lifetime
+    def _run(self) -> None:
+        try:
+            import uvloop
+
+            uvloop.run(self._main())
+        except BaseException as e:
+            if not self._ready.done():
+                self._ready.set_exception(e)
+
+    async def _main(self) -> None:
+        p2p = await open_p2p_replica(self.dht)
+        stop = asyncio.Event()
+        self._state_added = asyncio.Event()
+        await p2p.add_binary_stream_handler(self._handler_name, self._handle_stream)
+        self._ready.set_result((asyncio.get_running_loop(), p2p, stop))
+        try:
+            await stop.wait()
+        finally:
+            with contextlib.suppress(Exception):
+                await p2p.remove_binary_stream_handler(self._handler_name)
+            await p2p.shutdown()
+
+    @property
+    def _handler_name(self) -> str:
+        return f"swarm.avg.v1.{self.prefix}"
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop serving and leave. Idempotent."""
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(timeout=timeout_s)
+
+    def _fault(self, phase: str, peer: str = "") -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(phase, peer)
+
+    # ------------------------------------------------------------------------------------ step
+    def step(self, tensor: torch.Tensor, *, weight: float, gather: Any = None,
+             timeout_s: float | None = None) -> tuple[torch.Tensor | None, RoundRecord, Group | None]:
+        """Average ``tensor`` (1-D float32) with a group; see the class docstring."""
+        if tensor.dim() != 1 or tensor.dtype != torch.float32:
+            raise ValueError(f"expected a 1-D float32 tensor, got {tuple(tensor.shape)} {tensor.dtype}")
+        if not (math.isfinite(weight) and 0 < weight <= self.config.max_weight):
+            raise ValueError(f"weight must be in (0, {self.config.max_weight}], got {weight!r}")
+        timeout_s = timeout_s if timeout_s is not None else self.config.round_timeout_s
+        with self._step_lock:
+            self._rounds += 1
+            record = RoundRecord(round=self._rounds)
+            future = asyncio.run_coroutine_threadsafe(
+                self._step(tensor.detach().cpu().contiguous(), weight, gather, record, time.monotonic() + timeout_s),
+                self._loop)
+            try:
+                result, group = future.result(timeout=timeout_s + 10)
+            except concurrent.futures.TimeoutError:
+                future.cancel()
+                record.fail(self.peer_id, "round", "deadline passed")
+                result, group = None, None
+            return result, record, group
+
+    async def _step(self, tensor: torch.Tensor, weight: float, gather: Any, record: RoundRecord,
+                    deadline: float) -> tuple[torch.Tensor | None, Group | None]:
+        started = time.monotonic()
+        group: Group | None = None
+        try:
+            while group is None and time.monotonic() + self.config.matchmaking_time_s < deadline:
+                group = await self._form_group(gather, record, deadline)
+            record.phase_s["matchmaking"] = time.monotonic() - started
+            if group is None:
+                return None, None
+            result = None
+            for attempt in range(self.config.max_attempts):
+                record.attempts = attempt + 1
+                result, lost = await self._allreduce(group, tensor, weight, record, deadline)
+                if result is not None or time.monotonic() >= deadline:
+                    break
+                survivors = tuple(m for m in group.members if m not in lost)
+                if len(survivors) < self.config.min_group_size:
+                    break
+                group = Group(group_id=_derive_id(group.group_id, survivors), members=survivors,
+                              gathered={m: group.gathered.get(m) for m in survivors})
+            if result is not None:
+                record.outcome = ("retried" if record.attempts > 1 else
+                                  "ok" if set(record.included) == set(group.members) else "partial")
+            return result, group
+        finally:
+            record.phase_s["total"] = time.monotonic() - started
+
+    # ------------------------------------------------------------------------------------ matchmaking
+    async def _form_group(self, gather: Any, record: RoundRecord, deadline: float) -> Group | None:
+        cfg = self.config
+        key = f"{self.prefix}.mm"
+        looking_since = time.time()
+        my_class = bandwidth_class(self._bandwidth_mbps())
+        expiration = hivemind.get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s
+        await self.dht.store(key, {"t": looking_since, "c": my_class}, expiration_time=expiration,
+                             subkey=self.peer_id, return_future=True)
+        await asyncio.sleep(cfg.matchmaking_time_s)  # the gathering window itself, not a synchronisation
+        found = await self.dht.get(key, latest=True, return_future=True)
+        candidates = {self.peer_id: my_class}
+        if found is not None and isinstance(found.value, dict):
+            for subkey, item in found.value.items():
+                value = getattr(item, "value", None)
+                if isinstance(subkey, str) and isinstance(value, dict) and isinstance(value.get("c"), int):
+                    candidates.setdefault(subkey, value["c"])
+        chunk = next(c for c in draw_groups(candidates, cfg.target_group_size, cfg.min_group_size)
+                     if self.peer_id in c)
+        if len(chunk) < cfg.min_group_size:
+            return None
+        leader = sorted(chunk)[0]
+        join_deadline = min(deadline, time.monotonic() + cfg.join_timeout_s)
+        if leader == self.peer_id:
+            return await self._lead(frozenset(chunk) - {self.peer_id}, gather, record, join_deadline)
+        return await self._follow(leader, gather, record, join_deadline)
+
+    async def _lead(self, expected: frozenset, gather: Any, record: RoundRecord, join_deadline: float) -> Group | None:
+        lobby = _Lobby(expected=expected)
+        lobby_id = self.peer_id
+        self._lobbies[lobby_id] = lobby
+        try:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(lobby.complete.wait(), max(0.0, join_deadline - time.monotonic()))
+            del self._lobbies[lobby_id]
+            followers = sorted(lobby.joined)[: self.config.target_group_size - 1]
+            for missing in expected - set(lobby.joined):
+                record.fail(missing, "matchmaking", "did not join its leader")
+            if len(followers) + 1 < self.config.min_group_size:
+                lobby.final.set_result(None)
+                return None
+            members = tuple(sorted([self.peer_id, *followers]))
+            gathered = {self.peer_id: gather, **{m: lobby.joined[m] for m in followers}}
+            group = Group(group_id=_derive_id(self.peer_id + str(time.time()), members), members=members,
+                          gathered=gathered)
+            lobby.final.set_result(group)
+            return group
+        finally:
+            self._lobbies.pop(lobby_id, None)
+            if not lobby.final.done():
+                lobby.final.set_result(None)
+
+    async def _follow(self, leader: str, gather: Any, record: RoundRecord, join_deadline: float) -> Group | None:
+        try:
+            async with asyncio.timeout(max(0.1, join_deadline - time.monotonic() + 1.0)):
+                _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(leader),
+                                                                               self._handler_name)
+                try:
+                    record.bytes_sent += await write_message(writer, {"op": "join", "gather": gather})
+                    reply = await read_header(reader)
+                finally:
+                    writer.close()
+        except (asyncio.TimeoutError, ProtocolError, OSError, Exception) as e:
+            record.fail(leader, "matchmaking", f"join failed: {e!r}"[:200])
+            return None
+        if reply.get("status") != "ok":
+            record.fail(leader, "matchmaking", f"leader said {str(reply.get('status'))[:50]}")
+            return None
+        try:
+            members = tuple(_field(reply, "members", list))
+            gathered = _field(reply, "gathered", dict)
+            group_id = _field(reply, "group_id", str)
+            if not (2 <= len(members) <= _MAX_MEMBERS and self.peer_id in members and leader in members
+                    and all(isinstance(m, str) for m in members) and len(set(members)) == len(members)):
+                raise ProtocolError("bad group", "membership")
+        except ProtocolError as e:
+            self.rejected[e.reason] += 1
+            record.fail(leader, "matchmaking", str(e))
+            return None
+        return Group(group_id=group_id, members=members, gathered=gathered)
+
+    async def _serve_join(self, peer: str, header: dict, writer: asyncio.StreamWriter) -> None:
+        lobby = None
+        deadline = time.monotonic() + self.config.join_timeout_s
+        while lobby is None and time.monotonic() < deadline:  # the leader may still be reading the DHT
+            lobby = self._lobbies.get(self.peer_id)
+            if lobby is None:
+                await asyncio.sleep(0.05)
+        if lobby is None or lobby.final.done() or len(lobby.joined) >= self.config.target_group_size - 1:
+            await write_message(writer, {"status": "not leading"})
+            return
+        lobby.joined[peer] = header.get("gather")
+        if lobby.expected <= set(lobby.joined):
+            lobby.complete.set()
+        group = await asyncio.wait_for(asyncio.shield(lobby.final), self.config.join_timeout_s + 1)
+        if group is None or peer not in group.members:
+            await write_message(writer, {"status": "not admitted"})
+            return
+        await write_message(writer, {"status": "ok", "group_id": group.group_id, "members": list(group.members),
+                                     "gathered": group.gathered})
+
+    # ------------------------------------------------------------------------------------ all-reduce
+    async def _allreduce(self, group: Group, tensor: torch.Tensor, weight: float, record: RoundRecord,
+                         deadline: float) -> tuple[torch.Tensor | None, set[str]]:
+        """One attempt; returns (result, lost) where lost names reducers whose slice never came back."""
+        cfg = self.config
+        started = time.monotonic()
+        record.group_id, record.members = group.group_id, list(group.members)
+        bounds = slice_bounds(tensor.numel(), len(group.members))
+        my_index = group.members.index(self.peer_id)
+        lo, hi = bounds[my_index]
+        state = _ReduceState(group=group, my_index=my_index, numel=hi - lo, weight=weight,
+                             sender_deadline=min(deadline, started + cfg.sender_timeout_s))
+        state.parts[self.peer_id] = Contribution(sender=self.peer_id, tensor=tensor[lo:hi].clone(), weight=weight)
+        self._states[group.group_id] = state
+        self._state_added.set()
+        self._state_added = asyncio.Event()
+        try:
+            reduce_task = asyncio.create_task(self._reduce(state, record))
+            send_tasks = {peer: asyncio.create_task(self._send_part(peer, group, i, tensor[a:b], weight, record,
+                                                                     min(deadline, started + cfg.reducer_timeout_s)))
+                          for i, (peer, (a, b)) in enumerate(zip(group.members, bounds)) if peer != self.peer_id}
+            own = await reduce_task
+            slices: dict[str, torch.Tensor | None] = {self.peer_id: own}
+            for peer, task in send_tasks.items():
+                slices[peer] = await task
+            lost = {peer for peer, value in slices.items() if value is None}
+            record.phase_s["allreduce"] = time.monotonic() - started
+            if lost:
+                for peer in lost:
+                    record.fail(peer, "reduce", "its slice was not completed")
+                return None, lost
+            return torch.cat([slices[m] for m in group.members]), set()
+        finally:
+            self._states.pop(group.group_id, None)
+
+    async def _reduce(self, state: _ReduceState, record: RoundRecord) -> torch.Tensor | None:
+        """Collect parts for my slice, agree on the survivors with the other reducers, aggregate."""
+        expected = set(state.group.members)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(state.all_parts.wait(), max(0.0, state.sender_deadline - time.monotonic()))
+        for missing in expected - set(state.parts):
+            record.fail(missing, "send", "no part before the sender deadline")
+        started = time.monotonic()
+        mine = frozenset(state.parts)
+        state.received_sets[self.peer_id] = mine
+        others = [m for m in state.group.members if m != self.peer_id]
+        await asyncio.gather(*(self._send_received_set(peer, state, mine) for peer in others))
+        if set(state.received_sets) >= expected:
+            state.all_sets.set()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(state.all_sets.wait(), self.config.agreement_timeout_s)
+        survivors = frozenset.intersection(*state.received_sets.values())
+        record.phase_s["agreement"] = time.monotonic() - started
+        self._fault("reduce", self.peer_id)
+        contributions = [state.parts[s] for s in sorted(survivors)]
+        try:
+            result = aggregate(contributions, numel=state.numel, aggregator=self.config.aggregator,
+                               max_weight=self.config.max_weight)
+        except ValueError as e:
+            record.fail(self.peer_id, "reduce", f"nothing to aggregate: {e}")
+            state.result.set_result(None)
+            return None
+        record.included = sorted(result.included)
+        for sender, reason in result.rejected.items():
+            record.rejected[sender] = reason
+            self.rejected[reason] += 1
+        state.result.set_result(result)
+        return result.tensor
+
+    async def _send_received_set(self, peer: str, state: _ReduceState, received: frozenset) -> None:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self.config.agreement_timeout_s):
+                _, _reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer),
+                                                                                self._handler_name)
+                try:
+                    await write_message(writer, {"op": "received", "group_id": state.group.group_id,
+                                                 "senders": sorted(received)})
+                finally:
+                    writer.close()
+
+    async def _send_part(self, peer: str, group: Group, index: int, part: torch.Tensor, weight: float,
+                         record: RoundRecord, reply_deadline: float) -> torch.Tensor | None:
+        payload = self.codec.encode(part.contiguous())
+        try:
+            async with asyncio.timeout(max(0.1, reply_deadline - time.monotonic())):
+                self._fault("send", peer)
+                _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer),
+                                                                               self._handler_name)
+                try:
+                    record.bytes_sent += await write_message(writer, {
+                        "op": "part", "group_id": group.group_id, "index": index, "numel": part.numel(),
+                        "weight": weight, "codec": self.config.codec, "payload_bytes": len(payload)}, payload)
+                    reply = await read_header(reader)
+                    if reply.get("status") != "ok":
+                        raise ProtocolError("refused", str(reply.get("status"))[:100])
+                    size = _field(reply, "payload_bytes", int, low=0, high=2**31)
+                    if size != wire_bytes(self.codec, part.numel()):
+                        raise ProtocolError("bad size", f"{size} bytes")
+                    data = await read_payload(reader, size)
+                    record.bytes_received += size
+                    return self.codec.decode(data, numel=part.numel())
+                finally:
+                    writer.close()
+        except (ProtocolError, ValueError) as e:
+            self.rejected[getattr(e, "reason", "bad slice")] += 1
+            record.fail(peer, "gather", str(e)[:200])
+        except Exception as e:  # timeouts, resets, unreachable peers
+            record.fail(peer, "gather", f"{type(e).__name__}: {e}"[:200])
+        return None
+
+    # ------------------------------------------------------------------------------------ server side
+    async def _handle_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = str(info.peer_id)
+        try:
+            header = await asyncio.wait_for(read_header(reader), self.config.sender_timeout_s)
+            op = header.get("op")
+            if op == "join":
+                await self._serve_join(peer, header, writer)
+            elif op == "part":
+                await self._serve_part(peer, header, reader, writer)
+            elif op == "received":
+                await self._serve_received(peer, header)
+            else:
+                raise ProtocolError("unknown op", str(op)[:30])
+        except ProtocolError as e:
+            self.rejected[e.reason] += 1
+            logger.info(f"rejected a stream from {peer}: {e}")
+            with contextlib.suppress(Exception):
+                await write_message(writer, {"status": e.reason})
+        except (asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
+            logger.debug(f"stream from {peer} ended: {e!r}")
+        except Exception as e:  # never let a peer's bytes crash the server
+            self.rejected["internal error"] += 1
+            logger.warning(f"error while serving {peer}: {e!r}")
+        finally:
+            writer.close()
+
+    async def _find_state(self, group_id: str) -> _ReduceState:
+        deadline = time.monotonic() + self.config.join_timeout_s
+        while (state := self._states.get(group_id)) is None:  # the part may race our own matchmaking
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ProtocolError("unknown group", group_id[:20])
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._state_added.wait(), remaining)
+        return state
+
+    async def _serve_received(self, peer: str, header: dict) -> None:
+        state = await self._find_state(_field(header, "group_id", str))
+        senders = _field(header, "senders", list)
+        if peer not in state.group.members or not all(isinstance(s, str) for s in senders):
+            raise ProtocolError("not a member", peer)
+        state.received_sets[peer] = frozenset(senders) & frozenset(state.group.members)
+        if set(state.received_sets) >= set(state.group.members):
+            state.all_sets.set()
+
+    async def _serve_part(self, peer: str, header: dict, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter) -> None:
+        state = await self._find_state(_field(header, "group_id", str))
+        if peer not in state.group.members:
+            raise ProtocolError("not a member", peer)
+        if _field(header, "index", int) != state.my_index or _field(header, "numel", int) != state.numel:
+            raise ProtocolError("wrong slice", f"index {header.get('index')}, numel {header.get('numel')}")
+        if header.get("codec") != self.config.codec:
+            raise ProtocolError("wrong codec", str(header.get("codec"))[:20])
+        weight = header.get("weight")
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool):
+            raise ProtocolError("malformed header", "weight")
+        size = _field(header, "payload_bytes", int, low=0, high=2**31)
+        if size != wire_bytes(self.codec, state.numel):
+            raise ProtocolError("bad size", f"{size} bytes")
+        payload = await asyncio.wait_for(read_payload(reader, size),
+                                         max(0.01, state.sender_deadline - time.monotonic()))
+        try:
+            part = self.codec.decode(payload, numel=state.numel)
+        except ValueError as e:
+            raise ProtocolError("undecodable part", str(e)[:100]) from None
+        if time.monotonic() > state.sender_deadline or state.all_parts.is_set() and peer not in state.parts:
+            raise ProtocolError("late part", peer)
+        state.parts[peer] = Contribution(sender=peer, tensor=part, weight=float(weight))
+        if set(state.parts) >= set(state.group.members):
+            state.all_parts.set()
+        result = await asyncio.wait_for(asyncio.shield(state.result), self.config.reducer_timeout_s)
+        if result is None or peer not in result.included:
+            await write_message(writer, {"status": "excluded"})
+            return
+        payload = self.codec.encode(result.tensor.contiguous())
+        await write_message(writer, {"status": "ok", "payload_bytes": len(payload)}, payload)
+
+
+def _derive_id(seed: str, members: tuple[str, ...]) -> str:
+    return hashlib.sha256((seed + "|" + ",".join(members)).encode()).hexdigest()[:32]
