@@ -33,13 +33,14 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import hivemind
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import PeerID
+from hivemind.utils.timed_storage import get_dht_time
 
 from averaging.aggregation import Contribution, aggregate
 from averaging.compression import get_codec, wire_bytes
@@ -163,8 +164,8 @@ class _Lobby:
     final: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
-FaultHook = Callable[[str, str], None]
-"""Called with (phase, peer) at fault-injection points; tests make it raise or stall."""
+FaultHook = Callable[[int, str, str], Awaitable[None] | None]
+"""Called with (round, phase, peer) at fault-injection points; tests make it crash, stall or corrupt."""
 
 
 class GroupAverager:
@@ -183,6 +184,7 @@ class GroupAverager:
         self._bandwidth_mbps = bandwidth_mbps or (lambda: None)
         self.rejected: Counter = Counter()
         self.fault_hook: FaultHook | None = None
+        self._dead = False
         self._rounds = 0
         self._states: dict[str, _ReduceState] = {}
         self._state_added: asyncio.Event | None = None
@@ -221,15 +223,25 @@ class GroupAverager:
     def _handler_name(self) -> str:
         return f"swarm.avg.v1.{self.prefix}"
 
+    async def crash(self) -> None:
+        """Fault injection: vanish at once, as a killed process would (streams drop, nothing answers)."""
+        self._dead = True
+        with contextlib.suppress(Exception):
+            await self._p2p.remove_binary_stream_handler(self._handler_name)
+        with contextlib.suppress(Exception):
+            await self._p2p.shutdown()
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop serving and leave. Idempotent."""
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(timeout=timeout_s)
 
-    def _fault(self, phase: str, peer: str = "") -> None:
+    async def _fault(self, phase: str, peer: str = "") -> None:
         if self.fault_hook is not None:
-            self.fault_hook(phase, peer)
+            outcome = self.fault_hook(self._rounds, phase, peer)
+            if asyncio.iscoroutine(outcome):
+                await outcome
 
     # ------------------------------------------------------------------------------------ step
     def step(self, tensor: torch.Tensor, *, weight: float, gather: Any = None,
@@ -260,7 +272,8 @@ class GroupAverager:
         group: Group | None = None
         try:
             while group is None and time.monotonic() + self.config.matchmaking_time_s < deadline:
-                group = await self._form_group(gather, record, deadline)
+                suspects = {f["peer"] for f in record.failures}  # a peer that failed us is not drawn again
+                group = await self._form_group(gather, record, deadline, suspects)
             record.phase_s["matchmaking"] = time.monotonic() - started
             if group is None:
                 return None, None
@@ -283,12 +296,13 @@ class GroupAverager:
             record.phase_s["total"] = time.monotonic() - started
 
     # ------------------------------------------------------------------------------------ matchmaking
-    async def _form_group(self, gather: Any, record: RoundRecord, deadline: float) -> Group | None:
+    async def _form_group(self, gather: Any, record: RoundRecord, deadline: float,
+                          suspects: set[str]) -> Group | None:
         cfg = self.config
         key = f"{self.prefix}.mm"
         looking_since = time.time()
         my_class = bandwidth_class(self._bandwidth_mbps())
-        expiration = hivemind.get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s
+        expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s
         await self.dht.store(key, {"t": looking_since, "c": my_class}, expiration_time=expiration,
                              subkey=self.peer_id, return_future=True)
         await asyncio.sleep(cfg.matchmaking_time_s)  # the gathering window itself, not a synchronisation
@@ -297,12 +311,14 @@ class GroupAverager:
         if found is not None and isinstance(found.value, dict):
             for subkey, item in found.value.items():
                 value = getattr(item, "value", None)
-                if isinstance(subkey, str) and isinstance(value, dict) and isinstance(value.get("c"), int):
+                if (isinstance(subkey, str) and subkey not in suspects and isinstance(value, dict)
+                        and isinstance(value.get("c"), int) and len(candidates) < 4 * _MAX_MEMBERS):
                     candidates.setdefault(subkey, value["c"])
         chunk = next(c for c in draw_groups(candidates, cfg.target_group_size, cfg.min_group_size)
                      if self.peer_id in c)
         if len(chunk) < cfg.min_group_size:
             return None
+        await self._fault("matchmaking", self.peer_id)
         leader = sorted(chunk)[0]
         join_deadline = min(deadline, time.monotonic() + cfg.join_timeout_s)
         if leader == self.peer_id:
@@ -337,8 +353,7 @@ class GroupAverager:
     async def _follow(self, leader: str, gather: Any, record: RoundRecord, join_deadline: float) -> Group | None:
         try:
             async with asyncio.timeout(max(0.1, join_deadline - time.monotonic() + 1.0)):
-                _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(leader),
-                                                                               self._handler_name)
+                _, reader, writer = await self._open(leader)
                 try:
                     record.bytes_sent += await write_message(writer, {"op": "join", "gather": gather})
                     reply = await read_header(reader)
@@ -432,11 +447,16 @@ class GroupAverager:
         await asyncio.gather(*(self._send_received_set(peer, state, mine) for peer in others))
         if set(state.received_sets) >= expected:
             state.all_sets.set()
+        # a reducer that already has every part must still wait for those that wait out the sender
+        # deadline; a reducer whose list never comes is dead, and its slice is lost anyway
+        agreement_deadline = state.sender_deadline + self.config.agreement_timeout_s
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(state.all_sets.wait(), self.config.agreement_timeout_s)
+            await asyncio.wait_for(state.all_sets.wait(), max(0.0, agreement_deadline - time.monotonic()))
         survivors = frozenset.intersection(*state.received_sets.values())
+        logger.debug(f"{self.peer_id[-6:]} group {state.group.group_id[:6]}: received sets "
+                     f"{ {k[-6:]: sorted(x[-6:] for x in v) for k, v in state.received_sets.items()} }")
         record.phase_s["agreement"] = time.monotonic() - started
-        self._fault("reduce", self.peer_id)
+        await self._fault("reduce", self.peer_id)
         contributions = [state.parts[s] for s in sorted(survivors)]
         try:
             result = aggregate(contributions, numel=state.numel, aggregator=self.config.aggregator,
@@ -455,8 +475,7 @@ class GroupAverager:
     async def _send_received_set(self, peer: str, state: _ReduceState, received: frozenset) -> None:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self.config.agreement_timeout_s):
-                _, _reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer),
-                                                                                self._handler_name)
+                _, _reader, writer = await self._open(peer)
                 try:
                     await write_message(writer, {"op": "received", "group_id": state.group.group_id,
                                                  "senders": sorted(received)})
@@ -468,9 +487,8 @@ class GroupAverager:
         payload = self.codec.encode(part.contiguous())
         try:
             async with asyncio.timeout(max(0.1, reply_deadline - time.monotonic())):
-                self._fault("send", peer)
-                _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer),
-                                                                               self._handler_name)
+                await self._fault("send", peer)
+                _, reader, writer = await self._open(peer)
                 try:
                     record.bytes_sent += await write_message(writer, {
                         "op": "part", "group_id": group.group_id, "index": index, "numel": part.numel(),
@@ -493,9 +511,17 @@ class GroupAverager:
             record.fail(peer, "gather", f"{type(e).__name__}: {e}"[:200])
         return None
 
+    async def _open(self, peer: str) -> Any:
+        if self._dead:
+            raise ConnectionError("this peer has crashed (fault injection)")
+        return await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._handler_name)
+
     # ------------------------------------------------------------------------------------ server side
     async def _handle_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(info.peer_id)
+        if self._dead:
+            writer.close()
+            return
         try:
             header = await asyncio.wait_for(read_header(reader), self.config.sender_timeout_s)
             op = header.get("op")
@@ -514,6 +540,9 @@ class GroupAverager:
                 await write_message(writer, {"status": e.reason})
         except (asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
             logger.debug(f"stream from {peer} ended: {e!r}")
+        except asyncio.CancelledError:
+            # shutting down: hivemind's stream callback would log a cancelled handler as an error
+            logger.debug(f"stream from {peer} cancelled at shutdown")
         except Exception as e:  # never let a peer's bytes crash the server
             self.rejected["internal error"] += 1
             logger.warning(f"error while serving {peer}: {e!r}")
@@ -521,7 +550,8 @@ class GroupAverager:
             writer.close()
 
     async def _find_state(self, group_id: str) -> _ReduceState:
-        deadline = time.monotonic() + self.config.join_timeout_s
+        # a peer may start an attempt (or a retry) while this one is still finishing the previous one
+        deadline = time.monotonic() + self.config.sender_timeout_s + self.config.agreement_timeout_s
         while (state := self._states.get(group_id)) is None:  # the part may race our own matchmaking
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -560,14 +590,18 @@ class GroupAverager:
             part = self.codec.decode(payload, numel=state.numel)
         except ValueError as e:
             raise ProtocolError("undecodable part", str(e)[:100]) from None
-        if time.monotonic() > state.sender_deadline or state.all_parts.is_set() and peer not in state.parts:
-            raise ProtocolError("late part", peer)
+        if time.monotonic() > state.sender_deadline or self.peer_id in state.received_sets:
+            raise ProtocolError("late part", peer)  # this reducer already closed its list of senders
+        if peer in state.parts:
+            raise ProtocolError("duplicate part", peer)
         state.parts[peer] = Contribution(sender=peer, tensor=part, weight=float(weight))
         if set(state.parts) >= set(state.group.members):
             state.all_parts.set()
         result = await asyncio.wait_for(asyncio.shield(state.result), self.config.reducer_timeout_s)
-        if result is None or peer not in result.included:
-            await write_message(writer, {"status": "excluded"})
+        if self._dead:
+            return  # a crashed peer answers nothing, not even on streams opened before it died
+        if result is None:
+            await write_message(writer, {"status": "slice failed"})
             return
         payload = self.codec.encode(result.tensor.contiguous())
         await write_message(writer, {"status": "ok", "payload_bytes": len(payload)}, payload)

@@ -30,8 +30,13 @@ from averaging.compression import (
 CODECS: list[Codec] = [get_codec(name) for name in CODEC_NAMES] + [Int8Codec(blocksize=64)]
 CODEC_IDS = [f"{codec.name}-{getattr(codec, 'blocksize', '')}".rstrip("-") for codec in CODECS]
 LENGTHS = [0, 1, 7, 63, 65, 4095, 4096, 4097, 10**5 + 3]
-FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 
 
 @pytest.fixture(params=CODECS, ids=CODEC_IDS)
@@ -174,8 +179,11 @@ def test_decode_random_bytes_only_raises_value_error(codec: Codec, data: bytes, 
     _decode_or_value_error(codec, data, numel=numel)
 
 
-@given(positions=st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=4),
-       replacement=st.binary(min_size=1, max_size=4), numel=st.sampled_from([1, 64, 65, 300]))
+@given(
+    positions=st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=4),
+    replacement=st.binary(min_size=1, max_size=4),
+    numel=st.sampled_from([1, 64, 65, 300]),
+)
 @FUZZ
 def test_decode_corrupted_messages_only_raise_value_error(
     codec: Codec, positions: list[int], replacement: bytes, numel: int

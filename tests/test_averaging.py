@@ -1,0 +1,213 @@
+"""Group averaging on real hivemind DHTs and P2P streams, compared with single-process references.
+
+Faults are injected keyed by (peer, round, phase) through averaging.faults.FaultInjector; every test
+asserts both the outcome and that its fault fired. Seeded; the seed is in every assertion message.
+"""
+
+import itertools
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from averaging.compression import get_codec
+from averaging.config import AveragingConfig
+from averaging.faults import Crashed, FaultInjector
+from averaging.group import GroupAverager, draw_groups, slice_bounds
+from bootstrap import start_dht, stop_dht, visible_maddrs
+
+NUM_PEERS = 4
+SEED = 1234
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def dhts():
+    nodes = [start_dht(host_maddrs=LOOPBACK, nat_port_map=False)]
+    try:
+        initial = visible_maddrs(nodes[0])
+        nodes += [start_dht(initial, host_maddrs=LOOPBACK, nat_port_map=False) for _ in range(NUM_PEERS - 1)]
+        yield nodes
+    finally:
+        for node in nodes:
+            stop_dht(node)
+
+
+@pytest.fixture
+def make_group(dhts):
+    made = []
+
+    def make(**config):
+        cfg = AveragingConfig(**{"matchmaking_time_s": 1.0, "sender_timeout_s": 4.0, "reducer_timeout_s": 8.0,
+                                 "agreement_timeout_s": 2.0, "round_timeout_s": 30.0, **config})
+        prefix = f"test{next(_prefixes)}"
+        averagers = [GroupAverager(dht, prefix=prefix, config=cfg) for dht in dhts]
+        made.extend(averagers)
+        return averagers
+    yield make
+    for averager in made:
+        averager.close()
+
+
+def _inputs(numel=10_003, scale=1.0):
+    generator = torch.Generator().manual_seed(SEED)
+    return [scale * torch.randn(numel, generator=generator) for _ in range(NUM_PEERS)], [1.0, 2.0, 3.0, 4.0]
+
+
+def _run(averagers, tensors, weights, *, timeout_s=40.0):
+    """All peers step at once; a crashed peer's step raises Crashed, reported as None."""
+    def one(i):
+        try:
+            return averagers[i].step(tensors[i], weight=weights[i], gather={"i": i}, timeout_s=timeout_s)
+        except Crashed:
+            return None
+    with ThreadPoolExecutor(len(averagers)) as pool:
+        return list(pool.map(one, range(len(averagers))))
+
+
+def _weighted_mean(tensors, weights, members):
+    total = sum(weights[i] for i in members)
+    return sum(weights[i] * tensors[i] for i in members) / total
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("aggregator", ["mean", "centered_clip", "trimmed_mean"])
+def test_fp32_round_equals_the_weighted_mean(make_group, aggregator):
+    tensors, weights = _inputs()
+    averagers = make_group(aggregator=aggregator)
+    results = _run(averagers, tensors, weights)
+    reference = _weighted_mean(tensors, weights, range(NUM_PEERS))
+    for i, (out, record, group) in enumerate(results):
+        assert record.outcome == "ok" and len(group.members) == NUM_PEERS, (SEED, record.to_dict())
+        if aggregator != "trimmed_mean":  # trimmed mean is robust, not the mean, by design
+            err = (out - reference).abs().max().item()
+            assert err < 1e-5, f"seed {SEED}, peer {i}: max abs error {err:.3g}"
+        assert record.bytes_sent > 0 and record.phase_s["allreduce"] > 0
+        assert {g["i"] for g in group.gathered.values()} == set(range(NUM_PEERS))
+    assert all(torch.equal(results[0][0], r[0]) for r in results), "every member must hold the same result"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("codec", ["fp16", "int8"])
+def test_compressed_rounds_stay_within_the_codec_bound(make_group, codec):
+    tensors, weights = _inputs()
+    results = _run(make_group(codec=codec, aggregator="mean"), tensors, weights)
+    reference = _weighted_mean(tensors, weights, range(NUM_PEERS))
+    # each value crosses the wire twice (part up, averaged slice down): twice the codec's bound
+    bound = 2 * max(get_codec(codec).max_abs_error(t) for t in tensors + [reference]) + 1e-6
+    fp32_bytes = 4 * tensors[0].numel() * 2 * (NUM_PEERS - 1) / NUM_PEERS
+    for out, record, _ in results:
+        err = (out - reference).abs().max().item()
+        assert err <= bound, f"seed {SEED}: {codec} error {err:.3g} above the bound {bound:.3g}"
+        if codec == "int8":
+            assert record.bytes_sent < 0.3 * fp32_bytes, record.bytes_sent
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("phase", ["matchmaking", "send", "reduce"])
+def test_a_crashed_peer_never_hangs_the_survivors(make_group, phase):
+    """TESTMATRIX rows 1-3: the survivors average exactly their own contributions, within the deadline."""
+    tensors, weights = _inputs()
+    averagers = make_group(aggregator="mean")
+    faults = FaultInjector()
+    for i, averager in enumerate(averagers):
+        faults.attach(averager, f"peer{i}")
+    faults.add("peer3", 1, phase, "crash")
+    started = time.monotonic()
+    results = _run(averagers, tensors, weights)
+    elapsed = time.monotonic() - started
+    assert faults.fired[("peer3", 1, phase, "crash")] == 1, faults.fired
+    assert results[3] is None or results[3][0] is None, "the crashed peer has no result"
+    survivors = [0, 1, 2]
+    reference = _weighted_mean(tensors, weights, survivors)
+    for i in survivors:
+        out, record, group = results[i]
+        assert out is not None, f"seed {SEED}: peer {i} failed: {record.to_dict()}"
+        assert set(record.included) == {averagers[j].peer_id for j in survivors}, record.to_dict()
+        assert (out - reference).abs().max().item() < 1e-5, f"seed {SEED}, peer {i}"
+        assert record.outcome in ("ok", "partial", "retried"), record.outcome
+        if phase != "matchmaking":
+            assert record.failures, "the crash must be on the record"
+    assert elapsed < 30, f"took {elapsed:.1f}s"
+
+
+@pytest.mark.timeout(120)
+def test_a_straggler_is_dropped_at_its_deadline(make_group):
+    """TESTMATRIX row 4: one peer goes silent while sending; the round ends by the sender deadline."""
+    tensors, weights = _inputs()
+    averagers = make_group(aggregator="mean", sender_timeout_s=3.0)
+    faults = FaultInjector(stall_s=60)
+    for i, averager in enumerate(averagers):
+        faults.attach(averager, f"peer{i}")
+    faults.add("peer3", 1, "send", "stall", times=NUM_PEERS)
+    started = time.monotonic()
+    results = _run(averagers, tensors, weights, timeout_s=20)
+    assert faults.fired[("peer3", 1, "send", "stall")] >= 1
+    reference = _weighted_mean(tensors, weights, [0, 1, 2])
+    for i in range(3):
+        out, record, _ = results[i]
+        assert out is not None and (out - reference).abs().max().item() < 1e-5, record.to_dict()
+        assert record.outcome in ("partial", "retried"), record.outcome
+        assert any(f["peer"] == averagers[3].peer_id for f in record.failures)
+    survivors_done = max(results[i][1].phase_s["total"] for i in range(3))
+    assert survivors_done < 3.0 + 1.0 + 8.0 + 5.0, f"survivors took {survivors_done:.1f}s"
+    assert time.monotonic() - started < 40
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("attack", ["sign_flip_x10", "huge_values"])
+def test_byzantine_update_is_contained_by_the_robust_rule_not_by_the_mean(make_group, attack):
+    """TESTMATRIX row 9 with a negative control: the same attack moves the plain mean far away."""
+    generator = torch.Generator().manual_seed(SEED)
+    center = torch.randn(20_000, generator=generator)
+    honest = [center + 0.01 * torch.randn(20_000, generator=generator) for _ in range(3)]
+    bad = -10 * center if attack == "sign_flip_x10" else 1e6 * torch.randn(20_000, generator=generator)
+    tensors, weights = [*honest, bad], [1.0, 1.0, 1.0, 1.0]
+    honest_mean = sum(honest) / 3
+    errors = {}
+    for aggregator in ("mean", "centered_clip"):
+        results = _run(make_group(aggregator=aggregator), tensors, weights)
+        out = results[0][0]
+        errors[aggregator] = ((out - honest_mean).norm() / honest_mean.norm()).item()
+    assert errors["mean"] > 0.5, f"seed {SEED}: the attack did not hurt the plain mean ({errors})"
+    assert errors["centered_clip"] < 0.05, f"seed {SEED}: CenteredClip was moved ({errors})"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bad_weight", [float("nan"), -1.0, 1e30])
+def test_a_poisoned_weight_is_rejected_and_the_sender_dropped(make_group, bad_weight):
+    """TESTMATRIX row 10: the weight check happens at every reducer, not only at the honest sender."""
+    tensors, weights = _inputs()
+    averagers = make_group(aggregator="mean")
+    # the attacker's own averager skips its local check (a malicious peer runs whatever code it likes)
+    attacker = averagers[3]
+    original_step = attacker._step
+
+    async def lying_step(tensor, weight, gather, record, deadline):
+        return await original_step(tensor, bad_weight, gather, record, deadline)
+    attacker._step = lying_step
+    results = _run(averagers, tensors, weights)
+    reference = _weighted_mean(tensors, weights, [0, 1, 2])
+    for i in range(3):
+        out, record, _ = results[i]
+        assert out is not None, record.to_dict()
+        assert attacker.peer_id in record.rejected, record.to_dict()
+        assert (out - reference).abs().max().item() < 1e-5
+    assert sum(a.rejected.total() for a in averagers[:3]) >= 1 or all(
+        results[i][1].rejected for i in range(3))
+
+
+def test_group_drawing_is_deterministic_bounded_and_bandwidth_aware():
+    peers = {f"p{i:02d}": (1 if i < 6 else 3) for i in range(13)}
+    groups = draw_groups(peers, target_size=4, min_size=2)
+    assert groups == draw_groups(dict(reversed(list(peers.items()))), target_size=4, min_size=2)
+    assert sorted(p for g in groups for p in g) == sorted(peers)
+    assert all(2 <= len(g) <= 4 for g in groups)
+    slow = {p for p, c in peers.items() if c == 1}
+    mixed = [g for g in groups if set(g) & slow and set(g) - slow]
+    assert len(mixed) <= 1, f"fast and slow peers should be grouped apart: {groups}"
+    assert draw_groups({"a": 0, "b": 0, "c": 0}, target_size=2, min_size=2) == [
+        draw_groups({"a": 0, "b": 0, "c": 0}, target_size=2, min_size=2)[0]], "3 peers, min 2: one group of 3"
+    assert slice_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
