@@ -147,6 +147,7 @@ class _ReduceState:
     numel: int
     weight: float
     sender_deadline: float
+    codec: str
     parts: dict[str, Contribution] = field(default_factory=dict)
     all_parts: asyncio.Event = field(default_factory=asyncio.Event)
     received_sets: dict[str, frozenset] = field(default_factory=dict)
@@ -180,7 +181,6 @@ class GroupAverager:
                  bandwidth_mbps: Callable[[], float | None] | None = None, start_timeout_s: float = 30.0):
         self.dht, self.prefix = dht, prefix
         self.config = config or AveragingConfig()
-        self.codec = get_codec(self.config.codec)
         self._bandwidth_mbps = bandwidth_mbps or (lambda: None)
         self.rejected: Counter = Counter()
         self.fault_hook: FaultHook | None = None
@@ -265,6 +265,28 @@ class GroupAverager:
                 record.fail(self.peer_id, "round", "deadline passed")
                 result, group = None, None
             return result, record, group
+
+    def average_in_group(self, group: Group, tensor: torch.Tensor, *, weight: float, codec: str,
+                         timeout_s: float | None = None) -> tuple[torch.Tensor | None, RoundRecord]:
+        """A second all-reduce among the members of an already formed ``group`` (no matchmaking).
+
+        Every member must call it with the same group and codec; used, e.g., to average a second
+        tensor only when the group's gathered metadata shows it is needed.
+        """
+        timeout_s = timeout_s if timeout_s is not None else self.config.round_timeout_s
+        sub = Group(group_id=_derive_id(group.group_id, ("again",)), members=group.members, gathered=group.gathered)
+        with self._step_lock:
+            record = RoundRecord(round=self._rounds)
+            future = asyncio.run_coroutine_threadsafe(
+                self._allreduce(sub, tensor.detach().cpu().contiguous(), weight, record,
+                                time.monotonic() + timeout_s, codec), self._loop)
+            try:
+                result, _lost = future.result(timeout=timeout_s + 10)
+            except concurrent.futures.TimeoutError:
+                future.cancel()
+                result = None
+            record.outcome = "failed" if result is None else "ok"
+            return result, record
 
     async def _step(self, tensor: torch.Tensor, weight: float, gather: Any, record: RoundRecord,
                     deadline: float) -> tuple[torch.Tensor | None, Group | None]:
@@ -400,7 +422,7 @@ class GroupAverager:
 
     # ------------------------------------------------------------------------------------ all-reduce
     async def _allreduce(self, group: Group, tensor: torch.Tensor, weight: float, record: RoundRecord,
-                         deadline: float) -> tuple[torch.Tensor | None, set[str]]:
+                         deadline: float, codec: str | None = None) -> tuple[torch.Tensor | None, set[str]]:
         """One attempt; returns (result, lost) where lost names reducers whose slice never came back."""
         cfg = self.config
         started = time.monotonic()
@@ -408,7 +430,8 @@ class GroupAverager:
         bounds = slice_bounds(tensor.numel(), len(group.members))
         my_index = group.members.index(self.peer_id)
         lo, hi = bounds[my_index]
-        state = _ReduceState(group=group, my_index=my_index, numel=hi - lo, weight=weight,
+        codec = codec or cfg.codec
+        state = _ReduceState(group=group, my_index=my_index, numel=hi - lo, weight=weight, codec=codec,
                              sender_deadline=min(deadline, started + cfg.sender_timeout_s))
         state.parts[self.peer_id] = Contribution(sender=self.peer_id, tensor=tensor[lo:hi].clone(), weight=weight)
         self._states[group.group_id] = state
@@ -417,7 +440,8 @@ class GroupAverager:
         try:
             reduce_task = asyncio.create_task(self._reduce(state, record))
             send_tasks = {peer: asyncio.create_task(self._send_part(peer, group, i, tensor[a:b], weight, record,
-                                                                     min(deadline, started + cfg.reducer_timeout_s)))
+                                                                     min(deadline, started + cfg.reducer_timeout_s),
+                                                                     codec))
                           for i, (peer, (a, b)) in enumerate(zip(group.members, bounds)) if peer != self.peer_id}
             own = await reduce_task
             slices: dict[str, torch.Tensor | None] = {self.peer_id: own}
@@ -483,8 +507,9 @@ class GroupAverager:
                     writer.close()
 
     async def _send_part(self, peer: str, group: Group, index: int, part: torch.Tensor, weight: float,
-                         record: RoundRecord, reply_deadline: float) -> torch.Tensor | None:
-        payload = self.codec.encode(part.contiguous())
+                         record: RoundRecord, reply_deadline: float, codec_name: str) -> torch.Tensor | None:
+        codec = get_codec(codec_name)
+        payload = codec.encode(part.contiguous())
         try:
             async with asyncio.timeout(max(0.1, reply_deadline - time.monotonic())):
                 await self._fault("send", peer)
@@ -492,16 +517,16 @@ class GroupAverager:
                 try:
                     record.bytes_sent += await write_message(writer, {
                         "op": "part", "group_id": group.group_id, "index": index, "numel": part.numel(),
-                        "weight": weight, "codec": self.config.codec, "payload_bytes": len(payload)}, payload)
+                        "weight": weight, "codec": codec_name, "payload_bytes": len(payload)}, payload)
                     reply = await read_header(reader)
                     if reply.get("status") != "ok":
                         raise ProtocolError("refused", str(reply.get("status"))[:100])
                     size = _field(reply, "payload_bytes", int, low=0, high=2**31)
-                    if size != wire_bytes(self.codec, part.numel()):
+                    if size != wire_bytes(codec, part.numel()):
                         raise ProtocolError("bad size", f"{size} bytes")
                     data = await read_payload(reader, size)
                     record.bytes_received += size
-                    return self.codec.decode(data, numel=part.numel())
+                    return codec.decode(data, numel=part.numel())
                 finally:
                     writer.close()
         except (ProtocolError, ValueError) as e:
@@ -576,18 +601,19 @@ class GroupAverager:
             raise ProtocolError("not a member", peer)
         if _field(header, "index", int) != state.my_index or _field(header, "numel", int) != state.numel:
             raise ProtocolError("wrong slice", f"index {header.get('index')}, numel {header.get('numel')}")
-        if header.get("codec") != self.config.codec:
+        if header.get("codec") != state.codec:
             raise ProtocolError("wrong codec", str(header.get("codec"))[:20])
+        codec = get_codec(state.codec)
         weight = header.get("weight")
         if not isinstance(weight, (int, float)) or isinstance(weight, bool):
             raise ProtocolError("malformed header", "weight")
         size = _field(header, "payload_bytes", int, low=0, high=2**31)
-        if size != wire_bytes(self.codec, state.numel):
+        if size != wire_bytes(codec, state.numel):
             raise ProtocolError("bad size", f"{size} bytes")
         payload = await asyncio.wait_for(read_payload(reader, size),
                                          max(0.01, state.sender_deadline - time.monotonic()))
         try:
-            part = self.codec.decode(payload, numel=state.numel)
+            part = codec.decode(payload, numel=state.numel)
         except ValueError as e:
             raise ProtocolError("undecodable part", str(e)[:100]) from None
         if time.monotonic() > state.sender_deadline or self.peer_id in state.received_sets:
@@ -603,7 +629,7 @@ class GroupAverager:
         if result is None:
             await write_message(writer, {"status": "slice failed"})
             return
-        payload = self.codec.encode(result.tensor.contiguous())
+        payload = codec.encode(result.tensor.contiguous())
         await write_message(writer, {"status": "ok", "payload_bytes": len(payload)}, payload)
 
 

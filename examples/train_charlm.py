@@ -33,8 +33,10 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
+    # task_info tells the run which model this is, so peers building another model are refused
     trainer = swarm.Trainer(model, optimizer, run=args.run, initial_peers=args.initial_peers,
-                            sync_every=args.sync_every, host_maddrs=args.host_maddrs)
+                            sync_every=args.sync_every, host_maddrs=args.host_maddrs,
+                            task_info=swarm.TaskInfo.of(task, args.task_preset))
     try:
         batches = task.train_batches(shard_index=args.shard_index, num_shards=args.num_shards)
         for _ in range(args.max_steps):

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Identity", "RoundResult", "Trainer", "TrainerConfig"]
+__all__ = ["Identity", "RoundResult", "TaskInfo", "Trainer", "TrainerConfig"]
 __version__ = "0.1.0"
 
-_LAZY = {"Trainer": "swarm.trainer", "TrainerConfig": "swarm.trainer", "RoundResult": "swarm.trainer",
+_LAZY = {"Trainer": "swarm.trainer", "TrainerConfig": "swarm.trainer", "RoundResult": "swarm.trainer", "TaskInfo": "swarm.trainer",
          "Identity": "swarm.identity"}
 
 

@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 import math
 import os
@@ -183,8 +182,7 @@ class PeerRunner:
         started = time.time()
         self.events.emit("start", pid=os.getpid(), shard=self.shard_index, task=self.task.name,
                          params=sum(p.numel() for p in self.model.parameters()), device=str(self.device))
-        digest = hashlib.sha256(json.dumps(self.task.config_dict(), sort_keys=True).encode()).hexdigest()
-        task_info = TaskInfo(name=self.task.name, preset=self.config.task_preset, config_digest=digest)
+        task_info = TaskInfo.of(self.task, self.config.task_preset)
         self.trainer = Trainer(self.model, self.optimizer, config=self.trainer_config, identity=self.identity,
                                dht=self.dht, task_info=task_info)
         if self.config.dump_dir:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import re
 import signal
@@ -38,9 +39,10 @@ from typing import Any
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
-from hivemind.compression import Float16Compression, NoCompression
+from hivemind.compression import NoCompression
 from packaging.version import InvalidVersion, Version
 
+from averaging import AveragingConfig, GroupAverager, RoundRecord
 from bootstrap import start_reaper, stop_dht, visible_maddrs
 from peers import (
     MAX_LIFETIME_S,
@@ -64,7 +66,6 @@ from swarm.network import start_swarm_dht
 logger = logging.getLogger(__name__)
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_COMPRESSIONS = {"none": NoCompression, "fp16": Float16Compression}
 _STATE_FORMAT = 1
 
 
@@ -86,18 +87,19 @@ class TrainerConfig:
     """Largest averaging group."""
     min_group_size: int = 2
     """Smallest averaging group; with fewer peers a round is retried until averaging_timeout_s."""
-    matchmaking_time_s: float = 3.0
-    """How long a group leader gathers peers before the round starts."""
+    matchmaking_time_s: float = 2.0
+    """How long peers gather in the DHT before groups are drawn."""
     averaging_timeout_s: float = 30.0
-    """Deadline to find a group; a peer with no group by then applies its own update alone."""
-    request_timeout_s: float = 2.0
-    """Timeout of one matchmaking request (must be below matchmaking_time_s)."""
-    allreduce_timeout_s: float = 60.0
-    """Deadline of the all-reduce once the group is formed."""
-    chunk_timeout_s: float = 10.0
-    """A peer silent this long while sending or reducing is dropped from the round."""
-    compression: str = "none"
-    """Compression of averaged tensors on the wire: none (fp32) or fp16."""
+    """Deadline of a whole round (matchmaking, all-reduce, retries); with no group by then a peer
+    applies its own update alone."""
+    sender_timeout_s: float = 10.0
+    """A member whose part has not arrived this long after the group formed is dropped from the round."""
+    reducer_timeout_s: float = 20.0
+    """A member that has not returned its averaged slice by then fails the attempt (the group re-forms)."""
+    codec: str = "int8"
+    """Wire format of the averaged pseudo-gradients: fp32, fp16 or int8 (bitsandbytes blockwise 8-bit)."""
+    aggregator: str = "centered_clip"
+    """Robust rule for each slice: centered_clip, trimmed_mean or mean."""
     load_state: bool = True
     """Download the run's current state from a peer at start-up (a fresh run starts from the model as given)."""
     load_state_timeout_s: float = 60.0
@@ -132,30 +134,17 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.run, str) or not _RUN_NAME.match(self.run):
             raise ValueError(f"run must match {_RUN_NAME.pattern}, got {self.run!r}")
-        for name in ("sync_every", "target_group_size", "min_group_size"):
+        for name in ("sync_every",):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.min_group_size > self.target_group_size:
-            raise ValueError(
-                f"min_group_size ({self.min_group_size}) must not exceed target_group_size ({self.target_group_size})"
-            )
         if not 0 < self.outer_lr <= 10:
             raise ValueError(f"outer_lr must be in (0, 10], got {self.outer_lr!r}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
-        for name in ("matchmaking_time_s", "averaging_timeout_s", "request_timeout_s", "allreduce_timeout_s",
-                     "chunk_timeout_s", "load_state_timeout_s", "connect_timeout_s"):
+        for name in ("load_state_timeout_s", "connect_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.request_timeout_s >= self.matchmaking_time_s:
-            raise ValueError(
-                f"request_timeout_s ({self.request_timeout_s}) must be below matchmaking_time_s "
-                f"({self.matchmaking_time_s}); hivemind can deadlock otherwise"
-            )
-        if self.averaging_timeout_s <= self.matchmaking_time_s:
-            raise ValueError(f"averaging_timeout_s must exceed matchmaking_time_s, got {self.averaging_timeout_s!r}")
-        if self.compression not in _COMPRESSIONS:
-            raise ValueError(f"compression must be one of {sorted(_COMPRESSIONS)}, got {self.compression!r}")
+        self.averaging_config()  # validates the averaging fields
         if not 0 < self.record_refresh_s < self.record_expiry_s <= MAX_LIFETIME_S:
             raise ValueError(f"need 0 < record_refresh_s < record_expiry_s <= {MAX_LIFETIME_S}, got "
                              f"{self.record_refresh_s!r} and {self.record_expiry_s!r}")
@@ -184,6 +173,13 @@ class TrainerConfig:
         except ValueError:
             raise ValueError(f"available_until must be an ISO-8601 time or unix seconds, got {text!r}") from None
 
+    def averaging_config(self) -> AveragingConfig:
+        return AveragingConfig(
+            min_group_size=self.min_group_size, target_group_size=self.target_group_size,
+            matchmaking_time_s=self.matchmaking_time_s, join_timeout_s=5.0, sender_timeout_s=self.sender_timeout_s,
+            reducer_timeout_s=self.reducer_timeout_s, agreement_timeout_s=5.0,
+            round_timeout_s=self.averaging_timeout_s, codec=self.codec, aggregator=self.aggregator, max_weight=1e9)
+
     def requirements(self) -> Requirements:
         return Requirements(min_memory_bytes=int(self.require_memory_gb * 2**30), dtype=self.require_dtype,
                             min_swarm_version=self.require_swarm_version,
@@ -200,6 +196,12 @@ class TaskInfo:
     """Size preset of a registry task."""
     config_digest: str = ""
     """SHA-256 hex of the model's configuration; empty: derived from parameter names and shapes."""
+
+    @classmethod
+    def of(cls, task: Any, preset: str) -> TaskInfo:
+        """The TaskInfo of a registry task (swarm.tasks), as swarm.peer advertises it."""
+        digest = hashlib.sha256(json.dumps(task.config_dict(), sort_keys=True).encode()).hexdigest()
+        return cls(name=task.name, preset=preset, config_digest=digest)
 
 
 class RunMismatch(ValueError):
@@ -220,6 +222,8 @@ class RoundResult:
     """Wall time of matchmaking plus all-reduce."""
     rejected: tuple[str, ...] = ()
     """Group members whose gathered metadata failed validation."""
+    record: RoundRecord | None = None
+    """The averaging round's record: members, bytes, phase times, failures, outcome."""
 
 
 @dataclass(slots=True)
@@ -289,6 +293,7 @@ class Trainer:
         self._outer_optimizer = self._make_outer_optimizer(self._global)
         self.task_info = _with_digest(task_info or TaskInfo(), self._names, self._global)
         self.advertiser: Advertiser | None = None
+        self.group_averager: GroupAverager | None = None
         self.prober: BandwidthProber | None = None
         self._closing = threading.Event()
         self._probe_thread: threading.Thread | None = None
@@ -307,6 +312,9 @@ class Trainer:
             self.device = self._params[0].device
             self.requirements = self._check_run(self.graph)
             self.averager = self._make_averager()
+            self.group_averager = GroupAverager(self.dht, prefix=f"swarm_{config.run}",
+                                                config=config.averaging_config(),
+                                                bandwidth_mbps=self._bandwidth_mbps)
             self._start_advertising()
             if config.load_state:
                 self.load_state_from_peers(timeout_s=config.load_state_timeout_s)
@@ -401,25 +409,13 @@ class Trainer:
                 signal.signal(signal.SIGINT, sigint_handler)
 
     def _new_averager(self) -> DecentralizedAverager:
-        cfg = self.config
+        # hivemind's averager serves only the state download here (until signed manifests replace
+        # it); averaging itself goes through our GroupAverager
         return _StateSharingAverager(
-            [torch.zeros_like(t) for t in self._global],
-            self.dht,
-            start=True,
-            prefix=f"swarm_{cfg.run}_avg",
-            target_group_size=cfg.target_group_size,
-            min_group_size=cfg.min_group_size,
-            min_matchmaking_time=cfg.matchmaking_time_s,
-            request_timeout=cfg.request_timeout_s,
-            allreduce_timeout=cfg.allreduce_timeout_s,
-            next_chunk_timeout=cfg.chunk_timeout_s,
-            sender_timeout=cfg.chunk_timeout_s,
-            reducer_timeout=2 * cfg.chunk_timeout_s,
-            compression=_COMPRESSIONS[cfg.compression](),
-            state_compression=NoCompression(),
-            declare_state_period=10.0,
-            shutdown_timeout=5.0,
-            state_fn=self._current_state,
+            [torch.zeros(1)], self.dht, start=True, prefix=f"swarm_{self.config.run}_state",
+            target_group_size=2, min_matchmaking_time=5.0, request_timeout=3.0, allreduce_timeout=10.0,
+            next_chunk_timeout=30.0, sender_timeout=10.0, reducer_timeout=10.0, state_compression=NoCompression(),
+            declare_state_period=10.0, shutdown_timeout=5.0, state_fn=self._current_state,
         )
 
     def _performance(self) -> Performance:
@@ -431,6 +427,11 @@ class Trainer:
         return Performance(samples_per_s_milli=int(self.samples_per_s * 1000),
                            upload_kbps=scaled("upload_mbps", 1000), download_kbps=scaled("download_mbps", 1000),
                            rtt_us=scaled("rtt_ms", 1000))
+
+    def _bandwidth_mbps(self) -> float | None:
+        measured = self.prober.summary() if self.prober is not None else {}
+        up, down = measured.get("upload_mbps"), measured.get("download_mbps")
+        return None if up is None or down is None else min(up, down)
 
     # ----------------------------------------------------------------------------------------- training
     def step(self, *, num_samples: int = 1) -> RoundResult | None:
@@ -447,7 +448,11 @@ class Trainer:
         return None
 
     def sync(self) -> RoundResult:
-        """Average with a group now and apply the outer step. Never blocks past the configured deadlines."""
+        """Average pseudo-gradients with a group now and apply the outer step.
+
+        Never blocks past ``averaging_timeout_s`` (plus a second all-reduce of the bases when group
+        members disagree on them, which pulls diverged bases together).
+        """
         cfg = self.config
         started = time.perf_counter()
         self.samples_per_s = self._samples_since_sync / max(started - self._last_sync_end, 1e-9)
@@ -455,38 +460,49 @@ class Trainer:
         local = [p.detach().to("cpu", torch.float32) for p in self._params]
         for hook in self.before_sync:
             hook(self.round, local)
-        with self.averager.get_tensors() as tensors:
-            for dst, src in zip(tensors, local):
-                dst.copy_(src)
-        gather = {"round": self.round, "samples": int(self._samples_since_sync), "binding": self.binding.to_dict()}
+        with self._state_lock:
+            base = torch.cat([b.reshape(-1) for b in self._global])
+        delta = base - torch.cat([t.reshape(-1) for t in local])
+        gather = {"round": self.round, "samples": int(self._samples_since_sync), "binding": self.binding.to_dict(),
+                  "base": hashlib.sha256(base.numpy().tobytes()).hexdigest()[:32]}
         try:
-            gathered = self.averager.step(
-                gather=gather, weight=weight, timeout=cfg.averaging_timeout_s,
-                allow_retries=True,
-            )
+            averaged, record, group = self.group_averager.step(delta, weight=weight, gather=gather,
+                                                               timeout_s=cfg.averaging_timeout_s)
         except Exception as e:  # a failed round must not kill training; the update is applied alone
             logger.warning(f"averaging round failed: {e!r}; applying this peer's update alone")
-            gathered = None
+            averaged, record, group = None, None, None
         rejected: tuple[str, ...] = ()
-        if gathered:
-            with self.averager.get_tensors() as tensors:
-                averaged = [t.clone() for t in tensors]
-            rejected = self._check_gathered(gathered)
-            group_rounds = [g.get("round") for g in gathered.values() if isinstance(g, dict)]
-            next_round = 1 + max([self.round] + [r for r in group_rounds if isinstance(r, int) and r >= 0])
+        new_base = None
+        if averaged is not None and group is not None:
+            rejected = self._check_gathered(group.gathered)
+            new_base = self._agree_on_base(group, base)
+            rounds = [g.get("round") for g in group.gathered.values() if isinstance(g, dict)]
+            next_round = 1 + max([self.round] + [r for r in rounds if isinstance(r, int) and 0 <= r < 2**62])
             self.counters.rounds_ok += 1
         else:
-            averaged, next_round = local, self.round + 1
+            averaged, next_round = delta, self.round + 1
             self.counters.rounds_solo += 1
-        self._apply_outer_step(averaged, next_round=next_round)
+        self._apply_outer_step(averaged, next_round=next_round, new_base=new_base)
         self._samples_since_sync = 0
         self.last_round = RoundResult(
-            round=self.round, group_size=len(gathered) if gathered else 1, weight=weight,
-            duration_s=time.perf_counter() - started, rejected=rejected,
+            round=self.round, group_size=len(group.members) if averaged is not delta and group else 1,
+            weight=weight, duration_s=time.perf_counter() - started, rejected=rejected, record=record,
         )
         self.averager.state_sharing_priority = float(self.round)
         self._last_sync_end = time.perf_counter()
         return self.last_round
+
+    def _agree_on_base(self, group: Any, base: torch.Tensor) -> torch.Tensor | None:
+        """When members hold different global parameters (after a missed round, or groups that went
+        separate ways), average those too, in fp32, so the swarm converges to one model."""
+        digests = {g.get("base") for g in group.gathered.values() if isinstance(g, dict)}
+        if len(digests) <= 1:
+            return None
+        averaged, record = self.group_averager.average_in_group(group, base, weight=1.0, codec="fp32",
+                                                                timeout_s=self.config.averaging_timeout_s)
+        if averaged is None:
+            logger.info(f"round {self.round}: could not average the diverged bases: {record.failures[:3]}")
+        return averaged
 
     def _check_gathered(self, gathered: dict) -> tuple[str, ...]:
         """Validate what each group member sent alongside its tensors; log and count what fails."""
@@ -499,10 +515,16 @@ class Trainer:
                 logger.warning(f"round {self.round}: rejected metadata from {peer_id}: {reason}")
         return tuple(rejected)
 
-    def _apply_outer_step(self, averaged: Sequence[torch.Tensor], *, next_round: int) -> None:
+    def _apply_outer_step(self, delta: torch.Tensor, *, next_round: int, new_base: torch.Tensor | None = None) -> None:
+        """base <- outer_optimizer(base, grad=delta): the averaged pseudo-gradient (flat, fp32)."""
         with self._state_lock:
-            for base, avg in zip(self._global, averaged):
-                base.grad = base - avg
+            offset = 0
+            for param in self._global:
+                numel = param.numel()
+                if new_base is not None:
+                    param.copy_(new_base[offset:offset + numel].view_as(param))
+                param.grad = delta[offset:offset + numel].view_as(param).clone()
+                offset += numel
             self._outer_optimizer.step()
             self._outer_optimizer.zero_grad(set_to_none=True)
             self._copy_global_to_model()
@@ -602,6 +624,9 @@ class Trainer:
         prober = getattr(self, "prober", None)
         if prober is not None:
             prober.close()
+        group_averager = getattr(self, "group_averager", None)
+        if group_averager is not None:
+            group_averager.close()
         averager = getattr(self, "averager", None)
         if averager is not None and averager.is_alive():
             averager.shutdown()

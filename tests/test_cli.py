@@ -14,8 +14,8 @@ from tests.helpers import free_port, python_cmd, spawn, wait_until
 # Adding, renaming or removing a flag is a decision: update this list in the same change.
 PEER_FLAGS = [
     "--run", "--initial-peers", "--sync-every", "--outer-lr", "--outer-momentum", "--target-group-size",
-    "--min-group-size", "--matchmaking-time-s", "--averaging-timeout-s", "--request-timeout-s",
-    "--allreduce-timeout-s", "--chunk-timeout-s", "--compression", "--load-state", "--load-state-timeout-s",
+    "--min-group-size", "--matchmaking-time-s", "--averaging-timeout-s", "--sender-timeout-s",
+    "--reducer-timeout-s", "--codec", "--aggregator", "--load-state", "--load-state-timeout-s",
     "--host-maddrs", "--announce-maddrs", "--connect-timeout-s", "--advertise", "--record-refresh-s",
     "--record-expiry-s", "--bandwidth-probe-period-s", "--region", "--available-until", "--require-memory-gb", "--require-dtype",
     "--require-swarm-version", "--require-torch-version",

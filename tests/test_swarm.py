@@ -29,11 +29,12 @@ def _peer_cmd(tmp_path: Path, initial_peers: list[str], index: int, *, outer_lr:
         "--torch-threads", "1", "--no-progress", "--sync-every", str(SYNC_EVERY), "--max-rounds", str(NUM_ROUNDS),
         "--target-group-size", str(NUM_PEERS), "--min-group-size", str(NUM_PEERS),
         "--outer-lr", str(outer_lr), "--outer-momentum", str(outer_momentum), "--averaging-timeout-s", "60",
+        "--codec", "fp32", "--aggregator", "mean",
     )
 
 
 def _reference_rounds(tmp_path: Path, *, outer_lr: float, outer_momentum: float) -> list[dict[str, torch.Tensor]]:
-    """Single-process replay: base <- outer_step(base - mean(local params of all peers))."""
+    """Single-process replay: base <- outer_step(base, grad = mean(base - local params of all peers))."""
     model = get_task("charlm", preset="tiny").build_model(seed=0)
     names = [n for n, _ in model.named_parameters()]
     base = [p.detach().clone().float() for _, p in model.named_parameters()]
