@@ -631,6 +631,10 @@ class GroupAverager:
             return
         payload = codec.encode(result.tensor.contiguous())
         await write_message(writer, {"status": "ok", "payload_bytes": len(payload)}, payload)
+        # closing now could reset the stream while the reply is still in flight (p2pd resets a stream
+        # whose local end vanished): linger until the sender, having read it all, hangs up
+        with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
+            await asyncio.wait_for(reader.read(1), self.config.reducer_timeout_s)
 
 
 def _derive_id(seed: str, members: tuple[str, ...]) -> str:

@@ -11,7 +11,6 @@ import json
 import platform
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -48,40 +47,6 @@ def bench_inner_steps(presets: list[str], num_steps: int) -> list[dict[str, Any]
     return rows
 
 
-def bench_averaging_round(num_peers: int, num_params: int, compression: str, rounds: int) -> dict[str, Any]:
-    """Round time of `num_peers` trainers in this process on loopback (hivemind's averager is the data path)."""
-    from bootstrap import start_dht, stop_dht
-    from swarm.trainer import Trainer, TrainerConfig
-
-    config = TrainerConfig(run=f"bench-{num_peers}-{num_params}-{compression}", sync_every=1, min_group_size=num_peers,
-                           target_group_size=num_peers, matchmaking_time_s=1.0, request_timeout_s=0.5,
-                           averaging_timeout_s=60, compression=compression, load_state=False,
-                           host_maddrs=("/ip4/127.0.0.1/tcp/0",))
-    first = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    initial = [str(a) for a in first.get_visible_maddrs()]
-    dhts = [first] + [start_dht(initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(num_peers - 1)]
-    trainers = []
-    try:
-        for dht in dhts:
-            model = torch.nn.Linear(num_params // 1000, 1000, bias=False)
-            trainers.append(Trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), config=config, dht=dht))
-        durations = []
-        for _ in range(rounds):
-            with ThreadPoolExecutor(num_peers) as pool:
-                results = list(pool.map(lambda trainer: trainer.sync(), trainers, timeout=120))
-            if not all(r is not None and r.group_size == num_peers for r in results):
-                raise RuntimeError(f"a benchmark round did not gather all {num_peers} peers: {results}")
-            durations.append(max(r.duration_s for r in results))
-        return {"peers": num_peers, "params": num_params, "compression": compression,
-                "fp32_mb": num_params * 4 / 1e6, "round_s_best": min(durations),
-                "round_s_median": sorted(durations)[len(durations) // 2]}
-    finally:
-        for trainer in trainers:
-            trainer.shutdown()
-        for dht in dhts:
-            stop_dht(dht)
-
-
 def _table(title: str, rows: list[dict[str, Any]]) -> Table:
     table = Table(title=title)
     for key in rows[0]:
@@ -99,29 +64,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(RESULTS_DIR / "latest.json"), help="JSON output path")
     args = parser.parse_args(argv)
     console = Console()
-    sizes = [1_000_000, 10_000_000] if not args.full else [1_000_000, 10_000_000, 25_000_000]
-    peer_counts = [2, 4] if not args.full else [2, 4, 8]
-    rounds = 3 if not args.full else 5
-
     inner = bench_inner_steps(["tiny", "small"] if not args.full else ["tiny", "small", "default"], num_steps=20)
     console.print(_table("charlm inner steps (1 CPU thread)", inner))
-    averaging = []
-    for num_peers in peer_counts:
-        for size in sizes:
-            for compression in ("none", "fp16"):
-                averaging.append(bench_averaging_round(num_peers, size, compression, rounds))
-                console.print(f"  averaging: {averaging[-1]['peers']} peers, {size:,} params, {compression}: "
-                              f"{averaging[-1]['round_s_best']:.2f} s")
-    for row in averaging:
-        fp32 = next(r for r in averaging if r["peers"] == row["peers"] and r["params"] == row["params"]
-                    and r["compression"] == "none")
-        row["vs_fp32"] = row["round_s_best"] / fp32["round_s_best"]
-    console.print(_table("averaging round on loopback (matchmaking included)", averaging))
+    # the other benchmarks print their own tables and write their own JSON beside this one
+    from benchmarks import averaging_round, peers_graph
 
+    numel = "2500000" if not args.full else "25000000"
+    averaging_round.main(["--peers", "4", "--numel", numel, "--repeats", "2" if not args.full else "3"])
+    peers_graph.main(["--peers", "20", "--refresh-s", "2", "--expiry-s", "6"] if not args.full else ["--peers", "20"])
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.platform(),
               "cpus": torch.get_num_threads(), "python": sys.version.split()[0], "torch": torch.__version__,
               "command": "python -m benchmarks.run " + ("--full" if args.full else "--quick"),
-              "inner_steps": inner, "averaging_round": averaging}
+              "inner_steps": inner}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
