@@ -121,10 +121,16 @@ def slice_bounds(numel: int, num_parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def draw_groups(candidates: dict[str, int], target_size: int, min_size: int) -> list[list[str]]:
-    """Deterministic groups from {peer: bandwidth class}: equal inputs give equal groups on every peer."""
-    digest = hashlib.sha256(",".join(sorted(candidates)).encode()).hexdigest()
-    order = sorted(candidates, key=lambda p: (-candidates[p], hashlib.sha256((digest + p).encode()).digest()))
+def draw_groups(candidates: dict[str, Any], target_size: int, min_size: int) -> list[list[str]]:
+    """Deterministic groups from {peer: bandwidth class} or {peer: (region, bandwidth class)}.
+
+    Equal inputs give equal groups on every peer. Peers are ordered by region, then by bandwidth
+    class (fastest first), then by a hash salted with the whole candidate list (so groups reshuffle
+    whenever membership changes), and cut into consecutive chunks of near-equal size.
+    """
+    keys = {p: (c if isinstance(c, tuple) else ("", c)) for p, c in candidates.items()}
+    digest = hashlib.sha256(",".join(sorted(keys)).encode()).hexdigest()
+    order = sorted(keys, key=lambda p: (keys[p][0], -keys[p][1], hashlib.sha256((digest + p).encode()).digest()))
     num_groups = max(1, math.ceil(len(order) / target_size))
     while num_groups > 1 and len(order) // num_groups < min_size:
         num_groups -= 1
@@ -178,8 +184,9 @@ class GroupAverager:
     """
 
     def __init__(self, dht: hivemind.DHT, *, prefix: str, config: AveragingConfig | None = None,
-                 bandwidth_mbps: Callable[[], float | None] | None = None, start_timeout_s: float = 30.0):
-        self.dht, self.prefix = dht, prefix
+                 bandwidth_mbps: Callable[[], float | None] | None = None, region: str | None = None,
+                 start_timeout_s: float = 30.0):
+        self.dht, self.prefix, self.region = dht, prefix, (region or "")[:64]
         self.config = config or AveragingConfig()
         self._bandwidth_mbps = bandwidth_mbps or (lambda: None)
         self.rejected: Counter = Counter()
@@ -323,10 +330,10 @@ class GroupAverager:
         cfg = self.config
         key = f"{self.prefix}.mm"
         looking_since = time.time()
-        my_class = bandwidth_class(self._bandwidth_mbps())
+        my_class = (self.region, bandwidth_class(self._bandwidth_mbps()))
         expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s
-        await self.dht.store(key, {"t": looking_since, "c": my_class}, expiration_time=expiration,
-                             subkey=self.peer_id, return_future=True)
+        await self.dht.store(key, {"t": looking_since, "c": my_class[1], "r": self.region},
+                             expiration_time=expiration, subkey=self.peer_id, return_future=True)
         await asyncio.sleep(cfg.matchmaking_time_s)  # the gathering window itself, not a synchronisation
         found = await self.dht.get(key, latest=True, return_future=True)
         candidates = {self.peer_id: my_class}
@@ -334,8 +341,9 @@ class GroupAverager:
             for subkey, item in found.value.items():
                 value = getattr(item, "value", None)
                 if (isinstance(subkey, str) and subkey not in suspects and isinstance(value, dict)
-                        and isinstance(value.get("c"), int) and len(candidates) < 4 * _MAX_MEMBERS):
-                    candidates.setdefault(subkey, value["c"])
+                        and isinstance(value.get("c"), int) and isinstance(value.get("r", ""), str)
+                        and len(candidates) < 4 * _MAX_MEMBERS):
+                    candidates.setdefault(subkey, (value.get("r", "")[:64], value["c"]))
         chunk = next(c for c in draw_groups(candidates, cfg.target_group_size, cfg.min_group_size)
                      if self.peer_id in c)
         if len(chunk) < cfg.min_group_size:

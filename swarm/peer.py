@@ -231,7 +231,8 @@ class PeerRunner:
                     self._dump("global", result.round, list(self.model.parameters()))
                 val = self.evaluate()
                 self.events.emit("round", round=result.round, step=trainer.local_step, group_size=result.group_size,
-                                 duration_s=result.duration_s, val_loss=val, rejected=list(result.rejected))
+                                 duration_s=result.duration_s, val_loss=val, rejected=list(result.rejected),
+                                 record=result.record.to_dict() if result.record else None)
                 logger.info(f"round {result.round}: group of {result.group_size} in {result.duration_s:.2f}s, "
                             f"val loss {val if val is None else round(val, 4)}")
                 window_start, window_samples = time.monotonic(), 0

@@ -314,7 +314,7 @@ class Trainer:
             self.averager = self._make_averager()
             self.group_averager = GroupAverager(self.dht, prefix=f"swarm_{config.run}",
                                                 config=config.averaging_config(),
-                                                bandwidth_mbps=self._bandwidth_mbps)
+                                                bandwidth_mbps=self._bandwidth_mbps, region=config.region)
             self._start_advertising()
             if config.load_state:
                 self.load_state_from_peers(timeout_s=config.load_state_timeout_s)
