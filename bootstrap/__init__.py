@@ -7,8 +7,9 @@ Owns
     with a clear error within a timeout instead of hanging, and a `stop_dht` that leaves no `p2pd`;
   * the process-lifetime reaper (`lifetime`): children (DHT, averager, `p2pd`) die with their parent.
 
-Uses hivemind (DHT, P2P, PeerID, Multiaddr) and psutil; rich and uvloop for the CLI only. Knows
-nothing of `swarm`: dependencies point swarm -> bootstrap.
+Uses hivemind (DHT, P2P, PeerID, Multiaddr) and psutil; rich and uvloop for the CLI only; the node
+installs `peers.records.PeerRecordValidator` so it refuses forged capability records like any Swarm
+DHT node. Knows nothing of the peer process: dependencies point swarm -> bootstrap.
 
 Exports the names in `__all__`. They load lazily, so `python -m bootstrap.lifetime` (the watchdog)
 imports psutil only, not hivemind and torch.

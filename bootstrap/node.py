@@ -588,6 +588,10 @@ def run(config: BootstrapConfig) -> int:
         if os.path.lexists(config.identity.expanduser()):
             check_identity_file(config.identity)  # fail on a bad identity before spawning anything
         start_reaper()
+        # the bootstrap node stores records like any DHT node: it enforces the capability-record
+        # rules too (imported here: `peers` is the one Swarm package the node depends on)
+        from peers.records import PeerRecordValidator
+
         dht = start_dht(
             config.initial_peers,
             host_maddrs=config.host_maddrs,
@@ -595,6 +599,7 @@ def run(config: BootstrapConfig) -> int:
             identity_path=config.identity,
             connect_timeout_s=config.connect_timeout_s,
             nat_port_map=config.nat_port_map,
+            record_validators=[PeerRecordValidator()],
         )
         line = initial_peers_line(dht)
         print(line, flush=True)
