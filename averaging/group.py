@@ -334,16 +334,18 @@ class GroupAverager:
         expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s
         await self.dht.store(key, {"t": looking_since, "c": my_class[1], "r": self.region},
                              expiration_time=expiration, subkey=self.peer_id, return_future=True)
-        await asyncio.sleep(cfg.matchmaking_time_s)  # the gathering window itself, not a synchronisation
-        found = await self.dht.get(key, latest=True, return_future=True)
-        candidates = {self.peer_id: my_class}
-        if found is not None and isinstance(found.value, dict):
-            for subkey, item in found.value.items():
-                value = getattr(item, "value", None)
-                if (isinstance(subkey, str) and subkey not in suspects and isinstance(value, dict)
-                        and isinstance(value.get("c"), int) and isinstance(value.get("r", ""), str)
-                        and len(candidates) < 4 * _MAX_MEMBERS):
-                    candidates.setdefault(subkey, (value.get("r", "")[:64], value["c"]))
+        # the gathering window; it closes early once exactly a full group is looking and that view is
+        # stable (what hivemind's leader does when its group fills up); more peers wait the whole
+        # window, so that everyone draws the groups from the same list
+        window_end = time.monotonic() + cfg.matchmaking_time_s
+        previous: set[str] | None = None
+        while True:
+            await asyncio.sleep(min(0.2, max(0.0, window_end - time.monotonic())))
+            candidates = await self._read_candidates(key, my_class, suspects)
+            full_and_stable = len(candidates) == cfg.target_group_size and set(candidates) == previous
+            if full_and_stable or time.monotonic() >= window_end:
+                break
+            previous = set(candidates)
         chunk = next(c for c in draw_groups(candidates, cfg.target_group_size, cfg.min_group_size)
                      if self.peer_id in c)
         if len(chunk) < cfg.min_group_size:
@@ -354,6 +356,18 @@ class GroupAverager:
         if leader == self.peer_id:
             return await self._lead(frozenset(chunk) - {self.peer_id}, gather, record, join_deadline)
         return await self._follow(leader, gather, record, join_deadline)
+
+    async def _read_candidates(self, key: str, my_class: tuple[str, int], suspects: set[str]) -> dict:
+        found = await self.dht.get(key, latest=True, return_future=True)
+        candidates: dict[str, tuple[str, int]] = {self.peer_id: my_class}
+        if found is not None and isinstance(found.value, dict):
+            for subkey, item in found.value.items():
+                value = getattr(item, "value", None)
+                if (isinstance(subkey, str) and subkey not in suspects and isinstance(value, dict)
+                        and isinstance(value.get("c"), int) and isinstance(value.get("r", ""), str)
+                        and len(candidates) < 4 * _MAX_MEMBERS):
+                    candidates.setdefault(subkey, (value.get("r", "")[:64], value["c"]))
+        return candidates
 
     async def _lead(self, expected: frozenset, gather: Any, record: RoundRecord, join_deadline: float) -> Group | None:
         lobby = _Lobby(expected=expected)
