@@ -350,7 +350,8 @@ def _check_signatures(
             public_key = public_key_from_peer_id(peer_id)
         except ValueError as e:
             raise ManifestRejected("bad signature", str(e)) from None
-        signature = bytes.fromhex(signature_hex) if _HEX128.fullmatch(signature_hex) else b""
+        valid_hex = isinstance(signature_hex, str) and _HEX128.fullmatch(signature_hex)
+        signature = bytes.fromhex(signature_hex) if valid_hex else b""
         if not verify(public_key=public_key, kind=MANIFEST_KIND, run_id=run_id, payload=payload, signature=signature):
             raise ManifestRejected("bad signature", f"signature of {peer_id} does not verify")
     if len(signed.signatures) < needed:

@@ -1,0 +1,245 @@
+"""Epidemic push of sealed manifests over libp2p streams, plus a DHT index for peers that were away.
+
+A peer that learns a new sealed manifest (one that verifies and is newer than what it has) stores it
+and pushes it to ``fanout`` random peers of the run; each receiver verifies *before* forwarding, so
+a forged or stale manifest dies at the first honest hop. Every peer also keeps its newest sealed
+manifest in the DHT under the run's index key (subkey = its peer ID), so a peer that was offline,
+or a joiner, finds the newest one with a single lookup (and verifies it like any other).
+
+The gossip layer treats manifests as opaque bytes: ``verify(data) -> (digest, step)`` raises
+``ValueError`` for anything unacceptable (signatures, quorum, run, lineage are its business).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import random
+import struct
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import hivemind
+from hivemind.p2p import PeerID
+from hivemind.utils.timed_storage import get_dht_time
+
+from peers.bandwidth import open_p2p_replica
+
+logger = logging.getLogger(__name__)
+
+_LEN = struct.Struct(">I")
+MAX_MANIFEST_BYTES = 1 << 20
+
+Verify = Callable[[bytes], tuple[str, int]]
+"""Returns (digest, step) of a valid sealed manifest; raises ValueError with the reason otherwise."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GossipConfig:
+    """How far and how fast sealed manifests spread."""
+
+    fanout: int = 4
+    """Peers each new manifest is pushed to."""
+    pull_interval_s: float = 5.0
+    """Anti-entropy: this often, read the run's DHT index and take any newer valid manifest (push
+    gossip that forwards only news can miss a few peers; the pull closes that gap)."""
+    push_timeout_s: float = 5.0
+    """Deadline of one push to one peer."""
+    index_expiry_s: float = 600.0
+    """Lifetime of this peer's entry in the run's DHT index (refreshed on every new manifest)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.fanout <= 64:
+            raise ValueError(f"fanout must be in [1, 64], got {self.fanout!r}")
+        for name in ("push_timeout_s", "index_expiry_s", "pull_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+
+def index_key(run_id: str) -> str:
+    return f"swarm/{run_id}/manifests"
+
+
+class ManifestGossip:
+    """Spreads sealed manifests of one run; thread-safe, synchronous API over a background event loop.
+
+    ``peers()`` lists the peer IDs to push to (e.g. the run's peers from the resource graph);
+    ``on_new(data, digest, step)`` is called (from the gossip thread) for every newer valid manifest.
+    """
+
+    def __init__(self, dht: hivemind.DHT, *, run_id: str, verify: Verify, peers: Callable[[], Sequence[str]],
+                 on_new: Callable[[bytes, str, int], None] | None = None, config: GossipConfig | None = None,
+                 start_timeout_s: float = 30.0):
+        self.dht, self.run_id, self.verify, self.peers = dht, run_id, verify, peers
+        self.on_new = on_new or (lambda data, digest, step: None)
+        self.config = config or GossipConfig()
+        self.rejected: Counter = Counter()
+        self.received = 0
+        self.forwarded = 0
+        self.newest: tuple[int, str, bytes] | None = None
+        self._lock = threading.Lock()
+        self._ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, name=f"swarm-gossip-{run_id}", daemon=True)
+        self._thread.start()
+        self._loop, self._p2p, self._stop = self._ready.result(timeout=start_timeout_s)
+        self.peer_id = str(self._p2p.peer_id)
+
+    @property
+    def _handler(self) -> str:
+        return f"swarm.gossip.v1.{self.run_id}"
+
+    def _run(self) -> None:
+        try:
+            import uvloop
+
+            uvloop.run(self._main())
+        except BaseException as e:
+            if not self._ready.done():
+                self._ready.set_exception(e)
+
+    async def _main(self) -> None:
+        p2p = await open_p2p_replica(self.dht)
+        stop = asyncio.Event()
+        await p2p.add_binary_stream_handler(self._handler, self._serve)
+        self._ready.set_result((asyncio.get_running_loop(), p2p, stop))
+        puller = asyncio.create_task(self._pull_periodically(stop))
+        try:
+            await stop.wait()
+        finally:
+            puller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await puller
+            with contextlib.suppress(Exception):
+                await p2p.remove_binary_stream_handler(self._handler)
+            await p2p.shutdown()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop gossiping. Idempotent."""
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(timeout=timeout_s)
+
+    # ------------------------------------------------------------------------------------ api
+    def publish(self, data: bytes, *, timeout_s: float = 30.0) -> bool:
+        """Offer a manifest (e.g. one this peer just sealed); True if it was new and valid."""
+        future = asyncio.run_coroutine_threadsafe(self._accept(data, source=None), self._loop)
+        return future.result(timeout=timeout_s)
+
+    def fetch_newest_from_index(self, *, timeout_s: float = 30.0) -> bytes | None:
+        """The newest valid manifest announced in the run's DHT index (for a peer that was away)."""
+        future = asyncio.run_coroutine_threadsafe(self._from_index(), self._loop)
+        return future.result(timeout=timeout_s)
+
+    # ------------------------------------------------------------------------------------ internals
+    def _check(self, data: Any) -> tuple[str, int]:
+        if not isinstance(data, bytes) or not 0 < len(data) <= MAX_MANIFEST_BYTES:
+            raise ValueError("oversized or empty manifest")
+        return self.verify(data)
+
+    async def _accept(self, data: bytes, *, source: str | None) -> bool:
+        try:
+            digest, step = self._check(data)
+        except ValueError as e:
+            reason = str(e).split(":")[0][:60] or "invalid"
+            self.rejected[reason] += 1
+            logger.info(f"rejected a manifest from {source or 'this peer'}: {e}")
+            return False
+        with self._lock:
+            if self.newest is not None and (step < self.newest[0] or digest == self.newest[1]):
+                return False  # old news: do not forward, so the epidemic dies out
+            self.newest = (step, digest, data)
+        self.on_new(data, digest, step)
+        await asyncio.gather(self._announce(data, digest, step), self._push(data, exclude={source}))
+        return True
+
+    async def _announce(self, data: bytes, digest: str, step: int) -> None:
+        with contextlib.suppress(Exception):  # the index is a convenience; gossip does not depend on it
+            await self.dht.store(index_key(self.run_id), {"step": step, "digest": digest, "manifest": data},
+                                 expiration_time=get_dht_time() + self.config.index_expiry_s,
+                                 subkey=self.peer_id, return_future=True)
+
+    async def _push(self, data: bytes, *, exclude: set) -> None:
+        candidates = [p for p in self.peers() if p != self.peer_id and p not in exclude]
+        targets = random.sample(candidates, min(self.config.fanout, len(candidates)))
+        await asyncio.gather(*(self._push_one(peer, data) for peer in targets))
+
+    async def _push_one(self, peer: str, data: bytes) -> None:
+        try:
+            async with asyncio.timeout(self.config.push_timeout_s):
+                _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer),
+                                                                               self._handler)
+                try:
+                    writer.write(_LEN.pack(len(data)) + data)
+                    await writer.drain()
+                    await reader.read(1)  # the receiver hangs up once it has read everything
+                finally:
+                    writer.close()
+            self.forwarded += 1
+        except Exception as e:  # an unreachable peer only slows the epidemic down
+            logger.debug(f"push to {peer} failed: {e!r}")
+
+    async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        source = str(info.peer_id)
+        try:
+            async with asyncio.timeout(self.config.push_timeout_s):
+                (length,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+                if length > MAX_MANIFEST_BYTES:
+                    self.rejected["oversized"] += 1
+                    return
+                data = await reader.readexactly(length)
+            self.received += 1
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, struct.error):
+            self.rejected["truncated"] += 1
+            return
+        except asyncio.CancelledError:
+            return
+        finally:
+            writer.close()
+        await self._accept(data, source=source)
+
+    async def _pull_periodically(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.config.pull_interval_s * random.uniform(0.5, 1.5))
+            if stop.is_set():
+                return
+            try:
+                data = await asyncio.wait_for(self._from_index(), self.config.push_timeout_s)
+            except Exception as e:  # the next pull tries again
+                logger.debug(f"anti-entropy pull failed: {e!r}")
+                continue
+            if data is not None and (self.newest is None or data != self.newest[2]):
+                await self._accept(data, source="DHT index")
+
+    async def _from_index(self) -> bytes | None:
+        found = await self.dht.get(index_key(self.run_id), latest=True, return_future=True)
+        if found is None or not isinstance(found.value, dict):
+            return None
+        best: tuple[int, bytes] | None = None
+        for item in found.value.values():
+            value = getattr(item, "value", None)
+            data = value.get("manifest") if isinstance(value, dict) else None
+            try:
+                _digest, step = self._check(data)
+            except ValueError as e:
+                self.rejected[str(e).split(":")[0][:60] or "invalid"] += 1
+                continue
+            if best is None or step > best[0]:
+                best = (step, data)
+        return None if best is None else best[1]
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
+    """Poll ``predicate`` until true or ``timeout_s`` passes; returns its last value."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
+    return True

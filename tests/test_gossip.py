@@ -1,0 +1,94 @@
+"""Sealed manifests spread by epidemic push to every peer; forgeries die at the first hop; a peer that
+was away finds the newest manifest in the run's DHT index."""
+
+import time
+
+import pytest
+
+from bootstrap import start_dht, stop_dht, visible_maddrs
+from swarm.checkpoint import Manifest, SignedManifest, sign_manifest, verify_manifest
+from swarm.checkpoint.gossip import GossipConfig, ManifestGossip
+from swarm.identity import Identity
+from tests.helpers import wait_until
+
+NUM_PEERS = 8
+RUN = "gossip-test"
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def sealed_manifest(step: int, signers: list[Identity], *, run: str = RUN) -> bytes:
+    manifest = Manifest(version=1, run_id=run, step=step, round=step, task="charlm", config_digest="a" * 64,
+                        parent="", shards=(), participants=tuple(sorted(s.peer_id for s in signers)),
+                        metrics={"val_loss_micro": 2_500_000}, created_at=1_800_000_000 + step)
+    signed = SignedManifest(manifest=manifest, signatures={})
+    for signer in signers:
+        signed = signed.with_signature(*sign_manifest(manifest, signer))
+    return signed.to_bytes()
+
+
+def verify(data: bytes) -> tuple[str, int]:
+    manifest = verify_manifest(data, run_id=RUN)
+    return manifest.digest(), manifest.step
+
+
+@pytest.fixture(scope="module")
+def swarm_of_gossips():
+    dhts = [start_dht(host_maddrs=LOOPBACK, nat_port_map=False)]
+    gossips = []
+    try:
+        initial = visible_maddrs(dhts[0])
+        dhts += [start_dht(initial, host_maddrs=LOOPBACK, nat_port_map=False) for _ in range(NUM_PEERS - 1)]
+        ids: list[str] = []
+        for dht in dhts:
+            gossips.append(ManifestGossip(dht, run_id=RUN, verify=verify, peers=lambda: ids,
+                                          config=GossipConfig(fanout=3)))
+        ids.extend(g.peer_id for g in gossips)
+        yield dhts, gossips
+    finally:
+        for gossip in gossips:
+            gossip.close()
+        for dht in dhts:
+            stop_dht(dht)
+
+
+@pytest.mark.timeout(120)
+def test_a_sealed_manifest_reaches_every_peer_and_forgeries_do_not(swarm_of_gossips):
+    dhts, gossips = swarm_of_gossips
+    signers = [Identity.generate(), Identity.generate()]
+    data = sealed_manifest(5, signers)
+    started = time.monotonic()
+    assert gossips[0].publish(data)
+    wait_until(lambda: all(g.newest is not None and g.newest[0] == 5 for g in gossips), timeout_s=30,
+               message=lambda: f"reached {sum(g.newest is not None for g in gossips)} of {NUM_PEERS}")
+    print(f"sealed manifest reached all {NUM_PEERS} peers in {time.monotonic() - started:.3f} s")
+    assert sum(g.received for g in gossips) >= NUM_PEERS - 1
+
+    # a manifest below quorum (one signature) and another run's manifest are refused, never stored
+    below_quorum = sealed_manifest(6, signers[:1])
+    other_run = sealed_manifest(7, signers, run="another-run")
+    rejected_before = sum(g.rejected.total() for g in gossips)
+    assert not gossips[1].publish(below_quorum)
+    assert not gossips[1].publish(other_run)
+    assert sum(g.rejected.total() for g in gossips) == rejected_before + 2
+    assert all(g.newest[0] == 5 for g in gossips)
+
+    # an old manifest presented again is not news and is not forwarded
+    forwarded = sum(g.forwarded for g in gossips)
+    assert not gossips[2].publish(sealed_manifest(3, signers))
+    assert sum(g.forwarded for g in gossips) == forwarded
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_was_away_finds_the_newest_manifest_in_the_index(swarm_of_gossips):
+    dhts, gossips = swarm_of_gossips
+    signers = [Identity.generate(), Identity.generate()]
+    assert gossips[0].publish(sealed_manifest(9, signers))
+    wait_until(lambda: all(g.newest[0] == 9 for g in gossips), timeout_s=30, message="step 9 everywhere")
+    late_dht = start_dht(visible_maddrs(dhts[0]), host_maddrs=LOOPBACK, nat_port_map=False)
+    late = ManifestGossip(late_dht, run_id=RUN, verify=verify, peers=lambda: [])
+    try:
+        data = wait_until(late.fetch_newest_from_index, timeout_s=30, message="the index")
+        assert verify(data)[1] == 9
+    finally:
+        late.close()
+        stop_dht(late_dht)
