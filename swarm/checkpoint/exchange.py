@@ -21,7 +21,10 @@ streams at once to all clients together (it answers "busy" at once to more), giv
 `timeout_s` to arrive once the stream is idle and to be sent, and never raises out of its handler:
 every refusal is counted by reason in `ShardServer.rejected`. A client bounds each chunk request by
 `timeout_s`, each shard by `max_attempts_per_shard` failed attempts and the whole fetch by
-`fetch_timeout_s`, and raises `FetchError` when a shard cannot be had.
+`fetch_timeout_s`, and raises `FetchError` when a shard cannot be had. A "busy" answer costs no
+attempt: the donor backs off briefly and the shard goes elsewhere. (The daemon gives no reliable
+half-close, so a donor may still count a stream the client just closed: a client whose cap equals
+the donor's sees an occasional "busy" from its own churn.)
 
 Blame. A joiner downloads a shard from one donor at a time and switches only when that donor
 fails, so a digest mismatch usually has a single culprit: it is counted against that donor in
@@ -313,10 +316,12 @@ async def _close(writer: asyncio.StreamWriter) -> None:
 async def _linger(reader: asyncio.StreamReader) -> None:
     # closing right after a reply can make p2pd reset the stream while the reply is in flight:
     # wait (bounded) for the client to hang up, discarding whatever it still sends
+    async def drain() -> None:
+        while await reader.read(64 * 1024):
+            pass
+
     with contextlib.suppress(Exception):
-        async with asyncio.timeout(_LINGER_S):
-            while await reader.read(64 * 1024):
-                pass
+        await asyncio.wait_for(drain(), _LINGER_S)
 
 
 # --- server -------------------------------------------------------------------------------------
@@ -657,15 +662,13 @@ class _Fetcher:
             async with slots:
                 results[shard.digest] = await self._fetch_shard(shard)
 
+        tasks = [asyncio.create_task(one(shard)) for shard in shards]
         try:
-            async with asyncio.TaskGroup() as group:
-                for shard in shards:
-                    group.create_task(one(shard))
-        except BaseExceptionGroup as eg:
-            errors = [e for e in eg.exceptions if isinstance(e, FetchError)]
-            if errors:
-                raise errors[0] from None
-            raise
+            await asyncio.gather(*tasks)  # the first FetchError ends the fetch
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         return {shard.digest: results[shard.digest] for shard in shards}
 
     async def _fetch_shard(self, shard: _Shard) -> bytes:
@@ -759,24 +762,29 @@ class _Fetcher:
         return "failure"
 
 
-def _validated_shards(wanted: Mapping[str, int], partial: Mapping[str, bytes] | None) -> list[_Shard]:
+def _check_wanted(wanted: Mapping[str, int], partial: Mapping[str, bytes] | None) -> None:
     if not isinstance(wanted, Mapping):
         raise TypeError(f"wanted: expected a mapping of digest to size, got {type(wanted).__name__}")
-    partial = partial or {}
-    for digest in partial:
-        if digest not in wanted:
-            raise ValueError(f"partial: {digest!r} is not among the wanted shards")
-    shards = []
+    if partial is not None and not isinstance(partial, Mapping):
+        raise TypeError(f"partial: expected a mapping of digest to bytes, got {type(partial).__name__}")
     for digest, size in wanted.items():
         if not _is_digest(digest):
             raise ValueError(f"wanted: {digest!r} is not a SHA-256 digest (64 lowercase hex digits)")
         if not _is_int(size) or not 0 <= size <= _MAX_SHARD_BYTES:
             raise ValueError(f"wanted[{digest[:12]}...]: size must be a non-negative integer, got {size!r}")
-        prefix = bytes(partial.get(digest, b""))
-        if len(prefix) > size:
-            raise ValueError(f"partial[{digest[:12]}...]: {len(prefix)} bytes, more than the shard's {size}")
-        shards.append(_Shard.create(digest, size, prefix))
-    return shards
+    for digest, prefix in (partial or {}).items():
+        if digest not in wanted:
+            raise ValueError(f"partial: {digest!r} is not among the wanted shards")
+        if not isinstance(prefix, (bytes, bytearray, memoryview)):
+            raise TypeError(f"partial[{digest[:12]}...]: expected bytes, got {type(prefix).__name__}")
+        if len(prefix) > wanted[digest]:
+            raise ValueError(f"partial[{digest[:12]}...]: {len(prefix)} bytes, more than the shard's {wanted[digest]}")
+
+
+def _validated_shards(wanted: Mapping[str, int], partial: Mapping[str, bytes] | None) -> list[_Shard]:
+    _check_wanted(wanted, partial)
+    partial = partial or {}
+    return [_Shard.create(digest, size, bytes(partial.get(digest, b""))) for digest, size in wanted.items()]
 
 
 def _validated_donors(donors: Sequence[PeerID | str], own: str) -> list[PeerID]:
@@ -809,9 +817,8 @@ async def fetch_shards(
     fetcher = _Fetcher(p2p, _validated_donors(donors, str(p2p.peer_id)), config, report)
     started = time.perf_counter()
     try:
-        async with asyncio.timeout(config.fetch_timeout_s):
-            return await fetcher.run(shards)
-    except TimeoutError:
+        return await asyncio.wait_for(fetcher.run(shards), config.fetch_timeout_s)
+    except (TimeoutError, asyncio.TimeoutError):
         raise FetchError(
             f"fetching {len(shards)} shards from {len(donors)} donors did not finish within "
             f"{config.fetch_timeout_s:.1f} s; are the donors reachable and serving {PROTOCOL}?",
@@ -939,7 +946,7 @@ class ShardExchange:
         if timeout_s is not None:
             _check_seconds("timeout_s", timeout_s)
             config = dataclasses.replace(config, fetch_timeout_s=timeout_s)
-        _validated_shards(wanted, partial)  # raise argument errors in the caller's thread
+        _check_wanted(wanted, partial)  # raise argument errors in the caller's thread
         _validated_donors(donors, "")
         report = FetchReport()
         coro = fetch_shards(runtime.p2p, wanted, donors, config, partial=partial, report=report)
