@@ -516,7 +516,10 @@ class GroupAverager:
             record.rejected[sender] = reason
             self.rejected[reason] += 1
         state.result.set_result(result)
-        return result.tensor
+        # keep exactly the bytes the others receive: with a lossy codec the reducer's own copy of its
+        # slice must be the decoded one too, or the members' results (and checkpoints) would differ
+        codec = get_codec(state.codec)
+        return codec.decode(codec.encode(result.tensor.contiguous()), numel=state.numel)
 
     async def _send_received_set(self, peer: str, state: _ReduceState, received: frozenset) -> None:
         with contextlib.suppress(Exception):

@@ -108,6 +108,7 @@ class _Swarm:
             "--sync-every", str(cfg.sync_every), "--target-group-size", str(cfg.peers),
             "--identity-key", str(self.out / f"{name}.key"), "--events", str(events),
             "--torch-threads", "1", "--no-progress", "--eval-batches", "4",
+            "--checkpoint-dir", str(self.out / "checkpoints"),
         ]
         return self.spawn(name, args, events=events)
 

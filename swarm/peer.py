@@ -188,7 +188,10 @@ class PeerRunner:
         if self.config.dump_dir:
             self.trainer.before_sync.append(lambda round_, local: self._dump("local", round_, local))
         self.events.emit("joined", peer_id=self.trainer.peer_id, round=self.trainer.round,
-                         state_loaded=self.trainer.counters.state_loaded > 0, join_s=time.time() - started)
+                         state_loaded=self.trainer.counters.state_loaded > 0,
+                         state_verified=self.trainer.counters.state_verified > 0, join_s=time.time() - started)
+        if self.config.dump_dir:
+            self._dump("joined", self.trainer.round, list(self.model.parameters()))
         logger.info(f"peer {self.trainer.peer_id} joined run {self.trainer_config.run!r} at round "
                     f"{self.trainer.round}; training shard {self.shard_index}/{self.config.num_shards} on {self.device}")
 

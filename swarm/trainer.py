@@ -34,6 +34,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,6 +61,7 @@ from peers import (
     unmet_requirements,
 )
 from peers.bandwidth import BandwidthProber
+from swarm.checkpoint.sync import CheckpointManager
 from swarm.identity import Identity, PeerBinding
 from swarm.network import start_swarm_dht
 
@@ -103,6 +105,12 @@ class TrainerConfig:
     load_state: bool = True
     """Download the run's current state from a peer at start-up (a fresh run starts from the model as given)."""
     load_state_timeout_s: float = 60.0
+    checkpoint_dir: str = "~/.swarm/checkpoints"
+    """Where sealed checkpoints of the run are kept (content-addressed safetensors shards + manifests)."""
+    checkpoint_every: int = 1
+    """Seal a checkpoint every this many averaging rounds (0: never; the run's other peers may still)."""
+    keep_checkpoints: int = 3
+    """Sealed checkpoints kept on disk; older ones and their unreferenced shards are removed."""
     """Deadline for the state download at start-up."""
     host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
     """Multiaddrs this peer listens on."""
@@ -134,6 +142,9 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.run, str) or not _RUN_NAME.match(self.run):
             raise ValueError(f"run must match {_RUN_NAME.pattern}, got {self.run!r}")
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
+            raise ValueError(f"checkpoint_every must be >= 0 and keep_checkpoints >= 1, got "
+                             f"{self.checkpoint_every!r}, {self.keep_checkpoints!r}")
         for name in ("sync_every",):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
@@ -231,6 +242,7 @@ class TrainerCounters:
     rounds_ok: int = 0
     rounds_solo: int = 0
     state_loaded: int = 0
+    state_verified: int = 0
     rejected: Counter = field(default_factory=Counter)
 
 
@@ -294,6 +306,8 @@ class Trainer:
         self.task_info = _with_digest(task_info or TaskInfo(), self._names, self._global)
         self.advertiser: Advertiser | None = None
         self.group_averager: GroupAverager | None = None
+        self.checkpoints: CheckpointManager | None = None
+        self._run_peers: tuple[float, set[str]] = (0.0, set())
         self.prober: BandwidthProber | None = None
         self._closing = threading.Event()
         self._probe_thread: threading.Thread | None = None
@@ -316,8 +330,9 @@ class Trainer:
                                                 config=config.averaging_config(),
                                                 bandwidth_mbps=self._bandwidth_mbps, region=config.region)
             self._start_advertising()
+            self.checkpoints = self._make_checkpoints()
             if config.load_state:
-                self.load_state_from_peers(timeout_s=config.load_state_timeout_s)
+                self.load_state(timeout_s=config.load_state_timeout_s)
             self._set_state("training")
         except BaseException:
             self.shutdown()
@@ -428,6 +443,26 @@ class Trainer:
                            upload_kbps=scaled("upload_mbps", 1000), download_kbps=scaled("download_mbps", 1000),
                            rtt_us=scaled("rtt_ms", 1000))
 
+    def _make_checkpoints(self) -> CheckpointManager | None:
+        if self.identity.peer_id != self.peer_id:
+            logger.warning("no sealed checkpoints: the DHT's peer ID is not this trainer's identity (pass no dht=)")
+            return None
+        directory = Path(self.config.checkpoint_dir).expanduser() / self.config.run / self.peer_id
+        return CheckpointManager(self.dht, identity=self.identity, run_id=self.config.run, task=self.task_info.name,
+                                 config_digest=self.task_info.config_digest, directory=directory,
+                                 keep_last=self.config.keep_checkpoints, run_peers=self.run_peers)
+
+    def run_peers(self) -> set[str]:
+        """Peer IDs with live records in this run (cached for one record refresh period)."""
+        fetched_at, peers = self._run_peers
+        if time.monotonic() - fetched_at > self.config.record_refresh_s:
+            try:
+                peers = {r.peer_id for r in self.graph.records(run=self.config.run)}
+            except Exception as e:  # keep the last known set on a DHT hiccup
+                logger.debug(f"could not read the run's peers: {e!r}")
+            self._run_peers = (time.monotonic(), peers)
+        return peers
+
     def _bandwidth_mbps(self) -> float | None:
         measured = self.prober.summary() if self.prober is not None else {}
         up, down = measured.get("upload_mbps"), measured.get("download_mbps")
@@ -463,8 +498,10 @@ class Trainer:
         with self._state_lock:
             base = torch.cat([b.reshape(-1) for b in self._global])
         delta = base - torch.cat([t.reshape(-1) for t in local])
+        newest = self.checkpoints.newest_digest() if self.checkpoints is not None else None
         gather = {"round": self.round, "samples": int(self._samples_since_sync), "binding": self.binding.to_dict(),
-                  "base": hashlib.sha256(base.numpy().tobytes()).hexdigest()[:32]}
+                  "base": hashlib.sha256(base.numpy().tobytes()).hexdigest()[:32], "t": int(time.time()),
+                  "sealed": list(newest) if newest else None}
         try:
             averaged, record, group = self.group_averager.step(delta, weight=weight, gather=gather,
                                                                timeout_s=cfg.averaging_timeout_s)
@@ -483,6 +520,8 @@ class Trainer:
             averaged, next_round = delta, self.round + 1
             self.counters.rounds_solo += 1
         self._apply_outer_step(averaged, next_round=next_round, new_base=new_base)
+        if group is not None and averaged is not delta:
+            self._maybe_seal(group)
         self._samples_since_sync = 0
         self.last_round = RoundResult(
             round=self.round, group_size=len(group.members) if averaged is not delta and group else 1,
@@ -491,6 +530,59 @@ class Trainer:
         self.averager.state_sharing_priority = float(self.round)
         self._last_sync_end = time.perf_counter()
         return self.last_round
+
+    def _maybe_seal(self, group: Any) -> None:
+        """Every member of the group now holds the same state: each signs the same manifest of it."""
+        every = self.config.checkpoint_every
+        if self.checkpoints is None or every == 0 or self.round % every:
+            return
+        gathered = [g for g in group.gathered.values() if isinstance(g, dict)]
+        times = [g["t"] for g in gathered if isinstance(g.get("t"), int) and g["t"] > 0]
+        parents = [tuple(g["sealed"]) for g in gathered if isinstance(g.get("sealed"), list)
+                   and len(g["sealed"]) == 2 and isinstance(g["sealed"][0], int) and isinstance(g["sealed"][1], str)]
+        parent = max(parents, key=lambda sealed: (sealed[0], sealed[1]))[1] if parents else ""
+        self.checkpoints.seal_async(state=self._state_dict(), step=self.round, participants=tuple(group.members),
+                                    created_at=min(times, default=0), parent=parent)
+
+    def _state_dict(self) -> dict[str, torch.Tensor]:
+        with self._state_lock:
+            state = {f"param/{name}": p.detach().clone() for name, p in zip(self._names, self._global)}
+            state.update({f"momentum/{name}": self._momentum_buffer(p).clone()
+                          for name, p in zip(self._names, self._global)})
+        return state
+
+    def load_state(self, *, timeout_s: float) -> bool:
+        """Resume from the run's newest sealed checkpoint, verified end to end; before the run has
+        sealed one, fall back to hivemind's (unverified) state download from a peer."""
+        if self.checkpoints is not None:
+            try:
+                loaded = self.checkpoints.load_newest(timeout_s=timeout_s)
+            except Exception as e:  # a bad or unreachable checkpoint: say why, then try the fallback
+                logger.warning(f"could not load the newest sealed checkpoint: {e!r}")
+                self.counters.rejected["sealed checkpoint"] += 1
+                loaded = None
+            if loaded is not None:
+                manifest, state = loaded
+                problem = self._state_dict_problem(state)
+                if problem is None:
+                    tensors = [state[f"param/{n}"] for n in self._names] + [state[f"momentum/{n}"] for n in self._names]
+                    self._install_state({"round": manifest.round}, tensors)
+                    self.counters.state_verified += 1
+                    logger.info(f"resumed from sealed checkpoint {manifest.digest()[:12]} at step {manifest.step}")
+                    return True
+                self.counters.rejected[f"sealed checkpoint: {problem}"] += 1
+                logger.warning(f"rejected the sealed checkpoint: {problem}")
+        return self.load_state_from_peers(timeout_s=timeout_s)
+
+    def _state_dict_problem(self, state: dict[str, torch.Tensor]) -> str | None:
+        expected = {f"{kind}/{n}": p for n, p in zip(self._names, self._global) for kind in ("param", "momentum")}
+        if set(state) != set(expected):
+            return "tensor names differ from this model's"
+        for name, want in expected.items():
+            got = state[name]
+            if got.shape != want.shape or got.dtype != want.dtype or not torch.isfinite(got).all():
+                return f"{name}: shape/dtype/values do not fit"
+        return None
 
     def _agree_on_base(self, group: Any, base: torch.Tensor) -> torch.Tensor | None:
         """When members hold different global parameters (after a missed round, or groups that went
@@ -624,6 +716,9 @@ class Trainer:
         prober = getattr(self, "prober", None)
         if prober is not None:
             prober.close()
+        checkpoints = getattr(self, "checkpoints", None)
+        if checkpoints is not None:
+            checkpoints.close()
         group_averager = getattr(self, "group_averager", None)
         if group_averager is not None:
             group_averager.close()

@@ -131,3 +131,14 @@ def bootstrap_node(tmp_path: Path) -> Iterator[list[str]]:
     finally:
         returncode = terminate(node.child, timeout_s=15)
     assert returncode == 0, node.child.describe()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every process of the session gets an empty HOME: default identity keys and checkpoint folders
+    (~/.swarm/...) land in a temporary directory, never in the user's."""
+    previous = os.environ.get("HOME")
+    os.environ["HOME"] = str(tmp_path_factory.mktemp("home"))
+    yield
+    if previous is not None:
+        os.environ["HOME"] = previous

@@ -100,6 +100,7 @@ def test_compressed_rounds_stay_within_the_codec_bound(make_group, codec):
     # each value crosses the wire twice (part up, averaged slice down): twice the codec's bound
     bound = 2 * max(get_codec(codec).max_abs_error(t) for t in tensors + [reference]) + 1e-6
     fp32_bytes = 4 * tensors[0].numel() * 2 * (NUM_PEERS - 1) / NUM_PEERS
+    assert all(torch.equal(results[0][0], r[0]) for r in results), "members must hold bit-identical results"
     for out, record, _ in results:
         err = (out - reference).abs().max().item()
         assert err <= bound, f"seed {SEED}: {codec} error {err:.3g} above the bound {bound:.3g}"

@@ -106,3 +106,40 @@ def test_user_script_on_the_trainer_api_joins_a_swarm_peer_run(bootstrap_node, t
     assert "group of 2" in script.stdout(), script.describe()
     rounds = [e for e in read_events(tmp_path / "peer.jsonl") if e["event"] == "round"]
     assert any(e["group_size"] == 2 for e in rounds), rounds
+
+
+@pytest.mark.timeout(300)
+def test_a_joiner_resumes_bit_exactly_from_a_sealed_checkpoint(bootstrap_node, tmp_path):
+    """Three peers seal a checkpoint every round; a fourth joins later, takes the newest sealed
+    manifest, verifies it, downloads its shards from the donors and resumes at that step with
+    parameters bit-identical to the donors' (fp32)."""
+    def peer(name: str, *extra: str):
+        return spawn(python_cmd(
+            "-m", "swarm.peer", "--initial-peers", *bootstrap_node, "--run", "sealed", "--task-preset", "tiny",
+            "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity-key", str(tmp_path / f"{name}.key"),
+            "--events", str(tmp_path / f"{name}.jsonl"), "--dump-dir", str(tmp_path / name),
+            "--checkpoint-dir", str(tmp_path / "checkpoints"), "--torch-threads", "1", "--no-progress",
+            "--sync-every", "10", "--target-group-size", "3", "--min-group-size", "3", *extra))
+    donors = [peer(f"donor{i}", "--shard-index", str(i), "--num-shards", "4", "--duration-s", "150")
+              for i in range(3)]
+    joiner = None
+    try:
+        def sealed_rounds():
+            return [e["round"] for e in read_events(tmp_path / "donor0.jsonl") if e["event"] == "round"]
+        wait_until(lambda: len(sealed_rounds()) >= 3, timeout_s=150, message=lambda: donors[0].describe())
+        joiner = peer("joiner", "--shard-index", "3", "--num-shards", "4", "--max-steps", "2",
+                      "--min-group-size", "2")
+        wait_until(lambda: joiner.returncode is not None, timeout_s=120, message=joiner.describe)
+        assert joiner.returncode == 0, joiner.describe()
+        joined = next(e for e in read_events(tmp_path / "joiner.jsonl") if e["event"] == "joined")
+        assert joined["state_verified"], f"the joiner did not resume from a sealed checkpoint: {joined}"
+        step = joined["round"]
+        assert step >= 1
+        got = load_file(tmp_path / "joiner" / f"joined_round{step:04d}.safetensors")
+        want = load_file(tmp_path / "donor0" / f"global_round{step:04d}.safetensors")
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"{name} differs from the donors' state at step {step}"
+    finally:
+        for child in [*donors, *([joiner] if joiner else [])]:
+            terminate(child, timeout_s=30)
