@@ -33,10 +33,12 @@ RESULTS = Path(__file__).parent / "results" / "peers_graph.json"
 
 _CHILD = """
 import sys, time, threading
+from bootstrap import start_reaper
 from peers.testing import record_builder
 from peers import Advertiser
 from swarm.identity import Identity
 from swarm.network import start_swarm_dht
+start_reaper()  # once this process is SIGKILLed, its DHT child and p2pd must go too
 ident = Identity.generate()
 dht = start_swarm_dht(ident, initial_peers=sys.argv[1:-2], host_maddrs=("/ip4/127.0.0.1/tcp/0",))
 Advertiser(dht, ident, record_builder(ident), refresh_s=float(sys.argv[-2]), expiry_s=float(sys.argv[-1])).start()
