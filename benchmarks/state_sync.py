@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                              allow_state_sharing=True, declare_state_period=5, next_chunk_timeout=60,
                              min_matchmaking_time=5.0, request_timeout=3.0)
                       for d in dhts[1:2]]
-            joiner = DecentralizedAverager([torch.zeros(1)], dhts[0], start=True, prefix="bench_state",
+            # same class as the donor: hivemind names its RPC handlers after the averager's class
+            joiner = _Donor([torch.zeros(1)], dhts[0], start=True, prefix="bench_state", state=[],
                                            allow_state_sharing=False, next_chunk_timeout=60,
                                            min_matchmaking_time=5.0, request_timeout=3.0)
             try:
