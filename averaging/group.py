@@ -192,6 +192,7 @@ class GroupAverager:
         self.rejected: Counter = Counter()
         self.fault_hook: FaultHook | None = None
         self._dead = False
+        self._current: concurrent.futures.Future | None = None
         self._rounds = 0
         self._states: dict[str, _ReduceState] = {}
         self._state_added: asyncio.Event | None = None
@@ -265,13 +266,27 @@ class GroupAverager:
             future = asyncio.run_coroutine_threadsafe(
                 self._step(tensor.detach().cpu().contiguous(), weight, gather, record, time.monotonic() + timeout_s),
                 self._loop)
+            self._current = future
             try:
                 result, group = future.result(timeout=timeout_s + 10)
             except concurrent.futures.TimeoutError:
                 future.cancel()
                 record.fail(self.peer_id, "round", "deadline passed")
                 result, group = None, None
+            except concurrent.futures.CancelledError:
+                record.fail(self.peer_id, "round", "interrupted")
+                result, group = None, None
+            finally:
+                self._current = None
             return result, record, group
+
+    def interrupt(self) -> None:
+        """Abandon the round in progress (e.g. on Ctrl+C): ``step`` returns at once with no result.
+
+        Safe to call from a signal handler or another thread."""
+        current = self._current
+        if current is not None:
+            current.cancel()
 
     def average_in_group(self, group: Group, tensor: torch.Tensor, *, weight: float, codec: str,
                          timeout_s: float | None = None) -> tuple[torch.Tensor | None, RoundRecord]:

@@ -2,10 +2,11 @@
 
 Owns the contributing peer process (`python -m swarm.peer`), the trainer API for users' own
 scripts (`swarm.Trainer`), peer identity and signatures (`swarm.identity`), the built-in task
-registry (`swarm.tasks`) and the one-command demo (`python -m swarm.demo`).
+registry (`swarm.tasks`), sealed checkpoints (`swarm.checkpoint`: store, signed manifests, gossip,
+verified shard exchange, state sync) and the one-command demo (`python -m swarm.demo`).
 
-Composes the other packages: `bootstrap` (DHT start-up, process lifetime) and hivemind's DHT and
-averager; later `peers` (capabilities) and `averaging` (groups, robust aggregation).
+Composes the other packages: `bootstrap` (DHT start-up, process lifetime), `peers` (capability
+records, resource graph) and `averaging` (groups, robust all-reduce), over hivemind's DHT and P2P.
 Exports: Trainer, TrainerConfig, RoundResult, Identity (imported lazily: `import swarm` stays cheap).
 """
 

@@ -142,6 +142,8 @@ class _StopFlag:
     def __init__(self) -> None:
         self.event = threading.Event()
         self.signal_name: str | None = None
+        self.on_stop: list = []
+        """Callbacks run in the signal handler, e.g. to abandon a round in progress."""
         self._pid = os.getpid()
 
     def install(self) -> None:
@@ -157,6 +159,8 @@ class _StopFlag:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
         self.event.set()
+        for callback in self.on_stop:
+            callback()
 
 
 class PeerRunner:
@@ -185,6 +189,7 @@ class PeerRunner:
         task_info = TaskInfo.of(self.task, self.config.task_preset)
         self.trainer = Trainer(self.model, self.optimizer, config=self.trainer_config, identity=self.identity,
                                dht=self.dht, task_info=task_info)
+        self.stop.on_stop.append(self.trainer.interrupt)
         if self.config.dump_dir:
             self.trainer.before_sync.append(lambda round_, local: self._dump("local", round_, local))
         self.events.emit("joined", peer_id=self.trainer.peer_id, round=self.trainer.round,

@@ -27,7 +27,6 @@ import hashlib
 import json
 import logging
 import re
-import signal
 import threading
 import time
 from collections import Counter
@@ -39,8 +38,6 @@ from typing import Any
 
 import torch
 from hivemind import DHT
-from hivemind.averaging import DecentralizedAverager
-from hivemind.compression import NoCompression
 from packaging.version import InvalidVersion, Version
 
 from averaging import AveragingConfig, GroupAverager, RoundRecord
@@ -68,7 +65,6 @@ from swarm.network import start_swarm_dht
 logger = logging.getLogger(__name__)
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_STATE_FORMAT = 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -246,18 +242,6 @@ class TrainerCounters:
     rejected: Counter = field(default_factory=Counter)
 
 
-class _StateSharingAverager(DecentralizedAverager):
-    """hivemind's averager, serving our trainer's state (global params + outer momentum) to joiners."""
-
-    def __init__(self, *args: Any, state_fn: Callable[[], tuple[dict, list[torch.Tensor]]], **kwargs: Any):
-        self._state_fn = state_fn
-        super().__init__(*args, **kwargs)
-
-    def get_current_state(self):  # runs in the host process, in hivemind's background thread
-        metadata, tensors = self._state_fn()
-        return metadata, tensors, None
-
-
 class Trainer:
     """Train ``model`` with ``inner_optimizer`` locally and average with the run's peers every ``sync_every`` steps.
 
@@ -325,7 +309,6 @@ class Trainer:
             self.graph = ResourceGraph(self.dht)
             self.device = self._params[0].device
             self.requirements = self._check_run(self.graph)
-            self.averager = self._make_averager()
             self.group_averager = GroupAverager(self.dht, prefix=f"swarm_{config.run}",
                                                 config=config.averaging_config(),
                                                 bandwidth_mbps=self._bandwidth_mbps, region=config.region)
@@ -411,27 +394,6 @@ class Trainer:
     def _make_outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.SGD:
         momentum = self.config.outer_momentum
         return torch.optim.SGD(params, lr=self.config.outer_lr, momentum=momentum, nesterov=momentum > 0)
-
-    def _make_averager(self) -> DecentralizedAverager:
-        # hivemind's averager sets SIGINT to SIG_IGN in *this* process when it starts its child;
-        # put the caller's handler back so that Ctrl+C keeps working in users' scripts.
-        in_main_thread = threading.current_thread() is threading.main_thread()
-        sigint_handler = signal.getsignal(signal.SIGINT) if in_main_thread else None
-        try:
-            return self._new_averager()
-        finally:
-            if in_main_thread and sigint_handler is not None:
-                signal.signal(signal.SIGINT, sigint_handler)
-
-    def _new_averager(self) -> DecentralizedAverager:
-        # hivemind's averager serves only the state download here (until signed manifests replace
-        # it); averaging itself goes through our GroupAverager
-        return _StateSharingAverager(
-            [torch.zeros(1)], self.dht, start=True, prefix=f"swarm_{self.config.run}_state",
-            target_group_size=2, min_matchmaking_time=5.0, request_timeout=3.0, allreduce_timeout=10.0,
-            next_chunk_timeout=30.0, sender_timeout=10.0, reducer_timeout=10.0, state_compression=NoCompression(),
-            declare_state_period=10.0, shutdown_timeout=5.0, state_fn=self._current_state,
-        )
 
     def _performance(self) -> Performance:
         measured = self.prober.summary() if self.prober is not None else {}
@@ -527,7 +489,6 @@ class Trainer:
             round=self.round, group_size=len(group.members) if averaged is not delta and group else 1,
             weight=weight, duration_s=time.perf_counter() - started, rejected=rejected, record=record,
         )
-        self.averager.state_sharing_priority = float(self.round)
         self._last_sync_end = time.perf_counter()
         return self.last_round
 
@@ -552,8 +513,10 @@ class Trainer:
         return state
 
     def load_state(self, *, timeout_s: float) -> bool:
-        """Resume from the run's newest sealed checkpoint, verified end to end; before the run has
-        sealed one, fall back to hivemind's (unverified) state download from a peer."""
+        """Resume from the run's newest sealed checkpoint, verified end to end; True if one was loaded.
+
+        Nothing unverified is ever loaded: before the run has sealed a checkpoint (its first round)
+        every peer starts from the same seeded model, which is the run's genesis state."""
         if self.checkpoints is not None:
             try:
                 loaded = self.checkpoints.load_newest(timeout_s=timeout_s)
@@ -566,13 +529,14 @@ class Trainer:
                 problem = self._state_dict_problem(state)
                 if problem is None:
                     tensors = [state[f"param/{n}"] for n in self._names] + [state[f"momentum/{n}"] for n in self._names]
-                    self._install_state({"round": manifest.round}, tensors)
+                    self._install_state(manifest.round, tensors)
                     self.counters.state_verified += 1
                     logger.info(f"resumed from sealed checkpoint {manifest.digest()[:12]} at step {manifest.step}")
                     return True
                 self.counters.rejected[f"sealed checkpoint: {problem}"] += 1
                 logger.warning(f"rejected the sealed checkpoint: {problem}")
-        return self.load_state_from_peers(timeout_s=timeout_s)
+        logger.info("no sealed checkpoint of this run yet: starting from the model as given (the run's genesis)")
+        return False
 
     def _state_dict_problem(self, state: dict[str, torch.Tensor]) -> str | None:
         expected = {f"{kind}/{n}": p for n, p in zip(self._names, self._global) for kind in ("param", "momentum")}
@@ -628,64 +592,11 @@ class Trainer:
                 param.copy_(base)
 
     # ----------------------------------------------------------------------------------------- state
-    def _current_state(self) -> tuple[dict, list[torch.Tensor]]:
-        with self._state_lock:
-            momentum = [self._momentum_buffer(p).clone() for p in self._global]
-            tensors = [p.detach().clone() for p in self._global] + momentum
-            metadata = {"format": _STATE_FORMAT, "run": self.config.run, "round": self.round,
-                        "names": list(self._names)}
-        return metadata, tensors
-
     def _momentum_buffer(self, param: torch.Tensor) -> torch.Tensor:
         buf = self._outer_optimizer.state.get(param, {}).get("momentum_buffer")
         return buf if buf is not None else torch.zeros_like(param)
 
-    def load_state_from_peers(self, *, timeout_s: float | None = None, attempts: int = 3) -> bool:
-        """Replace the global parameters (and outer momentum) with a peer's; True on success.
-
-        Every downloaded state is validated (run, parameter names, shapes, dtypes, finite values);
-        a bad state is rejected with a logged reason and the next donor is tried.
-        """
-        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.load_state_timeout_s)
-        for _ in range(attempts):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                result = self.averager.load_state_from_peers(timeout=remaining)
-            except Exception as e:  # TimeoutError from the MPFuture, or a donor failure
-                logger.info(f"state download failed: {e!r}")
-                result = None
-            if result is None:
-                logger.info("no peer of this run could share its state; starting from the model as given")
-                return False
-            problem = self._state_problem(*result)
-            if problem is None:
-                self._install_state(*result)
-                return True
-            self.counters.rejected[f"state: {problem}"] += 1
-            logger.warning(f"rejected a downloaded state: {problem}")
-        return False
-
-    def _state_problem(self, metadata: Any, tensors: Sequence[torch.Tensor]) -> str | None:
-        if not isinstance(metadata, dict):
-            return f"metadata is {type(metadata).__name__}, not a dict"
-        if metadata.get("format") != _STATE_FORMAT or metadata.get("run") != self.config.run:
-            return f"format/run mismatch: {metadata.get('format')!r}/{metadata.get('run')!r}"
-        if not isinstance(metadata.get("round"), int) or metadata["round"] < 0:
-            return f"bad round {metadata.get('round')!r}"
-        if metadata.get("names") != list(self._names):
-            return "parameter names differ from this model's"
-        if len(tensors) != 2 * len(self._global):
-            return f"expected {2 * len(self._global)} tensors, got {len(tensors)}"
-        for i, (got, want) in enumerate(zip(tensors, self._global + self._global)):
-            if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
-                return f"tensor {i} has shape/dtype {getattr(got, 'shape', None)}/{getattr(got, 'dtype', None)}"
-            if not torch.isfinite(got).all():
-                return f"tensor {i} has non-finite values"
-        return None
-
-    def _install_state(self, metadata: dict, tensors: Sequence[torch.Tensor]) -> None:
+    def _install_state(self, round_: int, tensors: Sequence[torch.Tensor]) -> None:
         count = len(self._global)
         with self._state_lock:
             for base, new in zip(self._global, tensors[:count]):
@@ -694,12 +605,16 @@ class Trainer:
                 for base, buf in zip(self._global, tensors[count:]):
                     self._outer_optimizer.state[base]["momentum_buffer"] = buf.clone()
             self._copy_global_to_model()
-            self.round = metadata["round"]
+            self.round = round_
         self.counters.state_loaded += 1
-        self.averager.state_sharing_priority = float(self.round)
         logger.info(f"loaded the run's state at round {self.round}")
 
     # ----------------------------------------------------------------------------------------- lifetime
+    def interrupt(self) -> None:
+        """Abandon the averaging round in progress at once (the update is applied alone); for Ctrl+C."""
+        if self.group_averager is not None:
+            self.group_averager.interrupt()
+
     def shutdown(self) -> None:
         """Leave the run: withdraw the record, stop the averager, then the DHT if this trainer started it.
 
@@ -722,9 +637,6 @@ class Trainer:
         group_averager = getattr(self, "group_averager", None)
         if group_averager is not None:
             group_averager.close()
-        averager = getattr(self, "averager", None)
-        if averager is not None and averager.is_alive():
-            averager.shutdown()
         if getattr(self, "_owns_dht", False) and getattr(self, "dht", None) is not None:
             stop_dht(self.dht)
 

@@ -22,7 +22,7 @@ def _start_standalone_peer(tmp_path):
     tree = descendants(child.pid)
     names = {p.name() for p in tree}
     assert "p2pd" in names, f"expected a p2pd below the peer, got {names}"
-    assert len(tree) >= 3, f"expected DHT, averager and p2pd children, got {[(p.pid, p.name()) for p in tree]}"
+    assert len(tree) >= 3, f"expected the reaper, the DHT child and p2pd, got {[(p.pid, p.name()) for p in tree]}"
     return child, tree, events
 
 
