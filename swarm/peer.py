@@ -188,7 +188,7 @@ class PeerRunner:
                          params=sum(p.numel() for p in self.model.parameters()), device=str(self.device))
         task_info = TaskInfo.of(self.task, self.config.task_preset)
         self.trainer = Trainer(self.model, self.optimizer, config=self.trainer_config, identity=self.identity,
-                               dht=self.dht, task_info=task_info)
+                               dht=self.dht, task_info=task_info, evaluate=self.evaluate_or_nan)
         self.stop.on_stop.append(self.trainer.interrupt)
         if self.config.dump_dir:
             self.trainer.before_sync.append(lambda round_, local: self._dump("local", round_, local))
@@ -199,6 +199,10 @@ class PeerRunner:
             self._dump("joined", self.trainer.round, list(self.model.parameters()))
         logger.info(f"peer {self.trainer.peer_id} joined run {self.trainer_config.run!r} at round "
                     f"{self.trainer.round}; training shard {self.shard_index}/{self.config.num_shards} on {self.device}")
+
+    def evaluate_or_nan(self) -> float:
+        value = self.evaluate()
+        return float("nan") if value is None else value
 
     def evaluate(self) -> float | None:
         if self.config.eval_batches == 0:
@@ -237,7 +241,8 @@ class PeerRunner:
             if result is not None:
                 if cfg.dump_dir:
                     self._dump("global", result.round, list(self.model.parameters()))
-                val = self.evaluate()
+                val = trainer.last_val_loss if trainer.last_val_loss is not None else self.evaluate()
+                trainer.last_val_loss = None
                 self.events.emit("round", round=result.round, step=trainer.local_step, group_size=result.group_size,
                                  duration_s=result.duration_s, val_loss=val, rejected=list(result.rejected),
                                  record=result.record.to_dict() if result.record else None)

@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -259,6 +260,7 @@ class Trainer:
         dht: DHT | None = None,
         identity: Identity | None = None,
         task_info: TaskInfo | None = None,
+        evaluate: Callable[[], float] | None = None,
         **overrides: Any,
     ):
         if "initial_peers" in overrides:
@@ -291,6 +293,11 @@ class Trainer:
         self.advertiser: Advertiser | None = None
         self.group_averager: GroupAverager | None = None
         self.checkpoints: CheckpointManager | None = None
+        self.evaluate = evaluate
+        """Optional validation-loss function of the current model; its value (in thousandths) is signed
+        into each sealed manifest's metrics."""
+        self.last_val_loss: float | None = None
+        self._solo_streak = 0
         self._run_peers: tuple[float, set[str]] = (0.0, set())
         self.prober: BandwidthProber | None = None
         self._closing = threading.Event()
@@ -478,10 +485,13 @@ class Trainer:
             rounds = [g.get("round") for g in group.gathered.values() if isinstance(g, dict)]
             next_round = 1 + max([self.round] + [r for r in rounds if isinstance(r, int) and 0 <= r < 2**62])
             self.counters.rounds_ok += 1
+            self._solo_streak = 0
         else:
             averaged, next_round = delta, self.round + 1
             self.counters.rounds_solo += 1
+            self._solo_streak += 1
         self._apply_outer_step(averaged, next_round=next_round, new_base=new_base)
+        self._resync_if_lagging()
         if group is not None and averaged is not delta:
             self._maybe_seal(group)
         self._samples_since_sync = 0
@@ -491,6 +501,15 @@ class Trainer:
         )
         self._last_sync_end = time.perf_counter()
         return self.last_round
+
+    def _resync_if_lagging(self, max_solo_rounds: int = 3) -> None:
+        """A peer cut off from the others for a few rounds takes the run's newest sealed state again."""
+        if self.checkpoints is None or self._solo_streak < max_solo_rounds:
+            return
+        newest = self.checkpoints.newest_digest()
+        if newest is not None and self.load_state(timeout_s=self.config.load_state_timeout_s):
+            logger.info(f"was cut off for {self._solo_streak} rounds: re-synced to sealed step {newest[0]}")
+            self._solo_streak = 0
 
     def _maybe_seal(self, group: Any) -> None:
         """Every member of the group now holds the same state: each signs the same manifest of it."""
@@ -502,8 +521,18 @@ class Trainer:
         parents = [tuple(g["sealed"]) for g in gathered if isinstance(g.get("sealed"), list)
                    and len(g["sealed"]) == 2 and isinstance(g["sealed"][0], int) and isinstance(g["sealed"][1], str)]
         parent = max(parents, key=lambda sealed: (sealed[0], sealed[1]))[1] if parents else ""
+        # metrics must be identical on every member, so only integers all of them saw: the validation
+        # loss (floating point, hardware-dependent) goes to each peer's own event log instead
+        samples = sum(g["samples"] for g in gathered if isinstance(g.get("samples"), int) and 0 <= g["samples"] < 2**40)
+        metrics = {"round_samples": samples, "group_size": len(group.members)}
+        if self.evaluate is not None:
+            # members evaluate the same parameters on the same batches; rounding to thousandths makes
+            # the signed value agree across hardware (a rare disagreement only skips one seal)
+            self.last_val_loss = float(self.evaluate())
+            if math.isfinite(self.last_val_loss):
+                metrics["val_loss_milli"] = round(self.last_val_loss * 1000)
         self.checkpoints.seal_async(state=self._state_dict(), step=self.round, participants=tuple(group.members),
-                                    created_at=min(times, default=0), parent=parent)
+                                    created_at=min(times, default=0), parent=parent, metrics=metrics)
 
     def _state_dict(self) -> dict[str, torch.Tensor]:
         with self._state_lock:

@@ -140,6 +140,12 @@ def test_a_joiner_resumes_bit_exactly_from_a_sealed_checkpoint(bootstrap_node, t
         assert got.keys() == want.keys()
         for name in want:
             assert torch.equal(got[name], want[name]), f"{name} differs from the donors' state at step {step}"
+        # the CLI verifies the newest sealed manifest announced in the swarm, and fails for an unknown run
+        for run, code in (("sealed", 0), ("no-such-run", 1)):
+            cli = spawn(python_cmd("-m", "swarm.checkpoint", "verify", "--initial-peers", *bootstrap_node,
+                                   "--run", run))
+            wait_until(lambda c=cli: c.returncode is not None, timeout_s=60, message=cli.describe)
+            assert cli.returncode == code, cli.describe()
     finally:
         for child in [*donors, *([joiner] if joiner else [])]:
             terminate(child, timeout_s=30)

@@ -17,7 +17,13 @@ from rich.console import Console
 from rich.table import Table
 from safetensors.torch import save_file
 
-from swarm.checkpoint.manifest import ManifestRejected, SignedManifest, verify_lineage, verify_manifest
+from swarm.checkpoint.manifest import (
+    ManifestRejected,
+    SignedManifest,
+    default_quorum,
+    verify_lineage,
+    verify_manifest,
+)
 from swarm.checkpoint.store import CheckpointStore, ShardRejected
 
 
@@ -29,7 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
                             ("verify", "digests, signatures, quorum and lineage"),
                             ("export", "write the model parameters as one safetensors file")):
         cmd = sub.add_parser(name, help=help_text)
-        cmd.add_argument("--dir", required=True, type=Path, help="checkpoint store folder")
+        if name == "verify":
+            where = cmd.add_mutually_exclusive_group(required=True)
+            where.add_argument("--dir", type=Path, help="checkpoint store folder")
+            where.add_argument("--initial-peers", nargs="+", metavar="MADDR",
+                               help="verify the newest sealed manifest of --run announced in the swarm instead")
+            cmd.add_argument("--run", default=None, help="run name (with --initial-peers)")
+        else:
+            cmd.add_argument("--dir", required=True, type=Path, help="checkpoint store folder")
         if name != "list":
             cmd.add_argument("--manifest", default=None, help="manifest digest (default: the newest)")
         if name == "export":
@@ -51,9 +64,55 @@ def _walk_lineage(store: CheckpointStore, manifest, kept: set[str]) -> list:
     return chain
 
 
+def verify_in_swarm(initial_peers: list[str], run: str, console: Console) -> int:
+    """Verify the newest sealed manifest announced in the run's DHT index: signatures, quorum of
+    signers holding live records in the run. Exit 0, or 1 with the reason."""
+    from bootstrap import parse_initial_peers, stop_dht
+    from peers.graph import ResourceGraph
+    from swarm.checkpoint.gossip import index_key
+    from swarm.identity import Identity
+    from swarm.network import start_swarm_dht
+
+    dht = start_swarm_dht(Identity.generate(), initial_peers=parse_initial_peers(initial_peers), client_mode=True,
+                          host_maddrs=("/ip4/127.0.0.1/tcp/0",))
+    try:
+        known = {r.peer_id for r in ResourceGraph(dht).records(run=run)}
+        found = dht.get(index_key(run), latest=True)
+        entries = found.value.values() if found is not None and isinstance(found.value, dict) else []
+        best, reasons = None, []
+        for item in entries:
+            value = getattr(item, "value", None)
+            data = value.get("manifest") if isinstance(value, dict) else None
+            try:
+                manifest = verify_manifest(data if isinstance(data, bytes) else b"", run_id=run)
+                signers = SignedManifest.from_bytes(data).signatures
+                live = sum(1 for peer in signers if peer in known)
+                if live < default_quorum(len(manifest.participants)):
+                    raise ValueError(f"only {live} signer(s) hold live records in the run")
+            except (ManifestRejected, ValueError) as e:
+                reasons.append(str(e))
+                continue
+            if best is None or manifest.step > best.step:
+                best = manifest
+    finally:
+        stop_dht(dht)
+    if best is None:
+        console.print(f"[bold red]verification failed:[/] no valid sealed manifest of run {run!r} in the swarm"
+                      + (f" ({'; '.join(reasons[:3])})" if reasons else ""))
+        return 1
+    console.print(f"[green]ok[/]: newest sealed manifest of run {run!r}: {best.digest()[:16]} at step {best.step}, "
+                  f"{len(best.participants)} participant(s), {len(best.shards)} shard(s)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
+    if args.command == "verify" and args.initial_peers:
+        if not args.run:
+            console.print("[bold red]error:[/] --initial-peers needs --run NAME")
+            return 2
+        return verify_in_swarm(args.initial_peers, args.run, console)
     if not args.dir.is_dir():
         console.print(f"[bold red]error:[/] {args.dir} is not a checkpoint folder")
         return 2

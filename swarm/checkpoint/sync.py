@@ -102,18 +102,18 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------ sealing
     def seal_async(self, *, state: dict[str, torch.Tensor], step: int, participants: tuple[str, ...],
-                   created_at: int, parent: str) -> Future:
+                   created_at: int, parent: str, metrics: dict[str, int] | None = None) -> Future:
         """Write the state, sign its manifest and collect the group's signatures, in the background."""
         state = {name: tensor.detach().clone() for name, tensor in state.items()}
-        return self._sealer.submit(self._seal, state, step, participants, created_at, parent)
+        return self._sealer.submit(self._seal, state, step, participants, created_at, parent, metrics or {})
 
     def _seal(self, state: dict[str, torch.Tensor], step: int, participants: tuple[str, ...], created_at: int,
-              parent: str) -> bool:
+              parent: str, metrics: dict[str, int]) -> bool:
         try:
             shards = self.store.put_tensors(state)
             manifest = Manifest(version=1, run_id=self.run_id, step=step, round=step, task=self.task,
                                 config_digest=self.config_digest, parent=parent, shards=tuple(shards),
-                                participants=tuple(sorted(participants)), metrics={}, created_at=created_at)
+                                participants=tuple(sorted(participants)), metrics=metrics, created_at=created_at)
             key = f"swarm/{self.run_id}/seal/{manifest.digest()}"
             peer_id, signature = sign_manifest(manifest, self.identity)
             self.dht.store(key, signature, expiration_time=get_dht_time() + 120, subkey=peer_id)
