@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -137,6 +138,7 @@ def run_demo(config: DemoConfig, console: Console) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("*.jsonl"), *out.glob("*.log")]:
         stale.unlink()
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # a new demo is a new run
     swarm = _Swarm(config=config, out=out, console=console)
     t0 = time.time()
     try:

@@ -106,7 +106,7 @@ class TrainerConfig:
     """Where sealed checkpoints of the run are kept (content-addressed safetensors shards + manifests)."""
     checkpoint_every: int = 1
     """Seal a checkpoint every this many averaging rounds (0: never; the run's other peers may still)."""
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = 5
     """Sealed checkpoints kept on disk; older ones and their unreferenced shards are removed."""
     """Deadline for the state download at start-up."""
     host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)

@@ -151,23 +151,34 @@ class CheckpointManager:
         return signatures
 
     # ------------------------------------------------------------------------------------ loading
-    def load_newest(self, *, timeout_s: float = 120.0) -> tuple[Manifest, dict[str, torch.Tensor]] | None:
-        """The newest sealed state of the run, verified end to end, or None if there is none yet."""
-        data = None
-        with self._lock:
-            newest = self.newest
-        if newest is None:
-            data = self.gossip.fetch_newest_from_index(timeout_s=timeout_s)
-            if data is None:
-                return None
-            self.gossip.publish(data)  # verifies, stores the manifest and makes it ours
+    def load_newest(self, *, timeout_s: float = 120.0,
+                    attempts: int = 3) -> tuple[Manifest, dict[str, torch.Tensor]] | None:
+        """The newest sealed state of the run, verified end to end, or None if there is none yet.
+
+        Donors keep only their last few checkpoints, so a manifest can be pruned while a joiner
+        downloads it: then the joiner asks again for the newest one and retries.
+        """
+        deadline = time.monotonic() + timeout_s
+        last_error: Exception | None = None
+        for _ in range(attempts):
+            data = self.gossip.fetch_newest_from_index(timeout_s=max(1.0, deadline - time.monotonic()))
+            if data is not None:
+                self.gossip.publish(data)  # verifies it; if newer than what we had, it becomes ours
             with self._lock:
                 newest = self.newest
-        if newest is None:
-            return None
-        missing = self.store.missing_shards(newest)
+            if newest is None:
+                return None
+            try:
+                return newest, self._download(newest, timeout_s=max(1.0, deadline - time.monotonic()))
+            except Exception as e:  # pruned by its donors meanwhile, or unreachable: try the newest again
+                last_error = e
+                logger.info(f"could not download sealed step {newest.step}: {e!r}; asking for the newest again")
+        raise RuntimeError(f"no sealed checkpoint could be downloaded in {attempts} attempts: {last_error!r}")
+
+    def _download(self, manifest: Manifest, *, timeout_s: float) -> dict[str, torch.Tensor]:
+        missing = self.store.missing_shards(manifest)
         if missing:
-            donors = [p for p in newest.participants if p in self.run_peers()] or sorted(self.run_peers())
+            donors = [p for p in manifest.participants if p in self.run_peers()] or sorted(self.run_peers())
             fetched, report = self.exchange.fetch({s.digest: s.size_bytes for s in missing}, donors,
                                                   timeout_s=timeout_s)
             for shard in missing:
@@ -175,7 +186,7 @@ class CheckpointManager:
                                            expected_size_bytes=shard.size_bytes)
             logger.info(f"downloaded {report.bytes_downloaded} bytes of checkpoint shards from "
                         f"{len(report.per_donor_bytes)} donor(s) in {report.seconds:.2f}s")
-        return newest, self.store.load_state_dict(newest)
+        return self.store.load_state_dict(manifest)
 
     def close(self) -> None:
         self._closing.set()
