@@ -261,7 +261,9 @@ def test_sigkilled_peer_process_mid_round(tmp_path, phase):
             out = load_file(tmp_path / f"result{i}.safetensors")["result"]
             err = (out - reference).abs().max().item()
             assert err < 1e-5, f"seed {SEED}, survivor {i}: error {err:.3g}; {record}"
-            assert record["outcome"] in ("partial", "retried") and record["failures"], record
+            # "ok" happens when the dying peer started late and the survivors grouped without it
+            assert record["outcome"] in ("ok", "partial", "retried"), record
+            assert record["outcome"] == "ok" or record["failures"], record
     finally:
         for child in children:
             terminate(child, timeout_s=15)
