@@ -45,7 +45,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from averaging.aggregation import Contribution, aggregate
 from averaging.compression import get_codec, wire_bytes
 from averaging.config import AveragingConfig, RoundRecord
-from peers.bandwidth import open_p2p_replica
+from peers.p2p_service import P2PService
 
 logger = logging.getLogger(__name__)
 
@@ -195,38 +195,15 @@ class GroupAverager:
         self._current: concurrent.futures.Future | None = None
         self._rounds = 0
         self._states: dict[str, _ReduceState] = {}
-        self._state_added: asyncio.Event | None = None
         self._lobbies: dict[str, _Lobby] = {}
         self._step_lock = threading.Lock()
-        self._ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, name=f"swarm-averager-{prefix}", daemon=True)
-        self._thread.start()
-        self._loop, self._p2p, self._stop = self._ready.result(timeout=start_timeout_s)
+        self._state_added = asyncio.Event()
+        self._service = P2PService(dht, handler_name=self._handler_name, handler=self._handle_stream,
+                                   thread_name=f"swarm-averager-{prefix}", start_timeout_s=start_timeout_s)
+        self._loop, self._p2p = self._service.loop, self._service.p2p
         self.peer_id = str(self._p2p.peer_id)
 
     # ------------------------------------------------------------------------------------ lifetime
-    def _run(self) -> None:
-        try:
-            import uvloop
-
-            uvloop.run(self._main())
-        except BaseException as e:
-            if not self._ready.done():
-                self._ready.set_exception(e)
-
-    async def _main(self) -> None:
-        p2p = await open_p2p_replica(self.dht)
-        stop = asyncio.Event()
-        self._state_added = asyncio.Event()
-        await p2p.add_binary_stream_handler(self._handler_name, self._handle_stream)
-        self._ready.set_result((asyncio.get_running_loop(), p2p, stop))
-        try:
-            await stop.wait()
-        finally:
-            with contextlib.suppress(Exception):
-                await p2p.remove_binary_stream_handler(self._handler_name)
-            await p2p.shutdown()
-
     @property
     def _handler_name(self) -> str:
         return f"swarm.avg.v1.{self.prefix}"
@@ -241,9 +218,7 @@ class GroupAverager:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop serving and leave. Idempotent."""
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stop.set)
-            self._thread.join(timeout=timeout_s)
+        self._service.close(timeout_s)
 
     async def _fault(self, phase: str, peer: str = "") -> None:
         if self.fault_hook is not None:

@@ -13,7 +13,6 @@ The gossip layer treats manifests as opaque bytes: ``verify(data) -> (digest, st
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import random
@@ -29,7 +28,7 @@ import hivemind
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
-from peers.bandwidth import open_p2p_replica
+from peers.p2p_service import P2PService
 
 logger = logging.getLogger(__name__)
 
@@ -84,46 +83,16 @@ class ManifestGossip:
         self.forwarded = 0
         self.newest: tuple[int, str, bytes] | None = None
         self._lock = threading.Lock()
-        self._ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, name=f"swarm-gossip-{run_id}", daemon=True)
-        self._thread.start()
-        self._loop, self._p2p, self._stop = self._ready.result(timeout=start_timeout_s)
+        self._service = P2PService(dht, handler_name=f"swarm.gossip.v1.{run_id}", handler=self._serve,
+                                   thread_name=f"swarm-gossip-{run_id}", background=self._pull_periodically,
+                                   start_timeout_s=start_timeout_s)
+        self._loop, self._p2p = self._service.loop, self._service.p2p
+        self._handler = self._service.handler_name
         self.peer_id = str(self._p2p.peer_id)
-
-    @property
-    def _handler(self) -> str:
-        return f"swarm.gossip.v1.{self.run_id}"
-
-    def _run(self) -> None:
-        try:
-            import uvloop
-
-            uvloop.run(self._main())
-        except BaseException as e:
-            if not self._ready.done():
-                self._ready.set_exception(e)
-
-    async def _main(self) -> None:
-        p2p = await open_p2p_replica(self.dht)
-        stop = asyncio.Event()
-        await p2p.add_binary_stream_handler(self._handler, self._serve)
-        self._ready.set_result((asyncio.get_running_loop(), p2p, stop))
-        puller = asyncio.create_task(self._pull_periodically(stop))
-        try:
-            await stop.wait()
-        finally:
-            puller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await puller
-            with contextlib.suppress(Exception):
-                await p2p.remove_binary_stream_handler(self._handler)
-            await p2p.shutdown()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop gossiping. Idempotent."""
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stop.set)
-            self._thread.join(timeout=timeout_s)
+        self._service.close(timeout_s)
 
     # ------------------------------------------------------------------------------------ api
     def publish(self, data: bytes, *, timeout_s: float = 30.0) -> bool:
