@@ -5,9 +5,11 @@ Owns
     long-lived hivemind DHT peer that prints the `--initial-peers` line other peers join with;
   * DHT start-up helpers (`node`): validated initial peers, identity files, a `start_dht` that fails
     with a clear error within a timeout instead of hanging, and a `stop_dht` that leaves no `p2pd`;
-  * the process-lifetime reaper (`lifetime`): children (DHT, averager, `p2pd`) die with their parent.
+  * the process-lifetime reaper (`lifetime`): children (DHT, averager, `p2pd`) die with their parent;
+  * the Prometheus endpoint (`metrics`): `serve_metrics` for any component's private registry, and
+    the bootstrap node's own metrics (`--metrics-port`).
 
-Uses hivemind (DHT, P2P, PeerID, Multiaddr) and psutil; rich and uvloop for the CLI only; the node
+Uses hivemind (DHT, P2P, PeerID, Multiaddr), psutil and prometheus-client; rich and uvloop for the CLI only; the node
 installs `peers.records.PeerRecordValidator` so it refuses forged capability records like any Swarm
 DHT node. Knows nothing of the peer process: dependencies point swarm -> bootstrap.
 
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from bootstrap.lifetime import set_parent_death_signal, start_reaper
+    from bootstrap.metrics import MetricsServer, MetricsServerError, serve_metrics
     from bootstrap.node import (
         BootstrapConfig,
         DHTStartError,
@@ -48,16 +51,22 @@ _EXPORTS = {
     "start_dht": "bootstrap.node",
     "stop_dht": "bootstrap.node",
     "visible_maddrs": "bootstrap.node",
+    "MetricsServer": "bootstrap.metrics",
+    "MetricsServerError": "bootstrap.metrics",
+    "serve_metrics": "bootstrap.metrics",
 }
 
 __all__ = [
     "BootstrapConfig",
     "DHTStartError",
+    "MetricsServer",
+    "MetricsServerError",
     "check_identity_file",
     "ensure_identity",
     "initial_peers_line",
     "num_known_peers",
     "parse_initial_peers",
+    "serve_metrics",
     "set_parent_death_signal",
     "start_dht",
     "start_reaper",

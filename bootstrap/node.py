@@ -2,7 +2,8 @@
 
 Reusable, documented entry points: `parse_initial_peers`, `check_identity_file`, `ensure_identity`,
 `start_dht`, `stop_dht`, `visible_maddrs`, `initial_peers_line`, `num_known_peers`.
-The node itself: `BootstrapConfig`, `build_parser`, `config_from_args`, `run`, `main`.
+The node itself: `BootstrapConfig`, `build_parser`, `config_from_args`, `run`, `main`; with
+`--metrics-port` it also serves Prometheus metrics (`bootstrap.metrics.BootstrapMetrics`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from bootstrap._private import procs
 from bootstrap.lifetime import start_reaper
+from bootstrap.metrics import BootstrapMetrics
 
 __all__ = [
     "DEFAULT_HOST_MADDRS",
@@ -62,6 +64,8 @@ _UNSPECIFIED_HOSTS = {"0.0.0.0", "::"}
 _RPC_TIMEOUT_S = 10.0
 _GRACEFUL_STOP_S = 1.0
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_METRICS_REFRESH_S = 5.0
+_METRICS_CLOSE_S = 2.0
 
 
 class DHTStartError(RuntimeError):
@@ -403,6 +407,11 @@ class BootstrapConfig:
     """Ask the local router for a port mapping (UPnP/NAT-PMP); off: a bootstrap needs a fixed address."""
     log_level: str = "INFO"
     """Log level: DEBUG, INFO, WARNING or ERROR."""
+    metrics_port: int = 0
+    """TCP port of the Prometheus endpoint http://METRICS_HOST:PORT/metrics; 0: no metrics server.
+    Values are refreshed every min(refresh_period_s, 5) s."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint listens on: 127.0.0.1 keeps it local, 0.0.0.0 exposes it."""
 
     def __post_init__(self) -> None:
         if not self.host_maddrs:
@@ -420,6 +429,11 @@ class BootstrapConfig:
                 raise ValueError(f"{name}: must be a positive number of seconds, got {value!r}")
         if self.log_level not in _LOG_LEVELS:
             raise ValueError(f"log_level: must be one of {', '.join(_LOG_LEVELS)}, got {self.log_level!r}")
+        port = self.metrics_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"metrics_port: must be a TCP port in 1..65535, or 0 for none, got {port!r}")
+        if not isinstance(self.metrics_host, str) or not self.metrics_host.strip():
+            raise ValueError(f"metrics_host: must be an address such as 127.0.0.1, got {self.metrics_host!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -486,6 +500,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=str.upper,
         help="log level",
     )
+    add(
+        "--metrics-port",
+        type=int,
+        default=defaults["metrics_port"].default,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: off)",
+    )
+    add(
+        "--metrics-host",
+        default=defaults["metrics_host"].default,
+        metavar="HOST",
+        help="address of the metrics endpoint; 0.0.0.0 exposes it beyond this machine",
+    )
     return parser
 
 
@@ -514,12 +541,14 @@ def _configure_logging(level: str) -> None:
     root.propagate = False
 
 
-def _print_banner(config: BootstrapConfig, line: str) -> None:
+def _print_banner(config: BootstrapConfig, line: str, metrics_url: str | None) -> None:
     from rich.console import Console
 
     console = Console(stderr=True, soft_wrap=True, highlight=False)
     console.print("[bold green]Swarm bootstrap node is running.[/]")
     console.print(f"identity: {config.identity}   listening on: {' '.join(config.host_maddrs)}")
+    if metrics_url is not None:
+        console.print(f"Prometheus metrics: {metrics_url}")
     console.print("Other peers join with:")
     console.print(f"  [bold cyan]{line}[/]")
     console.print("[dim]Ctrl+C or SIGTERM stops it.[/]")
@@ -576,6 +605,23 @@ def _fail(message: object) -> int:
     return 2
 
 
+def _start_metrics(dht: hivemind.DHT, config: BootstrapConfig) -> BootstrapMetrics | None:
+    """Serve the node's metrics if `config.metrics_port` is set; `MetricsServerError` if it cannot."""
+    if not config.metrics_port:
+        return None
+    from peers.records import dht_record_rejections
+
+    def sample() -> tuple[int, dict[str, int]]:
+        timeout_s = _METRICS_REFRESH_S
+        return num_known_peers(dht, timeout_s=timeout_s), dht_record_rejections(dht, timeout_s=timeout_s)
+
+    metrics = BootstrapMetrics()
+    server = metrics.serve(port=config.metrics_port, host=config.metrics_host)
+    metrics.start_refresh(sample, interval_s=min(config.refresh_period_s, _METRICS_REFRESH_S))
+    logger.info("serving Prometheus metrics at %s", server.url)
+    return metrics
+
+
 def run(config: BootstrapConfig) -> int:
     """Run the bootstrap node until SIGINT/SIGTERM. Returns the exit code: 0, or 2 on bad input."""
     import uvloop
@@ -584,6 +630,7 @@ def run(config: BootstrapConfig) -> int:
     _MAIN_PID = os.getpid()
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     dht = None
+    metrics = None
     try:
         if os.path.lexists(config.identity.expanduser()):
             check_identity_file(config.identity)  # fail on a bad identity before spawning anything
@@ -601,9 +648,11 @@ def run(config: BootstrapConfig) -> int:
             nat_port_map=config.nat_port_map,
             record_validators=[PeerRecordValidator()],
         )
+        # after the DHT: its forked process would otherwise inherit the listening socket
+        metrics = _start_metrics(dht, config)
         line = initial_peers_line(dht)
         print(line, flush=True)
-        _print_banner(config, line)
+        _print_banner(config, line, metrics.url if metrics is not None else None)
         uvloop.run(_serve(dht, config))
         logger.info("shutting down")
     except (ValueError, DHTStartError) as error:
@@ -616,6 +665,8 @@ def run(config: BootstrapConfig) -> int:
     finally:
         for sig in previous:  # a second Ctrl+C must not cut the (bounded) clean-up short
             signal.signal(sig, signal.SIG_IGN)
+        if metrics is not None:
+            metrics.close(timeout_s=_METRICS_CLOSE_S)
         if dht is not None:
             stop_dht(dht)
         for sig, handler in previous.items():

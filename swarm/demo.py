@@ -109,7 +109,7 @@ class _Swarm:
             "--sync-every", str(cfg.sync_every), "--target-group-size", str(cfg.peers),
             "--identity-key", str(self.out / f"{name}.key"), "--events", str(events),
             "--torch-threads", "1", "--no-progress", "--eval-batches", "4",
-            "--checkpoint-dir", str(self.out / "checkpoints"),
+            "--checkpoint-dir", str(self.out / "checkpoints"), "--ledger-dir", str(self.out / "ledgers"),
         ]
         return self.spawn(name, args, events=events)
 
@@ -138,7 +138,8 @@ def run_demo(config: DemoConfig, console: Console) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("*.jsonl"), *out.glob("*.log")]:
         stale.unlink()
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # a new demo is a new run
+    for stale_dir in ("checkpoints", "ledgers", "report"):  # a new demo is a new run
+        shutil.rmtree(out / stale_dir, ignore_errors=True)
     swarm = _Swarm(config=config, out=out, console=console)
     t0 = time.time()
     try:
@@ -168,6 +169,14 @@ def run_demo(config: DemoConfig, console: Console) -> dict[str, Any]:
     summary = summarize(config, swarm, killed, replacement, round_at_kill, t0)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_losses(swarm, killed, replacement, out / "loss.png", t0)
+    from swarm.report import ReportInputError, write_report
+
+    try:
+        summary["report"] = str(write_report(out / "ledgers", out=out / "report.html", title="Swarm demo").html)
+    except ReportInputError as e:  # no peer wrote a ledger: the summary above still says what happened
+        console.print(f"[yellow]no run report: {e}[/]")
+        summary["report"] = None
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
@@ -265,7 +274,7 @@ def print_summary(summary: dict[str, Any], out: Path, console: Console) -> None:
     for name, row in summary["per_peer"].items():
         per_peer.add_row(name, *(str(v) if not isinstance(v, float) else f"{v:.3f}" for v in row.values()))
     console.print(per_peer)
-    console.print(f"wrote {out / 'summary.json'} and {out / 'loss.png'}")
+    console.print(f"wrote {out / 'summary.json'}, {out / 'loss.png'} and the run report {summary.get('report')}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,8 @@ class IdentityError(RuntimeError):
 
 # libp2p's protobuf framing of an Ed25519 key: field 1 (KeyType) = 1 (Ed25519), field 2 = bytes
 _LIBP2P_ED25519_PUBLIC_PREFIX = b"\x08\x01\x12\x20"
+_LIBP2P_ED25519_PEER_ID_PREFIX = b"\x00\x24\x08\x01\x12\x20"
+_MAX_PEER_ID_CHARS = 128
 _LIBP2P_ED25519_PRIVATE_PREFIX = b"\x08\x01\x12\x40"
 
 
@@ -51,6 +53,25 @@ def peer_id_from_public_key(public_key: bytes) -> str:
         raise ValueError("an Ed25519 public key is 32 bytes")
     framed = _LIBP2P_ED25519_PUBLIC_PREFIX + public_key
     return base58.b58encode(b"\x00" + bytes([len(framed)]) + framed).decode()
+
+
+def public_key_from_peer_id(peer_id: str) -> bytes:
+    """The Ed25519 public key inside a libp2p Ed25519 peer ID ("12D3KooW..."); ValueError otherwise.
+
+    Such peer IDs are an identity multihash of the protobuf-framed key, so the key is recoverable.
+    """
+    if not isinstance(peer_id, str) or not 0 < len(peer_id) <= _MAX_PEER_ID_CHARS:
+        raise ValueError(f"not an Ed25519 peer ID: {peer_id!r:.140}")
+    try:
+        raw = base58.b58decode(peer_id)
+    except ValueError:
+        raise ValueError(f"not an Ed25519 peer ID (bad base58): {peer_id!r}") from None
+    if len(raw) != len(_LIBP2P_ED25519_PEER_ID_PREFIX) + 32 or not raw.startswith(_LIBP2P_ED25519_PEER_ID_PREFIX):
+        raise ValueError(f"not an Ed25519 peer ID (wrong multihash framing): {peer_id!r}")
+    public_key = raw[len(_LIBP2P_ED25519_PEER_ID_PREFIX) :]
+    if peer_id_from_public_key(public_key) != peer_id:
+        raise ValueError(f"not an Ed25519 peer ID (non-canonical encoding): {peer_id!r}")
+    return public_key
 
 
 def canonical_json(obj: Any) -> bytes:

@@ -190,6 +190,9 @@ class PeerRunner:
         self.trainer = Trainer(self.model, self.optimizer, config=self.trainer_config, identity=self.identity,
                                dht=self.dht, task_info=task_info, evaluate=self.evaluate_or_nan)
         self.stop.on_stop.append(self.trainer.interrupt)
+        self.trainer.evidence.record("start", {
+            "pid": os.getpid(), "task": self.task.name, "preset": self.config.task_preset, "shard": self.shard_index,
+            "params": sum(p.numel() for p in self.model.parameters()), "device": str(self.device)}, t=started)
         if self.config.dump_dir:
             self.trainer.before_sync.append(lambda round_, local: self._dump("local", round_, local))
         self.events.emit("joined", peer_id=self.trainer.peer_id, round=self.trainer.round,
@@ -220,6 +223,7 @@ class PeerRunner:
         assert trainer is not None, "start() first"
         val = self.evaluate()
         self.events.emit("val", round=trainer.round, step=trainer.local_step, val_loss=val)
+        trainer.evidence.record("val", {"round": trainer.round, "step": trainer.local_step, "val_loss": val})
         batches = self.task.train_batches(shard_index=self.shard_index, num_shards=cfg.num_shards, seed=cfg.seed)
         task_id = progress.add_task("train", total=None, **_progress_fields()) if progress else None
         started, window_start, window_samples = time.monotonic(), time.monotonic(), 0
@@ -229,15 +233,18 @@ class PeerRunner:
             with self._autocast():
                 loss = self.task.loss(self.model, (x, y))
             loss.backward()
-            result = trainer.step(num_samples=x.shape[0])
+            loss_value = loss.item()
+            result = trainer.step(num_samples=x.shape[0], loss=loss_value)
             self.samples_seen += x.shape[0]
             if trainer.local_step == 1:
-                self.events.emit("first_step", round=trainer.round, loss=loss.item())
+                self.events.emit("first_step", round=trainer.round, loss=loss_value)
             window_samples += x.shape[0]
             samples_per_s = window_samples / max(time.monotonic() - window_start, 1e-9)
             if trainer.local_step % 10 == 0:
-                self.events.emit("train", step=trainer.local_step, round=trainer.round, loss=loss.item(),
-                                 samples_per_s=samples_per_s, samples=self.samples_seen)
+                train = {"step": trainer.local_step, "round": trainer.round, "loss": trainer.last_loss,
+                         "samples_per_s": samples_per_s, "samples": self.samples_seen}
+                self.events.emit("train", **train)
+                trainer.evidence.record("train", train)
             if result is not None:
                 if cfg.dump_dir:
                     self._dump("global", result.round, list(self.model.parameters()))
@@ -252,7 +259,7 @@ class PeerRunner:
             if progress is not None:
                 last = trainer.last_round
                 progress.update(task_id, **_progress_fields(
-                    step=trainer.local_step, loss=loss.item(), sps=samples_per_s, round=trainer.round,
+                    step=trainer.local_step, loss=loss_value, sps=samples_per_s, round=trainer.round,
                     group=last.group_size if last else "-", val=val))
 
     def _should_stop(self, started: float) -> bool:
@@ -278,7 +285,7 @@ class PeerRunner:
         if self.trainer is not None:
             self.events.emit("stop", step=self.trainer.local_step, round=self.trainer.round,
                              signal=self.stop.signal_name)
-            self.trainer.shutdown()
+            self.trainer.shutdown(reason=self.stop.signal_name)
         if self.dht is not None:
             stop_dht(self.dht)
         self.events.close()

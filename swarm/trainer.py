@@ -59,8 +59,12 @@ from peers import (
     unmet_requirements,
 )
 from peers.bandwidth import BandwidthProber
-from swarm.checkpoint.sync import CheckpointManager
+from swarm._private.evidence import Evidence, milli
+from swarm.checkpoint.manifest import MANIFEST_REJECTIONS
+from swarm.checkpoint.sync import CheckpointManager, SealRequest
 from swarm.identity import Identity, PeerBinding
+from swarm.ledger import GENESIS, Ledger, LedgerError, default_ledger_path
+from swarm.ledger.receipts import Receipt, sign_receipt
 from swarm.network import start_swarm_dht
 
 logger = logging.getLogger(__name__)
@@ -102,13 +106,19 @@ class TrainerConfig:
     load_state: bool = True
     """Download the run's current state from a peer at start-up (a fresh run starts from the model as given)."""
     load_state_timeout_s: float = 60.0
+    """Deadline for the state download at start-up."""
     checkpoint_dir: str = "~/.swarm/checkpoints"
     """Where sealed checkpoints of the run are kept (content-addressed safetensors shards + manifests)."""
     checkpoint_every: int = 1
     """Seal a checkpoint every this many averaging rounds (0: never; the run's other peers may still)."""
     keep_checkpoints: int = 5
     """Sealed checkpoints kept on disk; older ones and their unreferenced shards are removed."""
-    """Deadline for the state download at start-up."""
+    ledger_dir: str = "~/.swarm/ledgers"
+    """Where this peer's hash-chained, signed event ledger is kept (DIR/RUN/PEER_ID.sqlite); empty: none."""
+    metrics_port: int = 0
+    """Serve Prometheus metrics on this port (0: off)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint listens on (0.0.0.0 to let a remote Prometheus scrape it)."""
     host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
     """Multiaddrs this peer listens on."""
     announce_maddrs: tuple[str, ...] = ()
@@ -156,6 +166,8 @@ class TrainerConfig:
         if not 0 < self.record_refresh_s < self.record_expiry_s <= MAX_LIFETIME_S:
             raise ValueError(f"need 0 < record_refresh_s < record_expiry_s <= {MAX_LIFETIME_S}, got "
                              f"{self.record_refresh_s!r} and {self.record_expiry_s!r}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port!r}")
         if not self.bandwidth_probe_period_s >= 0:
             raise ValueError(f"bandwidth_probe_period_s must be >= 0, got {self.bandwidth_probe_period_s!r}")
         if self.require_dtype not in ("fp32", "bf16"):
@@ -297,6 +309,13 @@ class Trainer:
         """Optional validation-loss function of the current model; its value (in thousandths) is signed
         into each sealed manifest's metrics."""
         self.last_val_loss: float | None = None
+        self.last_loss: float | None = None
+        """The last training loss passed to :meth:`step` (shown on the status board and in metrics)."""
+        self.evidence = Evidence()
+        """This trainer's ledger, status board entry and metrics (see ``swarm._private.evidence``)."""
+        self._last_group: dict | None = None
+        self._lost: dict[str, int] = {}
+        self._val_for_status: float | None = None
         self._solo_streak = 0
         self._run_peers: tuple[float, set[str]] = (0.0, set())
         self.prober: BandwidthProber | None = None
@@ -313,6 +332,7 @@ class Trainer:
         self.peer_id = str(self.dht.peer_id)
         self.binding = self.identity.bind(self.peer_id)
         try:
+            self.evidence = Evidence(ledger=self._open_ledger(), metrics=self._start_metrics())
             self.graph = ResourceGraph(self.dht)
             self.device = self._params[0].device
             self.requirements = self._check_run(self.graph)
@@ -324,6 +344,11 @@ class Trainer:
             if config.load_state:
                 self.load_state(timeout_s=config.load_state_timeout_s)
             self._set_state("training")
+            newest = self.checkpoints.newest_digest() if self.checkpoints is not None else None
+            self.evidence.record("joined", {
+                "round": self.round, "step": self.local_step, "state_loaded": self.counters.state_loaded > 0,
+                "state_verified": self.counters.state_verified > 0, "join_s": time.time() - self._started_at,
+                "manifest": newest[1] if newest and self.counters.state_verified else None})
         except BaseException:
             self.shutdown()
             raise
@@ -349,6 +374,38 @@ class Trainer:
             raise RunMismatch(f"cannot join run {run!r}: " + "; ".join(problems))
         return requirements
 
+    def _open_ledger(self) -> Ledger | None:
+        if not self.config.ledger_dir:
+            return None
+        if self.identity.peer_id != self.peer_id:
+            logger.warning("no ledger: the DHT's peer ID is not this trainer's identity (pass no dht=)")
+            return None
+        path = default_ledger_path(self.config.ledger_dir, run=self.config.run, peer_id=self.peer_id)
+        try:
+            return Ledger(path, identity=self.identity, run=self.config.run)
+        except LedgerError as e:
+            raise ValueError(f"cannot open the ledger {path}: {e}; move the file away or pass another "
+                             f"--ledger-dir") from None
+
+    def _start_metrics(self) -> Any | None:
+        if not self.config.metrics_port:
+            return None
+        from swarm.metrics import PeerMetrics  # prometheus-client is imported only when metrics are on
+
+        metrics = PeerMetrics(peer_id=self.peer_id, run=self.config.run, task=self.task_info.name)
+        try:
+            metrics.serve(port=self.config.metrics_port, host=self.config.metrics_host)
+        except BaseException:
+            metrics.close()
+            raise
+        logger.info(f"Prometheus metrics on http://{self.config.metrics_host}:{self.config.metrics_port}/metrics")
+        return metrics
+
+    def _status_snapshot(self) -> dict:
+        return {"state": self.state, "round": self.round, "step": self.local_step,
+                "samples_per_s_milli": milli(self.samples_per_s) or 0, "loss_milli": milli(self.last_loss),
+                "val_loss_milli": milli(self._val_for_status), "last_group": self._last_group}
+
     def _start_advertising(self) -> None:
         cfg = self.config
         if not cfg.advertise:
@@ -363,6 +420,10 @@ class Trainer:
             self._probe_thread.start()
         self.advertiser = Advertiser(self.dht, self.identity, self._build_record, refresh_s=cfg.record_refresh_s,
                                      expiry_s=cfg.record_expiry_s).start()
+        from swarm.status import StatusPublisher
+
+        self.evidence.status = StatusPublisher(self.dht, self.identity, run=cfg.run, snapshot=self._status_snapshot,
+                                               refresh_s=cfg.record_refresh_s, expiry_s=cfg.record_expiry_s).start()
 
     def _probe_loop(self) -> None:
         """Measure bandwidth to a few peers of the run soon after joining, then every probe period."""
@@ -395,7 +456,7 @@ class Trainer:
             network=Network(reachability=reachability(self._maddrs), maddrs=self._maddrs, region=cfg.region),
             available_until=cfg.available_until_unix(),
             trust=Trust(uptime_s=int(time.time() - self._started_at), rounds_completed=self.counters.rounds_ok,
-                        checkpoints_cosigned=0),
+                        checkpoints_cosigned=self.checkpoints.sealed if self.checkpoints is not None else 0),
         )
 
     def _make_outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.SGD:
@@ -419,7 +480,15 @@ class Trainer:
         directory = Path(self.config.checkpoint_dir).expanduser() / self.config.run / self.peer_id
         return CheckpointManager(self.dht, identity=self.identity, run_id=self.config.run, task=self.task_info.name,
                                  config_digest=self.task_info.config_digest, directory=directory,
-                                 keep_last=self.config.keep_checkpoints, run_peers=self.run_peers)
+                                 keep_last=self.config.keep_checkpoints, run_peers=self.run_peers,
+                                 on_event=self._on_checkpoint_event)
+
+    def _on_checkpoint_event(self, kind: str, body: dict) -> None:
+        if kind == "receipts":  # the group's verified receipts of a round: one ledger entry each
+            for receipt in body["receipts"]:
+                self.evidence.record("receipt", receipt)
+        else:
+            self.evidence.record(kind, body)
 
     def run_peers(self) -> set[str]:
         """Peer IDs with live records in this run (cached for one record refresh period)."""
@@ -438,15 +507,22 @@ class Trainer:
         return None if up is None or down is None else min(up, down)
 
     # ----------------------------------------------------------------------------------------- training
-    def step(self, *, num_samples: int = 1) -> RoundResult | None:
+    def step(self, *, num_samples: int = 1, loss: float | None = None) -> RoundResult | None:
         """One inner optimizer step (and zero_grad); every ``sync_every`` steps also an averaging round.
 
+        ``loss`` (optional, a float) is only reported: status board and metrics.
         Returns the round's result when a round ran, else None.
         """
         self.inner_optimizer.step()
         self.inner_optimizer.zero_grad(set_to_none=True)
         self.local_step += 1
         self._samples_since_sync += num_samples
+        if loss is not None:
+            self.last_loss = float(loss)
+        if self.evidence.metrics is not None:
+            elapsed = max(time.perf_counter() - self._last_sync_end, 1e-9)
+            self.evidence.metrics.observe_step(step=self.local_step, samples=num_samples, loss=self.last_loss,
+                                               samples_per_s=self._samples_since_sync / elapsed)
         if self.local_step % self.config.sync_every == 0:
             return self.sync()
         return None
@@ -466,11 +542,14 @@ class Trainer:
             hook(self.round, local)
         with self._state_lock:
             base = torch.cat([b.reshape(-1) for b in self._global])
+            momentum = torch.cat([self._momentum_buffer(b).reshape(-1) for b in self._global])
         delta = base - torch.cat([t.reshape(-1) for t in local])
+        state_digest = hashlib.sha256(base.numpy().tobytes() + momentum.numpy().tobytes()).hexdigest()[:32]
         newest = self.checkpoints.newest_digest() if self.checkpoints is not None else None
         gather = {"round": self.round, "samples": int(self._samples_since_sync), "binding": self.binding.to_dict(),
-                  "base": hashlib.sha256(base.numpy().tobytes()).hexdigest()[:32], "t": int(time.time()),
-                  "sealed": list(newest) if newest else None}
+                  "base": state_digest, "t": int(time.time()),
+                  "sealed": list(newest) if newest else None,
+                  "fresh": self.counters.rounds_ok + self.counters.rounds_solo == 0}
         try:
             averaged, record, group = self.group_averager.step(delta, weight=weight, gather=gather,
                                                                timeout_s=cfg.averaging_timeout_s)
@@ -481,7 +560,7 @@ class Trainer:
         new_base = None
         if averaged is not None and group is not None:
             rejected = self._check_gathered(group.gathered)
-            new_base = self._agree_on_base(group, base)
+            new_base = self._agree_on_base(group, torch.cat([base, momentum]))
             rounds = [g.get("round") for g in group.gathered.values() if isinstance(g, dict)]
             next_round = 1 + max([self.round] + [r for r in rounds if isinstance(r, int) and 0 <= r < 2**62])
             self.counters.rounds_ok += 1
@@ -491,48 +570,132 @@ class Trainer:
             self.counters.rounds_solo += 1
             self._solo_streak += 1
         self._apply_outer_step(averaged, next_round=next_round, new_base=new_base)
-        self._resync_if_lagging()
-        if group is not None and averaged is not delta:
-            self._maybe_seal(group)
+        grouped = group is not None and averaged is not delta
+        samples = int(self._samples_since_sync)
         self._samples_since_sync = 0
         self.last_round = RoundResult(
-            round=self.round, group_size=len(group.members) if averaged is not delta and group else 1,
+            round=self.round, group_size=len(group.members) if grouped else 1,
             weight=weight, duration_s=time.perf_counter() - started, rejected=rejected, record=record,
         )
+        val_loss = self._evaluate_for_seal() if grouped else None
+        self._record_round(self.last_round, group if grouped else None, samples=samples, val_loss=val_loss)
+        if grouped:
+            self._finish_group_round(group, record, samples=samples, val_loss=val_loss)
+        self._record_rejections()
+        if self.evidence.metrics is not None:
+            self.evidence.metrics.set_peers_known(len(self.run_peers()))
+        self._resync_if_lagging()
         self._last_sync_end = time.perf_counter()
         return self.last_round
+
+    def _evaluate_for_seal(self) -> float | None:
+        """Validation loss of the new global parameters (all members evaluate the same ones)."""
+        if self.evaluate is None:
+            return None
+        self.last_val_loss = float(self.evaluate())
+        self._val_for_status = self.last_val_loss
+        return self.last_val_loss
+
+    def _record_round(self, result: RoundResult, group: Any | None, *, samples: int, val_loss: float | None) -> None:
+        record = result.record
+        body = {"round": result.round, "step": self.local_step, "group_size": result.group_size,
+                "duration_s": result.duration_s, "samples": samples, "samples_per_s": self.samples_per_s,
+                "val_loss": val_loss if val_loss is None or math.isfinite(val_loss) else None,
+                "solo": group is None, "rejected_metadata": list(result.rejected)}
+        if record is not None:
+            body.update({k: record.to_dict()[k] for k in ("group_id", "members", "included", "outcome",
+                                                           "bytes_sent", "bytes_received", "failures", "rejected")})
+        self.evidence.record("round", body)
+        for failure in record.failures if record is not None else []:
+            self.evidence.record("failure", {"round": result.round, **failure})
+        if record is not None and group is not None:
+            self._last_group = {"group_id": record.group_id, "members": sorted(group.members),
+                                "outcome": record.outcome, "duration_ms": int(result.duration_s * 1000),
+                                "bytes_sent": int(record.bytes_sent), "bytes_received": int(record.bytes_received)}
+            self._note_replacement(group, record, round_=result.round)
+        if self.evidence.status is not None:
+            self.evidence.status.publish_now()
+
+    def _note_replacement(self, group: Any, record: RoundRecord, *, round_: int) -> None:
+        """Peers that failed in our rounds are "lost" until seen in a group again; when a peer that has
+        just joined (and resumed from a sealed checkpoint) shows up while some are lost, record who
+        replaced whom."""
+        members = set(group.members)
+        self._lost.update({f["peer"]: round_ for f in record.failures
+                           if isinstance(f.get("peer"), str) and f["peer"] not in members})
+        for peer in members:
+            self._lost.pop(peer, None)
+        joined = sorted(p for p, g in group.gathered.items()
+                        if p != self.peer_id and isinstance(g, dict) and g.get("fresh") is True)
+        if joined and self._lost:
+            self.evidence.record("peer_replaced", {"round": round_, "left": sorted(self._lost), "joined": joined})
+            self._lost.clear()
+
+    def _record_rejections(self) -> None:
+        """Rejected untrusted input seen since the last round, by source and reason, into the ledger."""
+        sources = {"metadata": self.counters.rejected, "record": self.graph.rejections.counts,
+                   "manifest": MANIFEST_REJECTIONS}
+        if self.checkpoints is not None:
+            sources["receipt"] = self.checkpoints.receipt_rejections
+            sources["gossip"] = self.checkpoints.gossip.rejected
+        for what, counts in sources.items():
+            self.evidence.rejections(what, counts, round_=self.round)
 
     def _resync_if_lagging(self, max_solo_rounds: int = 3) -> None:
         """A peer cut off from the others for a few rounds takes the run's newest sealed state again."""
         if self.checkpoints is None or self._solo_streak < max_solo_rounds:
             return
         newest = self.checkpoints.newest_digest()
-        if newest is not None and self.load_state(timeout_s=self.config.load_state_timeout_s):
+        if newest is not None and self.load_state(timeout_s=self.config.load_state_timeout_s, reason="resync"):
             logger.info(f"was cut off for {self._solo_streak} rounds: re-synced to sealed step {newest[0]}")
             self._solo_streak = 0
 
-    def _maybe_seal(self, group: Any) -> None:
-        """Every member of the group now holds the same state: each signs the same manifest of it."""
-        every = self.config.checkpoint_every
-        if self.checkpoints is None or every == 0 or self.round % every:
+    def _finish_group_round(self, group: Any, record: RoundRecord | None, *, samples: int,
+                            val_loss: float | None) -> None:
+        """Sign this peer's participation receipt; the group swaps receipts and, on sealing rounds, every
+        member signs the same manifest of the state they now all hold, listing those receipts."""
+        if self.checkpoints is None:
             return
+        receipt = self._safe_receipt(group, record, samples=samples)
+        every = self.config.checkpoint_every
+        seal = self._seal_request(group, val_loss) if every and self.round % every == 0 else None
+        self.checkpoints.finish_round_async(receipt=receipt, seal=seal)
+
+    def _sign_receipt(self, group: Any, record: RoundRecord | None, *, samples: int) -> Any:
+        if record is None or not record.group_id:
+            return None
+        seq, head = self.evidence.ledger.head() if self.evidence.ledger is not None else (0, GENESIS)
+        receipt = Receipt(v=1, run=self.config.run, round=self.round, group_id=record.group_id,
+                          members=tuple(sorted(group.members)), peer=self.peer_id, samples=samples,
+                          bytes_sent=int(record.bytes_sent), bytes_received=int(record.bytes_received),
+                          ledger_seq=seq, ledger_head=head, t=int(time.time()))
+        return sign_receipt(receipt, self.identity)
+
+    def _safe_receipt(self, group: Any, record: RoundRecord | None, *, samples: int) -> Any:
+        try:
+            return self._sign_receipt(group, record, samples=samples)
+        except ValueError as e:  # e.g. a group larger than a receipt may name: evidence is skipped, not training
+            logger.warning(f"round {self.round}: no participation receipt: {e}")
+            return None
+
+    def _seal_request(self, group: Any, val_loss: float | None) -> SealRequest:
+        """What every member seals: only values all of them computed identically."""
         gathered = [g for g in group.gathered.values() if isinstance(g, dict)]
         times = [g["t"] for g in gathered if isinstance(g.get("t"), int) and g["t"] > 0]
         parents = [tuple(g["sealed"]) for g in gathered if isinstance(g.get("sealed"), list)
                    and len(g["sealed"]) == 2 and isinstance(g["sealed"][0], int) and isinstance(g["sealed"][1], str)]
         parent = max(parents, key=lambda sealed: (sealed[0], sealed[1]))[1] if parents else ""
-        # metrics must be identical on every member, so only integers all of them saw: the validation
-        # loss (floating point, hardware-dependent) goes to each peer's own event log instead
         samples = sum(g["samples"] for g in gathered if isinstance(g.get("samples"), int) and 0 <= g["samples"] < 2**40)
         metrics = {"round_samples": samples, "group_size": len(group.members)}
-        if self.evaluate is not None:
-            # members evaluate the same parameters on the same batches; rounding to thousandths makes
-            # the signed value agree across hardware (a rare disagreement only skips one seal)
-            self.last_val_loss = float(self.evaluate())
-            if math.isfinite(self.last_val_loss):
-                metrics["val_loss_milli"] = round(self.last_val_loss * 1000)
-        self.checkpoints.seal_async(state=self._state_dict(), step=self.round, participants=tuple(group.members),
-                                    created_at=min(times, default=0), parent=parent, metrics=metrics)
+        # members evaluate the same parameters on the same batches; rounding to thousandths makes the
+        # signed value agree across hardware (a rare disagreement only skips one seal)
+        if val_loss is not None and math.isfinite(val_loss):
+            metrics["val_loss_milli"] = round(val_loss * 1000)
+        contributions = {peer: g["samples"] for peer, g in group.gathered.items() if peer in group.members
+                         and isinstance(g, dict) and isinstance(g.get("samples"), int) and 0 <= g["samples"] < 2**40}
+        return SealRequest(state=self._state_dict(), step=self.round, participants=tuple(group.members),
+                           created_at=min(times, default=0), parent=parent, metrics=metrics,
+                           contributions=contributions)
 
     def _state_dict(self) -> dict[str, torch.Tensor]:
         with self._state_lock:
@@ -541,11 +704,12 @@ class Trainer:
                           for name, p in zip(self._names, self._global)})
         return state
 
-    def load_state(self, *, timeout_s: float) -> bool:
+    def load_state(self, *, timeout_s: float, reason: str = "join") -> bool:
         """Resume from the run's newest sealed checkpoint, verified end to end; True if one was loaded.
 
         Nothing unverified is ever loaded: before the run has sealed a checkpoint (its first round)
         every peer starts from the same seeded model, which is the run's genesis state."""
+        started = time.monotonic()
         if self.checkpoints is not None:
             try:
                 loaded = self.checkpoints.load_newest(timeout_s=timeout_s)
@@ -561,6 +725,10 @@ class Trainer:
                     self._install_state(manifest.round, tensors)
                     self.counters.state_verified += 1
                     logger.info(f"resumed from sealed checkpoint {manifest.digest()[:12]} at step {manifest.step}")
+                    self.evidence.record("state_synced", {
+                        "round": self.round, "step": manifest.step, "manifest": manifest.digest(),
+                        "seconds": time.monotonic() - started, "reason": reason,
+                        "participants": len(manifest.participants)})
                     return True
                 self.counters.rejected[f"sealed checkpoint: {problem}"] += 1
                 logger.warning(f"rejected the sealed checkpoint: {problem}")
@@ -578,8 +746,9 @@ class Trainer:
         return None
 
     def _agree_on_base(self, group: Any, base: torch.Tensor) -> torch.Tensor | None:
-        """When members hold different global parameters (after a missed round, or groups that went
-        separate ways), average those too, in fp32, so the swarm converges to one model."""
+        """When members hold different global state (parameters and outer momentum, concatenated in
+        ``base``: after a missed round, a join, or groups that went separate ways), average it too, in
+        fp32, so every member holds the same state again (and all sign the same checkpoint)."""
         digests = {g.get("base") for g in group.gathered.values() if isinstance(g, dict)}
         if len(digests) <= 1:
             return None
@@ -601,13 +770,18 @@ class Trainer:
         return tuple(rejected)
 
     def _apply_outer_step(self, delta: torch.Tensor, *, next_round: int, new_base: torch.Tensor | None = None) -> None:
-        """base <- outer_optimizer(base, grad=delta): the averaged pseudo-gradient (flat, fp32)."""
+        """base <- outer_optimizer(base, grad=delta): the averaged pseudo-gradient (flat, fp32).
+
+        ``new_base`` (parameters then momentum, flat) first replaces the state the group averaged."""
         with self._state_lock:
-            offset = 0
+            offset, total = 0, delta.numel()
             for param in self._global:
                 numel = param.numel()
                 if new_base is not None:
                     param.copy_(new_base[offset:offset + numel].view_as(param))
+                    momentum = new_base[total + offset:total + offset + numel]
+                    if self.config.outer_momentum > 0:
+                        self._outer_optimizer.state[param]["momentum_buffer"] = momentum.view_as(param).clone()
                 param.grad = delta[offset:offset + numel].view_as(param).clone()
                 offset += numel
             self._outer_optimizer.step()
@@ -644,10 +818,10 @@ class Trainer:
         if self.group_averager is not None:
             self.group_averager.interrupt()
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, reason: str | None = None) -> None:
         """Leave the run: withdraw the record, stop the averager, then the DHT if this trainer started it.
 
-        Idempotent."""
+        The ledger's last entry is "stop" with ``reason`` (e.g. the signal's name). Idempotent."""
         closing = getattr(self, "_closing", None)
         if closing is not None:
             closing.set()
@@ -666,6 +840,11 @@ class Trainer:
         group_averager = getattr(self, "group_averager", None)
         if group_averager is not None:
             group_averager.close()
+        evidence = getattr(self, "evidence", None)
+        if evidence is not None and evidence.ledger is not None:
+            evidence.record("stop", {"step": self.local_step, "round": self.round, "signal": reason})
+        if evidence is not None:
+            evidence.close()
         if getattr(self, "_owns_dht", False) and getattr(self, "dht", None) is not None:
             stop_dht(self.dht)
 

@@ -80,6 +80,8 @@ FROZEN_OPTIONS = {
     "--nat-port-map",
     "--no-nat-port-map",
     "--log-level",
+    "--metrics-port",
+    "--metrics-host",
 }
 
 

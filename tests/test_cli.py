@@ -16,7 +16,8 @@ PEER_FLAGS = [
     "--run", "--initial-peers", "--sync-every", "--outer-lr", "--outer-momentum", "--target-group-size",
     "--min-group-size", "--matchmaking-time-s", "--averaging-timeout-s", "--sender-timeout-s",
     "--reducer-timeout-s", "--codec", "--aggregator", "--load-state", "--load-state-timeout-s",
-    "--checkpoint-dir", "--checkpoint-every", "--keep-checkpoints",
+    "--checkpoint-dir", "--checkpoint-every", "--keep-checkpoints", "--ledger-dir", "--metrics-port",
+    "--metrics-host",
     "--host-maddrs", "--announce-maddrs", "--connect-timeout-s", "--advertise", "--record-refresh-s",
     "--record-expiry-s", "--bandwidth-probe-period-s", "--region", "--available-until", "--require-memory-gb", "--require-dtype",
     "--require-swarm-version", "--require-torch-version",
@@ -33,7 +34,8 @@ def test_peer_flags_are_frozen_and_map_onto_config_fields():
                                               "--no-advertise"}
 
 
-@pytest.mark.parametrize("module", ["bootstrap", "swarm.peer", "swarm.demo", "peers", "swarm.checkpoint"])
+@pytest.mark.parametrize("module", ["bootstrap", "swarm.peer", "swarm.demo", "peers", "swarm.checkpoint", "swarm.ledger",
+                                    "swarm.status", "swarm.report"])
 def test_help(module):
     child = spawn(python_cmd("-m", module, "--help"))
     wait_until(lambda: child.returncode is not None, timeout_s=60, message=child.describe)

@@ -26,9 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import base58
-
-from swarm.identity import Identity, canonical_json, peer_id_from_public_key, verify
+from swarm.identity import Identity, canonical_json, public_key_from_peer_id, verify
+from swarm.ledger.receipts import ReceiptRejected, SignedReceipt, verify_receipt
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +48,6 @@ _MAX_DIMS = 16
 _MAX_PEERS = 1024
 _MAX_METRICS = 64
 _INT64_MAX = (1 << 63) - 1
-_LIBP2P_ED25519_PEER_ID_PREFIX = b"\x00\x24\x08\x01\x12\x20"
 
 
 class ManifestRejected(ValueError):
@@ -59,25 +57,6 @@ class ManifestRejected(ValueError):
         self.reason = reason
         self.detail = detail
         super().__init__(f"manifest rejected: {reason}" + (f" ({detail})" if detail else ""))
-
-
-def public_key_from_peer_id(peer_id: str) -> bytes:
-    """The Ed25519 public key inside a libp2p Ed25519 peer ID ("12D3KooW..."); ValueError otherwise.
-
-    Such peer IDs are an identity multihash of the protobuf-framed key, so the key is recoverable.
-    """
-    if not isinstance(peer_id, str) or not 0 < len(peer_id) <= _MAX_ID_CHARS:
-        raise ValueError(f"not an Ed25519 peer ID: {peer_id!r:.140}")
-    try:
-        raw = base58.b58decode(peer_id)
-    except ValueError:
-        raise ValueError(f"not an Ed25519 peer ID (bad base58): {peer_id!r}") from None
-    if len(raw) != len(_LIBP2P_ED25519_PEER_ID_PREFIX) + 32 or not raw.startswith(_LIBP2P_ED25519_PEER_ID_PREFIX):
-        raise ValueError(f"not an Ed25519 peer ID (wrong multihash framing): {peer_id!r}")
-    public_key = raw[len(_LIBP2P_ED25519_PEER_ID_PREFIX) :]
-    if peer_id_from_public_key(public_key) != peer_id:
-        raise ValueError(f"not an Ed25519 peer ID (non-canonical encoding): {peer_id!r}")
-    return public_key
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -162,6 +141,9 @@ class Manifest:
     """Integer metrics, e.g. ``{"val_loss_micro": 2310000}`` (no floats: they are signed)."""
     created_at: int
     """Unix time in seconds."""
+    contributions: dict[str, int] = field(default_factory=dict)
+    """Participant -> samples it contributed to this round, as the whole group saw them (so every member
+    signs the same values); each member's signed receipt in :class:`SignedManifest` must agree."""
 
     def __post_init__(self) -> None:
         if self.version != MANIFEST_VERSION or isinstance(self.version, bool):
@@ -180,6 +162,10 @@ class Manifest:
         for key, value in self.metrics.items():
             _check_str("metric name", key, max_chars=_MAX_ID_CHARS)
             _check_int(f"metric {key!r}", value, minimum=-_INT64_MAX)
+        if not isinstance(self.contributions, dict) or not set(self.contributions) <= set(self.participants):
+            raise ValueError("contributions must map participants to sample counts")
+        for peer_id, samples in self.contributions.items():
+            _check_int(f"contribution of {peer_id!r:.60}", samples)
 
     def _check_shards(self) -> None:
         if not isinstance(self.shards, tuple) or not all(isinstance(s, ShardInfo) for s in self.shards):
@@ -211,6 +197,7 @@ class Manifest:
             "participants": list(self.participants),
             "metrics": dict(self.metrics),
             "created_at": self.created_at,
+            "contributions": dict(self.contributions),
         }
 
     def payload(self) -> bytes:
@@ -230,14 +217,20 @@ class SignedManifest:
     """The signed manifest."""
     signatures: dict[str, str] = field(default_factory=dict)
     """Peer ID -> hex of its Ed25519 signature over the manifest (kind ``swarm/manifest``)."""
+    receipts: tuple[SignedReceipt, ...] = ()
+    """The group's participation receipts for the manifest's round, sorted by peer, one per peer at most.
+    Each is signed by its own peer alone, so none can be forged; :func:`verify_manifest` checks that each
+    names this run, round and group and agrees with ``manifest.contributions``."""
 
     def with_signature(self, peer_id: str, signature_hex: str) -> SignedManifest:
         """A copy with one more (or a replaced) signature."""
-        return SignedManifest(manifest=self.manifest, signatures={**self.signatures, peer_id: signature_hex})
+        return SignedManifest(manifest=self.manifest, signatures={**self.signatures, peer_id: signature_hex},
+                              receipts=self.receipts)
 
     def to_bytes(self) -> bytes:
-        """The wire format: canonical JSON ``{"manifest": {...}, "signatures": {...}}``."""
-        return canonical_json({"manifest": self.manifest.to_dict(), "signatures": dict(self.signatures)})
+        """The wire format: canonical JSON ``{"manifest": {...}, "signatures": {...}, "receipts": [...]}``."""
+        return canonical_json({"manifest": self.manifest.to_dict(), "signatures": dict(self.signatures),
+                               "receipts": [r.to_dict() for r in self.receipts]})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> SignedManifest:
@@ -251,14 +244,19 @@ class SignedManifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise ManifestRejected("oversized", f"{len(data)} bytes > limit {MAX_MANIFEST_BYTES}")
         obj = _strict_json(bytes(data))
-        _expect_keys(obj, {"manifest", "signatures"}, "top level")
+        _expect_keys(obj, {"manifest", "signatures", "receipts"}, "top level")
         signatures = obj["signatures"]
         if not isinstance(signatures, dict) or len(signatures) > _MAX_PEERS:
             raise ManifestRejected("malformed", f"signatures must be an object of at most {_MAX_PEERS} entries")
         for peer_id, sig in signatures.items():
             if len(peer_id) > _MAX_ID_CHARS or not isinstance(sig, str) or not _HEX128.fullmatch(sig):
                 raise ManifestRejected("malformed", f"signature of {peer_id!r:.140} must be 128 lowercase hex chars")
-        return cls(manifest=_manifest_from_obj(obj["manifest"]), signatures=signatures)
+        receipts = obj["receipts"]
+        if not isinstance(receipts, list) or len(receipts) > _MAX_PEERS:
+            raise ManifestRejected("malformed", f"receipts must be a list of at most {_MAX_PEERS} entries")
+        manifest = _manifest_from_obj(obj["manifest"])
+        return cls(manifest=manifest, signatures=signatures,
+                   receipts=tuple(_receipt_from_obj(r, run_id=manifest.run_id) for r in receipts))
 
 
 def sign_manifest(manifest: Manifest, identity: Identity) -> tuple[str, str]:
@@ -300,6 +298,7 @@ def verify_manifest(
         if manifest.run_id != run_id:
             raise ManifestRejected("another run's manifest", f"run {manifest.run_id!r}, expected {run_id!r}")
         _check_signatures(signed, run_id=run_id, is_known_signer=is_known_signer, quorum=quorum)
+        _check_receipts(signed)
         if previous is not None:
             _check_not_replayed(manifest, previous=previous, require_parent=require_parent)
     except ManifestRejected as e:
@@ -412,7 +411,7 @@ def _manifest_from_obj(obj: Any) -> Manifest:
                 raise TypeError(f"{name} must be a list")
         return Manifest(
             **{k: obj[k] for k in ("version", "run_id", "step", "round", "task", "config_digest", "parent",
-                                   "metrics", "created_at")},
+                                   "metrics", "created_at", "contributions")},
             shards=tuple(_shard_from_obj(s) for s in obj["shards"]),
             participants=tuple(obj["participants"]),
         )
@@ -420,6 +419,28 @@ def _manifest_from_obj(obj: Any) -> Manifest:
         if isinstance(e, ManifestRejected):
             raise
         raise ManifestRejected("malformed", str(e)) from None
+
+
+def _receipt_from_obj(obj: Any, *, run_id: str) -> SignedReceipt:
+    try:  # checks its peer's signature and the run
+        return verify_receipt(obj, run_id=run_id)
+    except ReceiptRejected as e:
+        raise ManifestRejected("bad receipt", str(e)) from None
+
+
+def _check_receipts(signed: SignedManifest) -> None:
+    """Each attached receipt must describe the manifest's round and group and agree with its contributions."""
+    manifest = signed.manifest
+    peers = [r.receipt.peer for r in signed.receipts]
+    if peers != sorted(set(peers)):
+        raise ManifestRejected("bad receipt", "receipts must be sorted by peer, one per peer")
+    for item in signed.receipts:
+        r = item.receipt
+        if (r.run, r.round, r.members) != (manifest.run_id, manifest.round, manifest.participants):
+            raise ManifestRejected("bad receipt", f"the receipt of {r.peer} describes another round or group")
+        if r.peer in manifest.contributions and r.samples != manifest.contributions[r.peer]:
+            raise ManifestRejected("bad receipt", f"{r.peer} signed {r.samples} samples, the group saw "
+                                                  f"{manifest.contributions[r.peer]}")
 
 
 def _shard_from_obj(obj: Any) -> ShardInfo:

@@ -12,11 +12,14 @@ lacks from several donors with every digest checked, and resumes from exactly th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import hivemind
@@ -35,8 +38,29 @@ from swarm.checkpoint.manifest import (
 )
 from swarm.checkpoint.store import CheckpointStore
 from swarm.identity import Identity
+from swarm.ledger.receipts import ReceiptRejected, SignedReceipt, verify_receipt
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SealRequest:
+    """What a group member seals after a round (identical on every member, so all sign the same manifest)."""
+
+    state: dict[str, torch.Tensor]
+    """The global parameters and outer momentum, as every member holds them."""
+    step: int
+    """The run's round counter after the round (the manifest's step and round)."""
+    participants: tuple[str, ...]
+    """The group's members: the only valid signers."""
+    created_at: int
+    """Unix seconds agreed by the group (the earliest time gathered from its members)."""
+    parent: str
+    """Digest of the newest sealed manifest any member knew, or "" for the first one."""
+    metrics: dict[str, int] = field(default_factory=dict)
+    """Integer metrics that every member computed identically."""
+    contributions: dict[str, int] = field(default_factory=dict)
+    """Member -> samples it contributed, from the metadata the whole group gathered."""
 
 
 class StoreShardSource:
@@ -64,10 +88,15 @@ class CheckpointManager:
     """Owns a run's checkpoint store, shard exchange and manifest gossip for one trainer."""
 
     def __init__(self, dht: hivemind.DHT, *, identity: Identity, run_id: str, task: str, config_digest: str,
-                 directory: Path, keep_last: int, run_peers: Callable[[], set[str]], seal_timeout_s: float = 15.0):
+                 directory: Path, keep_last: int, run_peers: Callable[[], set[str]], seal_timeout_s: float = 15.0,
+                 receipt_timeout_s: float = 5.0, on_event: Callable[[str, dict], None] | None = None):
         self.dht, self.identity, self.run_id = dht, identity, run_id
         self.task, self.config_digest, self.run_peers = task, config_digest, run_peers
-        self.seal_timeout_s = seal_timeout_s
+        self.seal_timeout_s, self.receipt_timeout_s = seal_timeout_s, receipt_timeout_s
+        self.on_event = on_event
+        """Told ("receipts", {"receipts": [...]}) and ("checkpoint_sealed", {...}) from the sealer thread."""
+        self.receipt_rejections: Counter[str] = Counter()
+        self._newest_round_submitted = -1
         self.store = CheckpointStore(directory, keep_last=keep_last)
         self.sealed = 0
         self.newest: Manifest | None = None
@@ -100,39 +129,77 @@ class CheckpointManager:
         with self._lock:
             return None if self.newest is None else (self.newest.step, self.newest.digest())
 
-    # ------------------------------------------------------------------------------------ sealing
-    def seal_async(self, *, state: dict[str, torch.Tensor], step: int, participants: tuple[str, ...],
-                   created_at: int, parent: str, metrics: dict[str, int] | None = None) -> Future:
-        """Write the state, sign its manifest and collect the group's signatures, in the background."""
-        state = {name: tensor.detach().clone() for name, tensor in state.items()}
-        return self._sealer.submit(self._seal, state, step, participants, created_at, parent, metrics or {})
+    # ------------------------------------------------------------------------------------ after a round
+    def finish_round_async(self, *, receipt: SignedReceipt | None, seal: SealRequest | None) -> Future:
+        """In the background: swap signed participation receipts with the group and, with ``seal``, write
+        the state, sign its manifest and collect the group's signatures; the sealed manifest carries the
+        receipts gathered by then. Work for a round already overtaken by a newer one is cut short."""
+        if seal is not None:
+            seal = dataclasses.replace(seal, state={k: t.detach().clone() for k, t in seal.state.items()})
+        round_ = seal.step if seal is not None else receipt.receipt.round if receipt is not None else -1
+        with self._lock:
+            self._newest_round_submitted = max(self._newest_round_submitted, round_)
+        return self._sealer.submit(self._finish_round, receipt, seal, round_)
 
-    def _seal(self, state: dict[str, torch.Tensor], step: int, participants: tuple[str, ...], created_at: int,
-              parent: str, metrics: dict[str, int]) -> bool:
+    def _overtaken(self, round_: int) -> bool:
+        with self._lock:
+            return self._newest_round_submitted > round_
+
+    def _finish_round(self, receipt: SignedReceipt | None, seal: SealRequest | None, round_: int) -> bool:
         try:
-            shards = self.store.put_tensors(state)
-            manifest = Manifest(version=1, run_id=self.run_id, step=step, round=step, task=self.task,
-                                config_digest=self.config_digest, parent=parent, shards=tuple(shards),
-                                participants=tuple(sorted(participants)), metrics=metrics, created_at=created_at)
-            key = f"swarm/{self.run_id}/seal/{manifest.digest()}"
-            peer_id, signature = sign_manifest(manifest, self.identity)
-            self.dht.store(key, signature, expiration_time=get_dht_time() + 120, subkey=peer_id)
-            quorum = default_quorum(len(manifest.participants))
-            deadline = time.monotonic() + self.seal_timeout_s
-            while time.monotonic() < deadline and not self._closing.is_set():
-                signatures = self._collect(key, manifest)
-                if len(signatures) >= quorum:
-                    data = SignedManifest(manifest=manifest, signatures=signatures).to_bytes()
-                    self.gossip.publish(data)
-                    self.sealed += 1
-                    self.store.prune()
-                    return True
-                self._closing.wait(0.2)  # polling the DHT for the others' signatures, with a deadline
-            logger.info(f"step {step}: fewer than {quorum} signatures within {self.seal_timeout_s:.0f}s; not sealed")
+            receipts = _ReceiptSwap(self, receipt) if receipt is not None else None
+            sealed = self._seal(seal, receipts) if seal is not None and not self._overtaken(round_) else False
+            if receipts is not None:
+                receipts.wait(deadline=time.monotonic() + self.receipt_timeout_s, round_=round_)
+                self._tell("receipts", {"receipts": [r.to_dict() for r in receipts.sorted()]})
+            return sealed
+        except Exception as e:  # evidence and sealing are best effort: training goes on, the next round seals
+            logger.warning(f"after round {round_}: could not swap receipts or seal: {e!r}")
             return False
-        except Exception as e:  # sealing is best effort: training goes on, the next round seals again
-            logger.warning(f"could not seal the checkpoint of step {step}: {e!r}")
-            return False
+
+    def _tell(self, kind: str, body: dict) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(kind, body)
+            except Exception as e:  # a listener's bug must not stop sealing
+                logger.warning(f"checkpoint event listener failed on {kind}: {e!r}")
+
+    def _seal(self, seal: SealRequest, receipts: _ReceiptSwap | None) -> bool:
+        step = seal.step
+        shards = self.store.put_tensors(seal.state)
+        manifest = Manifest(version=1, run_id=self.run_id, step=step, round=step, task=self.task,
+                            config_digest=self.config_digest, parent=seal.parent, shards=tuple(shards),
+                            participants=tuple(sorted(seal.participants)), metrics=seal.metrics,
+                            created_at=seal.created_at, contributions=seal.contributions)
+        key = f"swarm/{self.run_id}/seal/{manifest.digest()}"
+        peer_id, signature = sign_manifest(manifest, self.identity)
+        self.dht.store(key, signature, expiration_time=get_dht_time() + 120, subkey=peer_id)
+        quorum = default_quorum(len(manifest.participants))
+        deadline = time.monotonic() + self.seal_timeout_s
+        while time.monotonic() < deadline and not self._closing.is_set() and not self._overtaken(step):
+            signatures = self._collect(key, manifest)
+            if len(signatures) >= quorum:
+                if receipts is not None:  # a little longer for the last members' receipts, then seal
+                    receipts.wait(deadline=min(deadline, time.monotonic() + self.receipt_timeout_s), round_=step)
+                self._publish_sealed(manifest, signatures, receipts)
+                return True
+            if receipts is not None:
+                receipts.poll()
+            self._closing.wait(0.2)  # polling the DHT for the others' signatures, with a deadline
+        logger.info(f"step {step}: fewer than {quorum} signatures within {self.seal_timeout_s:.0f}s; not sealed")
+        return False
+
+    def _publish_sealed(self, manifest: Manifest, signatures: dict[str, str], receipts: _ReceiptSwap | None) -> None:
+        attached = tuple(r for r in (receipts.sorted() if receipts is not None else ())
+                         if manifest.contributions.get(r.receipt.peer, r.receipt.samples) == r.receipt.samples)
+        data = SignedManifest(manifest=manifest, signatures=signatures, receipts=attached).to_bytes()
+        self.gossip.publish(data)
+        self.sealed += 1
+        self.store.prune()
+        self._tell("checkpoint_sealed", {
+            "step": manifest.step, "digest": manifest.digest(), "signers": sorted(signatures),
+            "participants": list(manifest.participants), "metrics": dict(manifest.metrics),
+            "receipts": len(attached)})
 
     def _collect(self, key: str, manifest: Manifest) -> dict[str, str]:
         found = self.dht.get(key, latest=True)
@@ -193,3 +260,50 @@ class CheckpointManager:
         self._sealer.shutdown(wait=True, cancel_futures=True)  # a seal in progress stops at its next poll
         self.gossip.close()
         self.exchange.close()
+
+
+class _ReceiptSwap:
+    """One round's receipt exchange: this peer's receipt is posted under the group's DHT key at once;
+    the members' receipts are gathered (each verified, and for the same round and group) as they come."""
+
+    def __init__(self, manager: CheckpointManager, own: SignedReceipt):
+        self.manager, self.own = manager, own
+        self.key = f"swarm/{manager.run_id}/receipts/{own.receipt.group_id}"
+        self.found: dict[str, SignedReceipt] = {own.receipt.peer: own}
+        manager.dht.store(self.key, own.to_dict(), expiration_time=get_dht_time() + 120, subkey=own.receipt.peer)
+
+    def complete(self) -> bool:
+        return set(self.found) >= set(self.own.receipt.members)
+
+    def sorted(self) -> list[SignedReceipt]:
+        return [self.found[peer] for peer in sorted(self.found)]
+
+    def wait(self, *, deadline: float, round_: int) -> None:
+        """Poll until every member's receipt is in, ``deadline`` passes or a newer round overtakes this one."""
+        while not self.complete():
+            self.poll()
+            if self.complete() or time.monotonic() >= deadline or self.manager._overtaken(round_):
+                return
+            if self.manager._closing.wait(0.2):  # polling the DHT for the others' receipts, with a deadline
+                return
+
+    def poll(self) -> None:
+        if self.complete():
+            return
+        found = self.manager.dht.get(self.key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return
+        own = self.own.receipt
+        for peer, item in list(found.value.items())[: 2 * len(own.members)]:
+            if peer in self.found:
+                continue
+            try:
+                signed = verify_receipt(getattr(item, "value", None), run_id=self.manager.run_id,
+                                        counter=self.manager.receipt_rejections)
+            except ReceiptRejected:
+                continue
+            r = signed.receipt
+            if r.peer == peer and (r.round, r.group_id, r.members) == (own.round, own.group_id, own.members):
+                self.found[peer] = signed
+            else:
+                self.manager.receipt_rejections["another round or peer"] += 1

@@ -1,0 +1,128 @@
+"""One sink for what a trainer did: its signed ledger, its entry on the run's status board, its metrics.
+
+The trainer calls :meth:`Evidence.record` with a ledger entry kind and body (see ``swarm.ledger``
+for the kinds); this module decides what of it goes to the status board's event timeline and which
+Prometheus metrics it moves, so the trainer knows nothing of either.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from swarm.ledger import Ledger
+
+logger = logging.getLogger(__name__)
+
+Listener = Callable[[str, dict], None]
+
+
+def milli(value: Any) -> int | None:
+    """A float metric as integer thousandths (signed payloads carry no floats); None if absent or not finite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return round(value * 1000)
+
+
+def _status_note(kind: str, body: dict) -> tuple[str, str] | None:
+    """The status board's timeline line for a ledger entry, or None for routine entries.
+
+    Sealed checkpoints are left out: every member would note each one; the board shows the newest."""
+    if kind == "joined":
+        return "joined", f"round {body.get('round')}"
+    if kind == "state_synced":
+        return "resumed", f"from sealed step {body.get('step')} ({body.get('reason')})"
+    if kind == "peer_replaced":
+        return "peer replaced", f"{_short(body.get('left'))} -> {_short(body.get('joined'))}"
+    if kind == "failure":
+        return "failure", f"{str(body.get('peer'))[:16]} {body.get('phase')}: {body.get('reason')}"[:200]
+    if kind == "record_rejected":
+        return "rejected", f"{body.get('what')}: {body.get('reason')} x{body.get('count')}"[:200]
+    if kind == "round" and body.get("outcome") == "retried":
+        return "group re-formed", f"round {body.get('round')}: a slice was lost, survivors retried"
+    if kind == "round" and body.get("solo"):
+        return "solo round", f"round {body.get('round')}: no group, own update applied"
+    if kind == "stop":
+        return "left", str(body.get("signal") or "")
+    return None
+
+
+def _short(peers: Any) -> str:
+    return ",".join(str(p)[-8:] for p in peers) if isinstance(peers, list) else "?"
+
+
+class Evidence:
+    """Fans each recorded event out to the ledger, the status publisher and the metrics (each optional)."""
+
+    def __init__(self, *, ledger: Ledger | None = None, metrics: Any | None = None):
+        self.ledger = ledger
+        self.metrics = metrics
+        """A ``swarm.metrics.PeerMetrics`` or None."""
+        self.status: Any | None = None
+        """A ``swarm.status.StatusPublisher`` or None (set once the trainer advertises)."""
+        self.listeners: list[Listener] = []
+        """Called with (kind, body) after each record, e.g. to mirror it into an event log."""
+        self._rejections: dict[tuple[str, str], int] = {}
+
+    def record(self, kind: str, body: dict, *, t: float | None = None) -> None:
+        """Append to the ledger, note it on the status board, move the metrics, tell the listeners.
+
+        Never raises: evidence must not stop training (a failure is logged)."""
+        if self.ledger is not None:
+            try:
+                self.ledger.append(kind, body, t=t)
+            except Exception as e:
+                logger.warning(f"could not append {kind!r} to the ledger: {e!r}")
+        note = _status_note(kind, body)
+        if note is not None and self.status is not None:
+            self.status.note(*note)
+        if self.metrics is not None:
+            self._move_metrics(kind, body)
+        for listener in self.listeners:
+            try:
+                listener(kind, body)
+            except Exception as e:
+                logger.warning(f"evidence listener failed on {kind!r}: {e!r}")
+
+    def rejections(self, what: str, counts: Mapping[str, int], *, round_: int) -> None:
+        """Record the increase of a cumulative rejection counter (by reason) since the last call."""
+        for reason, total in list(counts.items()):
+            seen = self._rejections.get((what, reason), 0)
+            if total > seen:
+                self._rejections[(what, reason)] = total
+                self.record("record_rejected", {"what": what, "reason": str(reason)[:200], "count": total - seen,
+                                                "total": total, "round": round_})
+        if self.metrics is not None:
+            self.metrics.add_rejections(what, counts)
+
+    def _move_metrics(self, kind: str, body: dict) -> None:
+        m = self.metrics
+        try:
+            if kind == "round":
+                m.observe_round(outcome="solo" if body.get("solo") else str(body.get("outcome")),
+                                duration_s=float(body.get("duration_s") or 0.0),
+                                bytes_sent=int(body.get("bytes_sent") or 0),
+                                bytes_received=int(body.get("bytes_received") or 0))
+                m.set_round(int(body.get("round") or 0))
+                if body.get("val_loss") is not None:
+                    m.set_val_loss(float(body["val_loss"]))
+            elif kind == "val" and body.get("val_loss") is not None:
+                m.set_val_loss(float(body["val_loss"]))
+            elif kind == "checkpoint_sealed":
+                m.checkpoint_sealed()
+            elif kind == "state_synced":
+                m.state_synced(str(body.get("reason")))
+        except Exception as e:  # metrics are best effort
+            logger.debug(f"metrics update for {kind!r} failed: {e!r}")
+
+    def close(self) -> None:
+        """Stop the status publisher and the metrics server, close the ledger. Idempotent."""
+        for part in (self.status, self.metrics, self.ledger):
+            if part is not None:
+                try:
+                    part.close()
+                except Exception as e:
+                    logger.warning(f"could not close {type(part).__name__}: {e!r}")
+        self.status = self.metrics = self.ledger = None

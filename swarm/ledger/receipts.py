@@ -1,0 +1,336 @@
+"""Participation receipts: what a peer signs about its part in one averaging round.
+
+A :class:`Receipt` names the run, the round, the group (id and sorted members), the signing peer,
+what it contributed (samples, bytes sent and received), its ledger head at that moment
+(``ledger_seq``, ``ledger_head``) and the time. Its :meth:`Receipt.payload` is canonical JSON (ints
+and strings only), signed with kind :data:`RECEIPT_KIND` and the run bound in; the key is recovered
+from the peer ID, so a receipt needs no key distribution.
+
+Each member of a group records every verified receipt of that group in its own ledger, so a peer's
+claim is witnessed by the others, and the ledger head it names pins the peer's own history: see
+:func:`cross_check` and the module docstring of :mod:`swarm.ledger.chain`.
+
+Everything from outside (the DHT, a ledger file, a manifest) goes through :func:`verify_receipt`:
+strict schema, sizes, signature, run. Each refusal raises :class:`ReceiptRejected` with a short
+``reason`` that is logged and counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from swarm.identity import Identity, canonical_json, public_key_from_peer_id, verify
+from swarm.ledger.chain import GENESIS, LedgerEntry, LedgerVerdict
+
+logger = logging.getLogger(__name__)
+
+RECEIPT_KIND = "swarm/receipt"
+"""Signature domain of receipts."""
+RECEIPT_VERSION = 1
+MAX_RECEIPT_BYTES = 8 << 10
+"""Largest receipt accepted, as canonical JSON of :meth:`SignedReceipt.to_dict`."""
+MAX_RECEIPT_MEMBERS = 128
+"""Most members a receipt may name (128 peer IDs of 52 chars fit in :data:`MAX_RECEIPT_BYTES`)."""
+
+RECEIPT_REJECTIONS: Counter[str] = Counter()
+"""Default counter of receipt rejections by reason (see :func:`verify_receipt`)."""
+
+_FIELDS = ("v", "run", "round", "group_id", "members", "peer", "samples", "bytes_sent", "bytes_received",
+           "ledger_seq", "ledger_head", "t")
+_INT_FIELDS = ("round", "samples", "bytes_sent", "bytes_received", "ledger_seq", "t")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEX128 = re.compile(r"[0-9a-f]{128}")
+_MAX_ID_CHARS = 128
+_INT64_MAX = (1 << 63) - 1
+
+
+class ReceiptRejected(ValueError):
+    """A receipt was refused. ``reason`` is a short fixed string (a counter key); ``detail`` says more."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"receipt rejected: {reason}" + (f" ({detail})" if detail else ""))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Receipt:
+    """One peer's signed account of its part in one round. Invalid fields raise ReceiptRejected (a ValueError)."""
+
+    v: int = RECEIPT_VERSION
+    """Schema version; only :data:`RECEIPT_VERSION` is accepted."""
+    run: str
+    """The run (also bound into the signature)."""
+    round: int
+    """The averaging round."""
+    group_id: str
+    """The averaging group's id."""
+    members: tuple[str, ...]
+    """Sorted, unique peer IDs of the group (1 to :data:`MAX_RECEIPT_MEMBERS`)."""
+    peer: str
+    """The signer; one of ``members``."""
+    samples: int
+    """Samples the signer trained on since its previous round."""
+    bytes_sent: int
+    """Bytes the signer sent during the round."""
+    bytes_received: int
+    """Bytes the signer received during the round."""
+    ledger_seq: int
+    """Seq of the newest entry in the signer's ledger when it signed (0: empty ledger)."""
+    ledger_head: str
+    """Digest of that entry (``GENESIS`` exactly when ``ledger_seq`` is 0)."""
+    t: int
+    """Unix seconds when signed."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.v, bool) or not isinstance(self.v, int) or self.v != RECEIPT_VERSION:
+            raise ReceiptRejected("unsupported version", f"v must be {RECEIPT_VERSION}, got {self.v!r:.40}")
+        for name in ("run", "group_id", "peer"):
+            _check_id(name, getattr(self, name))
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _INT64_MAX:
+                raise ReceiptRejected("malformed", f"{name} must be an int in [0, 2**63), got {value!r:.40}")
+        if not isinstance(self.ledger_head, str) or not _HEX64.fullmatch(self.ledger_head):
+            raise ReceiptRejected("malformed", f"ledger_head must be 64 lowercase hex chars, got {self.ledger_head!r:.80}")
+        if (self.ledger_seq == 0) != (self.ledger_head == GENESIS):
+            raise ReceiptRejected("malformed", "ledger_head must be GENESIS exactly when ledger_seq is 0")
+        self._check_members()
+
+    def _check_members(self) -> None:
+        if not isinstance(self.members, tuple) or not 0 < len(self.members) <= MAX_RECEIPT_MEMBERS:
+            raise ReceiptRejected("malformed", f"members must be a tuple of 1..{MAX_RECEIPT_MEMBERS} peer IDs")
+        for member in self.members:
+            _check_id("members", member)
+        if list(self.members) != sorted(set(self.members)):
+            raise ReceiptRejected("members not sorted and unique", f"{len(self.members)} members")
+        if self.peer not in self.members:
+            raise ReceiptRejected("peer not a member", f"{self.peer} is not among the {len(self.members)} members")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON-ready ints, strings and a list of members."""
+        return {name: list(self.members) if name == "members" else getattr(self, name) for name in _FIELDS}
+
+    def payload(self) -> bytes:
+        """Canonical JSON of the fields: what is signed."""
+        return canonical_json(self.to_dict())
+
+    def digest(self) -> str:
+        """SHA-256 hex of :meth:`payload`."""
+        return hashlib.sha256(self.payload()).hexdigest()
+
+
+def _check_id(name: str, value: Any) -> None:
+    if not isinstance(value, str) or not 0 < len(value) <= _MAX_ID_CHARS or not value.isprintable():
+        raise ReceiptRejected("malformed", f"{name} must be 1..{_MAX_ID_CHARS} printable chars, got {value!r:.140}")
+
+
+@dataclass(frozen=True, slots=True)
+class SignedReceipt:
+    """A receipt and its signer's signature (the signer is ``receipt.peer``)."""
+
+    receipt: Receipt
+    """The signed receipt."""
+    signature: str
+    """Hex (128 chars) Ed25519 signature of ``receipt.payload()``, kind ``swarm/receipt``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"receipt": {...}, "signature": hex}``: ints and strings only (fit for a DHT or a ledger)."""
+        return {"receipt": self.receipt.to_dict(), "signature": self.signature}
+
+
+def sign_receipt(receipt: Receipt, identity: Identity) -> SignedReceipt:
+    """``identity``'s signature of ``receipt``; ValueError unless ``identity`` is ``receipt.peer``."""
+    if identity.peer_id != receipt.peer:
+        raise ValueError(f"receipt.peer is {receipt.peer}, but the signing identity is {identity.peer_id}")
+    signature = identity.sign(kind=RECEIPT_KIND, run_id=receipt.run, payload=receipt.payload())
+    return SignedReceipt(receipt=receipt, signature=signature.hex())
+
+
+def verify_receipt(data: Any, *, run_id: str | None = None, counter: Counter[str] | None = None) -> SignedReceipt:
+    """Parse and check an untrusted receipt (a dict as :meth:`SignedReceipt.to_dict` makes, or JSON bytes).
+
+    Strict: exactly the expected keys, ints that are not bools, sizes (at most
+    :data:`MAX_RECEIPT_BYTES`), hex formats, sorted unique members including the peer; then the
+    run (when ``run_id`` is given) and the signature, with the key recovered from ``receipt.peer``.
+    Each refusal is logged, counted in ``counter`` (default :data:`RECEIPT_REJECTIONS`) under its
+    reason, and raised as ReceiptRejected.
+    """
+    counter = RECEIPT_REJECTIONS if counter is None else counter
+    try:
+        signed = _parse(data)
+        if run_id is not None and signed.receipt.run != run_id:
+            raise ReceiptRejected("another run", f"run {signed.receipt.run!r}, expected {run_id!r}")
+        _check_signature(signed)
+    except ReceiptRejected as e:
+        counter[e.reason] += 1
+        logger.warning("refused a participation receipt: %s", e)
+        raise
+    return signed
+
+
+def _parse(data: Any) -> SignedReceipt:
+    if isinstance(data, SignedReceipt):
+        data = data.to_dict()
+    if isinstance(data, (bytes, bytearray)):
+        data = _parse_json(bytes(data))
+    _expect_keys(data, {"receipt", "signature"}, "top level")
+    fields = data["receipt"]
+    _expect_keys(fields, set(_FIELDS), "receipt")
+    if not isinstance(fields["members"], list) or len(fields["members"]) > MAX_RECEIPT_MEMBERS:
+        raise ReceiptRejected("malformed", f"members must be a list of at most {MAX_RECEIPT_MEMBERS} peer IDs")
+    try:
+        size = len(canonical_json(data))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ReceiptRejected("malformed", f"not plain JSON of ints and strings: {e}") from None
+    if size > MAX_RECEIPT_BYTES:
+        raise ReceiptRejected("oversized", f"{size} bytes > limit {MAX_RECEIPT_BYTES}")
+    signature = data["signature"]
+    if not isinstance(signature, str) or not _HEX128.fullmatch(signature):
+        raise ReceiptRejected("malformed", "signature must be 128 lowercase hex chars")
+    receipt = Receipt(**{**fields, "members": tuple(fields["members"])})
+    return SignedReceipt(receipt=receipt, signature=signature)
+
+
+def _parse_json(data: bytes) -> Any:
+    if len(data) > MAX_RECEIPT_BYTES:
+        raise ReceiptRejected("oversized", f"{len(data)} bytes > limit {MAX_RECEIPT_BYTES}")
+    try:
+        return json.loads(data.decode("utf-8"), parse_float=_refuse, parse_constant=_refuse)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        if isinstance(e, ReceiptRejected):
+            raise
+        raise ReceiptRejected("malformed", f"not JSON: {e}") from None
+
+
+def _refuse(text: str) -> Any:
+    raise ReceiptRejected("malformed", f"{text!r:.40} is not allowed (ints and strings only)")
+
+
+def _expect_keys(obj: Any, keys: set[str], where: str) -> None:
+    if not isinstance(obj, dict):
+        raise ReceiptRejected("malformed", f"{where}: expected an object, got {type(obj).__name__}")
+    if set(obj) != keys:
+        extra, missing = sorted(map(str, set(obj) - keys)), sorted(keys - set(obj))
+        raise ReceiptRejected("malformed", f"{where}: unexpected fields {extra!r:.200}, missing {missing!r}")
+
+
+def _check_signature(signed: SignedReceipt) -> None:
+    receipt = signed.receipt
+    try:
+        public_key = public_key_from_peer_id(receipt.peer)
+    except ValueError as e:
+        raise ReceiptRejected("bad signature", str(e)) from None
+    if not verify(public_key=public_key, kind=RECEIPT_KIND, run_id=receipt.run, payload=receipt.payload(),
+                  signature=bytes.fromhex(signed.signature)):
+        raise ReceiptRejected("bad signature", f"the signature does not verify for {receipt.peer}")
+
+
+# ---------------------------------------------------------------------------------------------- summaries
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Contribution:
+    """One peer's contribution, summed over its distinct receipts."""
+
+    peer: str
+    """The peer ID."""
+    rounds: int
+    """Distinct (run, round) pairs with a receipt."""
+    samples: int
+    """Samples, summed over distinct receipts."""
+    bytes_sent: int
+    """Bytes sent, summed over distinct receipts."""
+    bytes_received: int
+    """Bytes received, summed over distinct receipts."""
+    first_round: int
+    """Lowest round with a receipt."""
+    last_round: int
+    """Highest round with a receipt."""
+    num_receipts: int = 0
+    """Distinct receipts (more than ``rounds`` when a round was retried in another group)."""
+
+
+def receipt_key(receipt: Receipt) -> tuple[str, str, int, str]:
+    """``(peer, run, round, group_id)``: receipts with equal keys count once."""
+    return receipt.peer, receipt.run, receipt.round, receipt.group_id
+
+
+def contributions(receipts: Iterable[SignedReceipt]) -> dict[str, Contribution]:
+    """Per-peer sums over ``receipts`` (already verified), each key of :func:`receipt_key` counted once.
+
+    When one key has several receipts (copies in many ledgers, or a peer that signed two versions),
+    the one with the smallest digest is kept, so the result does not depend on the order given.
+    """
+    chosen: dict[tuple[str, str, int, str], Receipt] = {}
+    for signed in receipts:
+        key, receipt = receipt_key(signed.receipt), signed.receipt
+        if key not in chosen or receipt.digest() < chosen[key].digest():
+            chosen[key] = receipt
+    by_peer: dict[str, list[Receipt]] = defaultdict(list)
+    for receipt in chosen.values():
+        by_peer[receipt.peer].append(receipt)
+    return {peer: _sum(peer, mine) for peer, mine in sorted(by_peer.items())}
+
+
+def _sum(peer: str, receipts: list[Receipt]) -> Contribution:
+    rounds = [r.round for r in receipts]
+    return Contribution(peer=peer, rounds=len({(r.run, r.round) for r in receipts}),
+                        samples=sum(r.samples for r in receipts), bytes_sent=sum(r.bytes_sent for r in receipts),
+                        bytes_received=sum(r.bytes_received for r in receipts), first_round=min(rounds),
+                        last_round=max(rounds), num_receipts=len(receipts))
+
+
+def cross_check(ledgers: Iterable[tuple[LedgerVerdict, Sequence[LedgerEntry]]],
+                *, counter: Counter[str] | None = None) -> list[str]:
+    """Problems found by checking every receipt in ``ledgers`` against its signer's ledger, if given.
+
+    ``ledgers`` pairs each file's verdict (for its owner and run) with its entries. A verified
+    receipt by peer P names P's ledger head when P signed (``ledger_seq``, ``ledger_head``); when
+    P's ledger of that run is among ``ledgers``, it must hold that entry with that digest. A missing
+    entry means P truncated its ledger, another digest that P rewrote it. Receipts that fail
+    :func:`verify_receipt` are counted in ``counter`` (default :data:`RECEIPT_REJECTIONS`) and skipped.
+    One problem is reported per (ledger, named entry), however many copies of the receipt exist.
+    """
+    ledgers = list(ledgers)
+    owned: dict[tuple[str, str], list[tuple[Path, dict[int, str]]]] = defaultdict(list)
+    for verdict, entries in ledgers:
+        owned[verdict.peer, verdict.run].append((verdict.path, {e.seq: e.digest for e in entries}))
+    problems: dict[tuple[Path, int, str], str] = {}
+    for verdict, entries in ledgers:
+        for signed in verified_receipts(entries, run=verdict.run, counter=counter):
+            r = signed.receipt
+            for path, digests in owned.get((r.peer, r.run), []):
+                problem = _head_problem(r, digests.get(r.ledger_seq), holder=verdict.path, path=path)
+                if problem is not None:
+                    problems.setdefault((path, r.ledger_seq, r.ledger_head), problem)
+    return list(problems.values())
+
+
+def _head_problem(r: Receipt, found: str | None, *, holder: Path, path: Path) -> str | None:
+    if r.ledger_seq == 0 or found == r.ledger_head:
+        return None
+    what = "has no such entry (its tail was cut)" if found is None else "holds another digest there (rewritten)"
+    return (f"{path}: the receipt of round {r.round} signed by {r.peer} (held by {holder}) names its entry "
+            f"{r.ledger_seq} with digest {r.ledger_head[:16]}, but the ledger {what}")
+
+
+def verified_receipts(entries: Iterable[LedgerEntry], *, run: str,
+                      counter: Counter[str] | None = None) -> list[SignedReceipt]:
+    """The receipts among ``entries`` (kind "receipt") that :func:`verify_receipt` accepts for ``run``;
+    the others are counted in ``counter`` (default :data:`RECEIPT_REJECTIONS`) and left out."""
+    found = []
+    for entry in entries:
+        if entry.kind == "receipt":
+            try:
+                found.append(verify_receipt(entry.body, run_id=run, counter=counter))
+            except ReceiptRejected:
+                continue
+    return found
