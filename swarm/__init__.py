@@ -3,7 +3,9 @@
 Owns the contributing peer process (`python -m swarm.peer`), the trainer API for users' own
 scripts (`swarm.Trainer`), peer identity and signatures (`swarm.identity`), the built-in task
 registry (`swarm.tasks`), sealed checkpoints (`swarm.checkpoint`: store, signed manifests, gossip,
-verified shard exchange, state sync) and the one-command demo (`python -m swarm.demo`).
+verified shard exchange, state sync), the evidence of a run (`swarm.ledger`: hash-chained signed
+ledgers and participation receipts; `swarm.status`: the live board; `swarm.report`: the HTML report;
+`swarm.metrics`: Prometheus) and the one-command demo (`python -m swarm.demo`).
 
 Composes the other packages: `bootstrap` (DHT start-up, process lifetime), `peers` (capability
 records, resource graph) and `averaging` (groups, robust all-reduce), over hivemind's DHT and P2P.
