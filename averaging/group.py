@@ -78,7 +78,7 @@ async def read_header(reader: asyncio.StreamReader) -> dict:
         header = json.loads(await reader.readexactly(length))
     except asyncio.IncompleteReadError as e:
         raise ProtocolError("truncated", f"stream ended after {len(e.partial)} bytes") from None
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nesting deeper than the stack
         raise ProtocolError("malformed header", str(e)[:100]) from None
     if not isinstance(header, dict):
         raise ProtocolError("malformed header", "not an object")
@@ -198,6 +198,7 @@ class GroupAverager:
         self._lobbies: dict[str, _Lobby] = {}
         self._step_lock = threading.Lock()
         self._state_added = asyncio.Event()
+        self._active_serves = 0
         self._service = P2PService(dht, handler_name=self._handler_name, handler=self._handle_stream,
                                    thread_name=f"swarm-averager-{prefix}", start_timeout_s=start_timeout_s)
         self._loop, self._p2p = self._service.loop, self._service.p2p
@@ -217,8 +218,16 @@ class GroupAverager:
             await self._p2p.shutdown()
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop serving and leave. Idempotent."""
+        """Stop serving and leave, after up to 3 s for replies still in flight to be read. Idempotent."""
+        if self._active_serves and not self._dead:
+            with contextlib.suppress(Exception):
+                self._service.submit(self._drain(min(3.0, timeout_s / 2))).result(timeout=timeout_s / 2 + 1)
         self._service.close(timeout_s)
+
+    async def _drain(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._active_serves and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # polling a counter with a deadline
 
     async def _fault(self, phase: str, peer: str = "") -> None:
         if self.fault_hook is not None:
@@ -329,8 +338,10 @@ class GroupAverager:
         # window, so that everyone draws the groups from the same list
         window_end = time.monotonic() + cfg.matchmaking_time_s
         previous: set[str] | None = None
+        poll_s = 0.0  # read at once (the others may all be looking already), then every 0.1 s
         while True:
-            await asyncio.sleep(min(0.2, max(0.0, window_end - time.monotonic())))
+            await asyncio.sleep(min(poll_s, max(0.0, window_end - time.monotonic())))
+            poll_s = 0.1
             candidates = await self._read_candidates(key, my_class, suspects)
             full_and_stable = len(candidates) == cfg.target_group_size and set(candidates) == previous
             if full_and_stable or time.monotonic() >= window_end:
@@ -495,8 +506,8 @@ class GroupAverager:
         await self._fault("reduce", self.peer_id)
         contributions = [state.parts[s] for s in sorted(survivors)]
         try:
-            result = aggregate(contributions, numel=state.numel, aggregator=self.config.aggregator,
-                               max_weight=self.config.max_weight)
+            result = await asyncio.to_thread(aggregate, contributions, numel=state.numel,
+                                             aggregator=self.config.aggregator, max_weight=self.config.max_weight)
         except ValueError as e:
             record.fail(self.peer_id, "reduce", f"nothing to aggregate: {e}")
             state.result.set_result(None)
@@ -509,22 +520,33 @@ class GroupAverager:
         # keep exactly the bytes the others receive: with a lossy codec the reducer's own copy of its
         # slice must be the decoded one too, or the members' results (and checkpoints) would differ
         codec = get_codec(state.codec)
-        return codec.decode(codec.encode(result.tensor.contiguous()), numel=state.numel)
+        return await asyncio.to_thread(lambda: codec.decode(codec.encode(result.tensor.contiguous()), numel=state.numel))
 
     async def _send_received_set(self, peer: str, state: _ReduceState, received: frozenset) -> None:
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(self.config.agreement_timeout_s):
-                _, _reader, writer = await self._open(peer)
-                try:
-                    await write_message(writer, {"op": "received", "group_id": state.group.group_id,
-                                                 "senders": sorted(received)})
-                finally:
-                    writer.close()
+        """Tell ``peer`` which senders' parts this reducer took; retried until acknowledged, within the
+        agreement timeout (a list lost on a reset stream would make that reducer wait out its deadline)."""
+        deadline = time.monotonic() + self.config.agreement_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                async with asyncio.timeout(max(0.05, deadline - time.monotonic())):
+                    _, reader, writer = await self._open(peer)
+                    try:
+                        await write_message(writer, {"op": "received", "group_id": state.group.group_id,
+                                                     "senders": sorted(received)})
+                        if (await read_header(reader)).get("status") == "ok":
+                            return
+                    finally:
+                        writer.close()
+            except asyncio.TimeoutError:
+                return
+            except Exception as e:  # a reset or refused stream: try again while time is left
+                logger.debug(f"received-set to {peer[-6:]} failed: {e!r}")
+            await asyncio.sleep(0.05)  # a short pause before retrying a failed stream, not a synchronisation
 
     async def _send_part(self, peer: str, group: Group, index: int, part: torch.Tensor, weight: float,
                          record: RoundRecord, reply_deadline: float, codec_name: str) -> torch.Tensor | None:
         codec = get_codec(codec_name)
-        payload = codec.encode(part.contiguous())
+        payload = await asyncio.to_thread(codec.encode, part.contiguous())  # CPU work off the event loop
         try:
             async with asyncio.timeout(max(0.1, reply_deadline - time.monotonic())):
                 await self._fault("send", peer)
@@ -541,7 +563,7 @@ class GroupAverager:
                         raise ProtocolError("bad size", f"{size} bytes")
                     data = await read_payload(reader, size)
                     record.bytes_received += size
-                    return codec.decode(data, numel=part.numel())
+                    return await asyncio.to_thread(codec.decode, data, numel=part.numel())
                 finally:
                     writer.close()
         except (ProtocolError, ValueError) as e:
@@ -568,9 +590,16 @@ class GroupAverager:
             if op == "join":
                 await self._serve_join(peer, header, writer)
             elif op == "part":
-                await self._serve_part(peer, header, reader, writer)
+                self._active_serves += 1
+                try:
+                    await self._serve_part(peer, header, reader, writer)
+                finally:
+                    self._active_serves -= 1
             elif op == "received":
                 await self._serve_received(peer, header)
+                await write_message(writer, {"status": "ok"})
+                with contextlib.suppress(asyncio.TimeoutError, ConnectionError):  # linger until the sender hangs up
+                    await asyncio.wait_for(reader.read(1), 2.0)
             else:
                 raise ProtocolError("unknown op", str(op)[:30])
         except ProtocolError as e:
@@ -622,20 +651,24 @@ class GroupAverager:
         weight = header.get("weight")
         if not isinstance(weight, (int, float)) or isinstance(weight, bool):
             raise ProtocolError("malformed header", "weight")
+        try:
+            weight = float(weight)
+        except OverflowError:  # an int beyond float range (NaN, inf and 1e30 are the aggregator's to reject)
+            raise ProtocolError("malformed header", "weight out of float range") from None
         size = _field(header, "payload_bytes", int, low=0, high=2**31)
         if size != wire_bytes(codec, state.numel):
             raise ProtocolError("bad size", f"{size} bytes")
         payload = await asyncio.wait_for(read_payload(reader, size),
                                          max(0.01, state.sender_deadline - time.monotonic()))
         try:
-            part = codec.decode(payload, numel=state.numel)
+            part = await asyncio.to_thread(codec.decode, payload, numel=state.numel)
         except ValueError as e:
             raise ProtocolError("undecodable part", str(e)[:100]) from None
         if time.monotonic() > state.sender_deadline or self.peer_id in state.received_sets:
             raise ProtocolError("late part", peer)  # this reducer already closed its list of senders
         if peer in state.parts:
             raise ProtocolError("duplicate part", peer)
-        state.parts[peer] = Contribution(sender=peer, tensor=part, weight=float(weight))
+        state.parts[peer] = Contribution(sender=peer, tensor=part, weight=weight)
         if set(state.parts) >= set(state.group.members):
             state.all_parts.set()
         result = await asyncio.wait_for(asyncio.shield(state.result), self.config.reducer_timeout_s)
@@ -644,7 +677,7 @@ class GroupAverager:
         if result is None:
             await write_message(writer, {"status": "slice failed"})
             return
-        payload = codec.encode(result.tensor.contiguous())
+        payload = await asyncio.to_thread(codec.encode, result.tensor.contiguous())
         await write_message(writer, {"status": "ok", "payload_bytes": len(payload)}, payload)
         # closing now could reset the stream while the reply is still in flight (p2pd resets a stream
         # whose local end vanished): linger until the sender, having read it all, hangs up

@@ -274,6 +274,8 @@ def _read_key_file(path: Path) -> SigningKey:
         seed = bytes.fromhex(data[len(_KEY_FILE_MAGIC) :].decode("ascii").strip())
     except (UnicodeDecodeError, ValueError):
         raise IdentityError(f"identity key {path} is corrupt (bad hex); delete it to make a new one") from None
+    if len(seed) != _SEED_SIZE_BYTES:  # fromhex skips whitespace, so a padded file can hold a short seed
+        raise IdentityError(f"identity key {path} is corrupt ({len(seed)}-byte seed); delete it to make a new one")
     return SigningKey(seed)
 
 

@@ -418,6 +418,10 @@ class StatusPublisher:
             self._events.append(StatusEvent(t=int(time.time()), kind=kind, detail=clean))
         self._wake.set()
 
+    def publish_soon(self) -> None:
+        """Ask the background thread to publish now (never blocks the caller)."""
+        self._wake.set()
+
     def events(self) -> tuple[StatusEvent, ...]:
         with self._events_lock:
             return tuple(self._events)

@@ -70,6 +70,7 @@ from swarm.network import start_swarm_dht
 logger = logging.getLogger(__name__)
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -614,7 +615,7 @@ class Trainer:
                                 "bytes_sent": int(record.bytes_sent), "bytes_received": int(record.bytes_received)}
             self._note_replacement(group, record, round_=result.round)
         if self.evidence.status is not None:
-            self.evidence.status.publish_now()
+            self.evidence.status.publish_soon()  # the training thread never waits on the DHT for it
 
     def _note_replacement(self, group: Any, record: RoundRecord, *, round_: int) -> None:
         """Peers that failed in our rounds are "lost" until seen in a group again; when a peer that has
@@ -681,9 +682,11 @@ class Trainer:
     def _seal_request(self, group: Any, val_loss: float | None) -> SealRequest:
         """What every member seals: only values all of them computed identically."""
         gathered = [g for g in group.gathered.values() if isinstance(g, dict)]
-        times = [g["t"] for g in gathered if isinstance(g.get("t"), int) and g["t"] > 0]
+        # untrusted: values a manifest would refuse are dropped here, or one member could stop the group's seal
+        times = [g["t"] for g in gathered if isinstance(g.get("t"), int) and 0 < g["t"] < 2**63]
         parents = [tuple(g["sealed"]) for g in gathered if isinstance(g.get("sealed"), list)
-                   and len(g["sealed"]) == 2 and isinstance(g["sealed"][0], int) and isinstance(g["sealed"][1], str)]
+                   and len(g["sealed"]) == 2 and isinstance(g["sealed"][0], int)
+                   and isinstance(g["sealed"][1], str) and _SHA256_HEX.fullmatch(g["sealed"][1])]
         parent = max(parents, key=lambda sealed: (sealed[0], sealed[1]))[1] if parents else ""
         samples = sum(g["samples"] for g in gathered if isinstance(g.get("samples"), int) and 0 <= g["samples"] < 2**40)
         metrics = {"round_samples": samples, "group_size": len(group.members)}
@@ -749,7 +752,8 @@ class Trainer:
         """When members hold different global state (parameters and outer momentum, concatenated in
         ``base``: after a missed round, a join, or groups that went separate ways), average it too, in
         fp32, so every member holds the same state again (and all sign the same checkpoint)."""
-        digests = {g.get("base") for g in group.gathered.values() if isinstance(g, dict)}
+        # str(): the digests are untrusted metadata and may be unhashable (a list, a dict)
+        digests = {str(g.get("base")) for g in group.gathered.values() if isinstance(g, dict)}
         if len(digests) <= 1:
             return None
         averaged, record = self.group_averager.average_in_group(group, base, weight=1.0, codec="fp32",

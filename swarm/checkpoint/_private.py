@@ -88,7 +88,7 @@ def _load_header_json(raw: bytes, data: bytes) -> dict[str, Any]:
 def _entry(name: str, spec: Any, data: bytes) -> tuple[str, tuple[int, ...], int, int]:
     if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
         raise not_safetensors(f"tensor {name!r} entry must have exactly dtype, shape, data_offsets", data)
-    if spec["dtype"] not in SAFETENSORS_DTYPES:
+    if not isinstance(spec["dtype"], str) or spec["dtype"] not in SAFETENSORS_DTYPES:
         raise HeaderError("unexpected dtype", f"tensor {name!r} has dtype {spec['dtype']!r:.20}; allowed: "
                                               f"{sorted(SAFETENSORS_DTYPES)}")
     dtype, item_size = SAFETENSORS_DTYPES[spec["dtype"]]

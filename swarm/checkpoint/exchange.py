@@ -300,7 +300,7 @@ async def _read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
         header = json.loads(await reader.readexactly(length))
     except asyncio.IncompleteReadError as e:
         raise _ProtocolError("truncated", f"{len(e.partial)} of {length} header bytes") from None
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nesting deeper than Python's stack
         raise _ProtocolError("malformed", f"header is not JSON ({_one_line(e)[:80]})") from None
     if not isinstance(header, dict):
         raise _ProtocolError("malformed", f"header is a {type(header).__name__}, not an object")
@@ -511,7 +511,7 @@ class _Session:
         if header is None:
             raise _ProtocolError("truncated", "the donor hung up without a reply")
         status = header.get("status")
-        if status not in _STATUSES:
+        if not isinstance(status, str) or status not in _STATUSES:
             raise _ProtocolError("malformed", f"status {str(status)[:40]!r}")
         if status != STATUS_OK:
             return ChunkReply(status=status, reason=str(header.get("reason", ""))[:200])

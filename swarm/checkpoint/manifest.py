@@ -389,8 +389,10 @@ def _strict_json(data: bytes) -> Any:
                           parse_float=refuse("float"), parse_constant=refuse("constant"))
     except UnicodeDecodeError:
         raise ManifestRejected("malformed", "not UTF-8") from None
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise ManifestRejected("malformed", f"not JSON: {e}") from None
+    except ManifestRejected:
+        raise
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, or an int longer than Python parses
+        raise ManifestRejected("malformed", f"not JSON: {str(e)[:200]}") from None
 
 
 def _expect_keys(obj: Any, keys: set[str], where: str) -> None:
