@@ -1,16 +1,20 @@
-"""Resource-graph figures: record size, query completeness and time with N peers, and how long a
-SIGKILLed peer stays visible (must be <= record expiry + one refresh period).
+"""Resource-graph figures: record size, capability query completeness and time with N peers, memory
+per peer, and how long a SIGKILLed peer stays visible (must be <= record expiry + one refresh period).
 
-    python -m benchmarks.peers_graph [--peers 20] [--refresh-s 15] [--expiry-s 45]
+    python -m benchmarks.peers_graph [--peers 50] [--refresh-s 15] [--expiry-s 45] [--queries 10]
 
-Every peer is a real DHT node (its own p2pd) publishing a signed record on a heartbeat; the
-killed one is a separate OS process, so nothing of it survives to withdraw its record.
+Every peer is a real DHT node (its own DHT process and p2pd) publishing a signed record on a
+heartbeat; their advertisers live in this process. Memory per peer is its DHT process plus its p2pd
+(psutil; see benchmarks.gossip). The killed peer is a separate OS process, so nothing of it survives
+to withdraw its record. Above 50 peers the benchmark first checks that the machine has the memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import logging
 import signal
 import statistics
 import subprocess
@@ -22,6 +26,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.gossip import check_memory, memory_rows, peer_memory, run_metadata
 from bootstrap import stop_dht, visible_maddrs
 from peers import Advertiser, ResourceGraph, sign_record
 from peers.testing import record_builder
@@ -49,22 +54,40 @@ threading.Event().wait(600)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.peers_graph", description=__doc__.splitlines()[0])
-    parser.add_argument("--peers", type=int, default=20)
+    parser.add_argument("--peers", type=int, default=50)
     parser.add_argument("--refresh-s", type=float, default=15.0)
     parser.add_argument("--expiry-s", type=float, default=45.0)
     parser.add_argument("--queries", type=int, default=10)
+    parser.add_argument("--out", default=str(RESULTS), help="JSON output path (default: %(default)s)")
     args = parser.parse_args(argv)
     console = Console()
-    result = run(args.peers, args.refresh_s, args.expiry_s, args.queries, console)
-    table = Table(title="resource graph on loopback")
+    try:
+        if args.peers < 2 or args.queries < 1:
+            raise ValueError(f"need peers >= 2 and queries >= 1, got {args.peers} and {args.queries}")
+        check_memory(args.peers)
+    except ValueError as e:
+        console.print(f"[bold red]error:[/] {e}")
+        return 2
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every DHT and p2pd stops
+    try:
+        result = {**run_metadata("peers_graph", argv), "config": {k: v for k, v in vars(args).items() if k != "out"},
+                  **run(args.peers, args.refresh_s, args.expiry_s, args.queries, console)}
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    table = Table(title=f"resource graph on loopback: {args.peers} peers")
     table.add_column("figure")
     table.add_column("value", justify="right")
-    for key, value in result.items():
+    for key in ("record_bytes", "all_visible_s", "failed_queries", "completeness_min", "query_s_median",
+                "query_s_max", "killed_peer_vanish_s", "vanish_bound_s", "within_bound"):
+        value = result[key]
         table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+    for label, value in memory_rows(result["memory"]):
+        table.add_row(label, value)
     console.print(table)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
-    console.print(f"wrote {RESULTS}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    console.print(f"wrote {out}")
     return 0
 
 
@@ -84,18 +107,22 @@ def run(num_peers: int, refresh_s: float, expiry_s: float, num_queries: int, con
         record_bytes = len(MSGPackSerializer.dumps(sign_record(advertisers[0].last_record, advertisers[0].identity)))
         expected = {a.identity.peer_id for a in advertisers}
         reader = ResourceGraph(dhts[len(dhts) // 2])
-        times, completeness = [], []
+        all_visible_s = _until_all_visible(reader, expected, timeout_s=expiry_s + 60)
+        memory = peer_memory(dhts)
+        times, completeness, failed = [], [], []
         for _ in range(num_queries):
             started = time.perf_counter()
-            seen = {r.peer_id for r in reader.records()}
+            seen = _seen(reader)
             times.append(time.perf_counter() - started)
-            completeness.append(len(seen & expected) / len(expected))
+            completeness.append(len(seen & expected) / len(expected) if seen is not None else 0.0)
+            if seen is None:
+                failed.append(times[-1])
 
         victim = subprocess.Popen([sys.executable, "-c", _CHILD, *initial, str(refresh_s), str(expiry_s)],
                                   stdout=subprocess.PIPE, text=True)
         victim_id = victim.stdout.readline().strip()
         deadline = time.monotonic() + 60
-        while victim_id not in {r.peer_id for r in reader.records()}:
+        while victim_id not in (_seen(reader) or set()):
             if time.monotonic() > deadline:
                 raise RuntimeError("the victim peer never appeared in the graph")
             time.sleep(0.2)
@@ -103,14 +130,16 @@ def run(num_peers: int, refresh_s: float, expiry_s: float, num_queries: int, con
         victim.wait(timeout=10)
         killed_at = time.monotonic()
         with console.status("waiting for the killed peer to vanish"):
-            while victim_id in {r.peer_id for r in reader.records()}:
+            while (seen := _seen(reader)) is None or victim_id in seen:
                 if time.monotonic() - killed_at > expiry_s + refresh_s + 30:
                     raise RuntimeError("the killed peer did not vanish")
                 time.sleep(0.2)
         vanish_s = time.monotonic() - killed_at
         return {"peers": num_peers, "record_bytes": record_bytes, "queries": num_queries,
+                "all_visible_s": all_visible_s, "completeness": completeness, "query_s": times,
+                "failed_queries": len(failed),
                 "completeness_min": min(completeness), "query_s_median": statistics.median(times),
-                "query_s_max": max(times), "refresh_s": refresh_s, "expiry_s": expiry_s,
+                "query_s_max": max(times), "refresh_s": refresh_s, "expiry_s": expiry_s, "memory": memory,
                 "killed_peer_vanish_s": vanish_s, "vanish_bound_s": expiry_s + refresh_s,
                 "within_bound": vanish_s <= expiry_s + refresh_s}
     finally:
@@ -120,6 +149,25 @@ def run(num_peers: int, refresh_s: float, expiry_s: float, num_queries: int, con
             advertiser.close(withdraw=False)
         for dht in dhts:
             stop_dht(dht)
+
+
+def _seen(reader: ResourceGraph) -> set[str] | None:
+    """Peer IDs of the live records one query returns; None when the query failed (a DHT timeout)."""
+    try:
+        return {r.peer_id for r in reader.records()}
+    except (TimeoutError, concurrent.futures.TimeoutError) as e:
+        logging.getLogger(__name__).info(f"a resource-graph query failed: {e!r}")
+        return None
+
+
+def _until_all_visible(reader: ResourceGraph, expected: set[str], timeout_s: float) -> float:
+    """Seconds from now (the last advertiser started) until one query returns every record."""
+    started = time.monotonic()
+    while not expected <= (_seen(reader) or set()):
+        if time.monotonic() - started > timeout_s:
+            raise RuntimeError(f"not every record became visible within {timeout_s:.0f}s")
+        time.sleep(0.1)
+    return time.monotonic() - started
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
-"""`python -m benchmarks.run`: run the benchmark set, print one table per benchmark, write JSON.
+"""`python -m benchmarks.run`: run the benchmark set, one after the other, each printing its table and
+writing its JSON under benchmarks/results/; then a summary of every run benchmark in latest.json.
+
+    python -m benchmarks.run [--quick | --full] [--only NAME ...]
 
 Figures are compared within one run (ratios), never against numbers remembered from another day:
-the machines are shared and noisy.
+the machines are shared and noisy. Benchmarks run sequentially so that they do not disturb each
+other. Shaped-link rows need root (network namespaces); without it they are skipped with the reason.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import json
 import platform
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -56,31 +62,88 @@ def _table(title: str, rows: list[dict[str, Any]]) -> Table:
     return table
 
 
+# name -> (module, quick argv lists, full argv lists); each argv list is one invocation.
+# The quick set fits in under 15 minutes on 2 cores; the full set takes about 40.
+PLAN: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
+    "averaging_round": (
+        "benchmarks.averaging_round",
+        [["--peers", "4", "--numel", "2500000", "--settings", "loopback", "100", "--repeats", "2"]],
+        [["--peers", "4", "--numel", "25000000", "--settings", "loopback", "100", "1000", "--repeats", "2",
+          "--sender-death", "--out", str(RESULTS_DIR / "averaging_round.json")],
+         ["--peers", "8", "--numel", "10000000", "--settings", "loopback", "1000", "--repeats", "2",
+          "--out", str(RESULTS_DIR / "averaging_round_8peers.json")]],
+    ),
+    "convergence": (
+        "benchmarks.convergence",
+        [["--preset", "tiny", "--samples", "24000", "--peers", "4"]],
+        [["--preset", "tiny", "--samples", "60000", "--peers", "4"]],
+    ),
+    "churn": (
+        "benchmarks.churn",
+        [["--peers", "4", "--rate-mbit", "100", "--repeats", "1"]],
+        [["--peers", "8", "--rate-mbit", "100", "--repeats", "1"]],
+    ),
+    "state_sync": (
+        "benchmarks.state_sync",
+        [["--numel", "6250000", "--setting", "loopback", "100"]],
+        [["--numel", "25000000", "--setting", "loopback", "100"]],
+    ),
+    "gossip": ("benchmarks.gossip", [["--peers", "50", "--repeats", "3"]], [["--peers", "50", "--repeats", "5"]]),
+    "peers_graph": (
+        "benchmarks.peers_graph",
+        [["--peers", "50", "--refresh-s", "2", "--expiry-s", "6"]],
+        [["--peers", "50"]],
+    ),
+}
+
+
+def _run_one(name: str, argv: list[str], console: Console) -> dict[str, Any]:
+    import importlib
+
+    module = importlib.import_module(PLAN[name][0])
+    main: Callable[[list[str]], int] = module.main
+    console.rule(f"{name}: python -m {PLAN[name][0]} {' '.join(argv)}")
+    started = time.monotonic()
+    try:
+        code = main(argv)
+        error = None
+    except Exception as e:  # one broken benchmark must not hide the others' figures
+        code, error = 1, f"{e!r}\n{traceback.format_exc()[-2000:]}"
+        console.print(f"[red]{name} failed: {e!r}[/]")
+    return {"name": name, "command": f"python -m {PLAN[name][0]} {' '.join(argv)}", "exit_code": code,
+            "error": error, "seconds": round(time.monotonic() - started, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="the quick set (default; a few minutes)")
-    mode.add_argument("--full", action="store_true", help="larger payloads and more repetitions")
-    parser.add_argument("--out", default=str(RESULTS_DIR / "latest.json"), help="JSON output path")
+    mode.add_argument("--quick", action="store_true", help="the quick set (default; under 15 minutes here)")
+    mode.add_argument("--full", action="store_true", help="every benchmark at the issue's sizes (about 40 minutes)")
+    parser.add_argument("--only", nargs="+", choices=sorted(PLAN), default=None, help="run only these")
+    parser.add_argument("--out", default=str(RESULTS_DIR / "latest.json"), help="summary JSON path")
     args = parser.parse_args(argv)
     console = Console()
+    started = time.monotonic()
     inner = bench_inner_steps(["tiny", "small"] if not args.full else ["tiny", "small", "default"], num_steps=20)
     console.print(_table("charlm inner steps (1 CPU thread)", inner))
-    # the other benchmarks print their own tables and write their own JSON beside this one
-    from benchmarks import averaging_round, peers_graph
-
-    numel = "2500000" if not args.full else "25000000"
-    averaging_round.main(["--peers", "4", "--numel", numel, "--repeats", "2" if not args.full else "3"])
-    peers_graph.main(["--peers", "20", "--refresh-s", "2", "--expiry-s", "6"] if not args.full else ["--peers", "20"])
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    runs = [_run_one(name, argv, console) for name in (args.only or list(PLAN))
+            for argv in (PLAN[name][2] if args.full else PLAN[name][1])]
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.platform(),
               "cpus": torch.get_num_threads(), "python": sys.version.split()[0], "torch": torch.__version__,
               "command": "python -m benchmarks.run " + ("--full" if args.full else "--quick"),
-              "inner_steps": inner}
+              "seconds": round(time.monotonic() - started, 1), "inner_steps": inner, "benchmarks": runs}
+    summary = Table(title="benchmark set")
+    for column in ("benchmark", "exit", "seconds", "command"):
+        summary.add_column(column)
+    for run in runs:
+        summary.add_row(run["name"], str(run["exit_code"]), f"{run['seconds']:.0f}", run["command"])
+    console.print(summary)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    console.print(f"wrote {out}")
-    return 0
+    console.print(f"wrote {out}; each benchmark's own JSON is beside it")
+    return 0 if all(run["exit_code"] == 0 for run in runs) else 1
 
 
 if __name__ == "__main__":

@@ -809,6 +809,7 @@ def _bare_gossip() -> ManifestGossip:
     gossip.on_new, gossip.config = (lambda data, digest, step: None), GossipConfig(push_timeout_s=0.5)
     gossip.rejected, gossip.received, gossip.forwarded, gossip.newest = Counter(), 0, 0, None
     gossip._lock, gossip.peer_id = threading.Lock(), OWNER.peer_id
+    gossip._forwarding = set()
     return gossip
 
 
@@ -818,7 +819,11 @@ def _bare_gossip() -> ManifestGossip:
 @example(data=frame(MANIFEST_BYTES))
 def test_gossip_handler_counts_every_refusal(data):
     gossip = _bare_gossip()
-    run_bounded(lambda: gossip._serve(PEER, reader_of(data), FakeWriter()), 0.5 + HANG_MARGIN_S)
+    async def serve_and_forward() -> None:  # the handler hands an accepted manifest to a forwarding task
+        await gossip._serve(PEER, reader_of(data), FakeWriter())
+        await asyncio.gather(*list(gossip._forwarding))
+
+    run_bounded(serve_and_forward, 0.5 + HANG_MARGIN_S)
     accepted = int(gossip.newest is not None)
     assert sum(gossip.rejected.values()) + accepted == 1, gossip.rejected
     if accepted:
