@@ -75,7 +75,7 @@ PLAN: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
     ),
     "convergence": (
         "benchmarks.convergence",
-        [["--preset", "tiny", "--samples", "24000", "--peers", "4"]],
+        [["--preset", "tiny", "--samples", "16000", "--peers", "4"]],
         [["--preset", "tiny", "--samples", "60000", "--peers", "4"]],
     ),
     "churn": (
@@ -88,10 +88,10 @@ PLAN: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
         [["--numel", "6250000", "--setting", "loopback", "100"]],
         [["--numel", "25000000", "--setting", "loopback", "100"]],
     ),
-    "gossip": ("benchmarks.gossip", [["--peers", "50", "--repeats", "3"]], [["--peers", "50", "--repeats", "5"]]),
+    "gossip": ("benchmarks.gossip", [["--peers", "30", "--repeats", "3"]], [["--peers", "50", "--repeats", "5"]]),
     "peers_graph": (
         "benchmarks.peers_graph",
-        [["--peers", "50", "--refresh-s", "2", "--expiry-s", "6"]],
+        [["--peers", "30", "--refresh-s", "2", "--expiry-s", "6"]],
         [["--peers", "50"]],
     ),
 }
