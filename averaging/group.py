@@ -199,6 +199,7 @@ class GroupAverager:
         self._step_lock = threading.Lock()
         self._state_added = asyncio.Event()
         self._active_serves = 0
+        self._lonely = False
         self._service = P2PService(dht, handler_name=self._handler_name, handler=self._handle_stream,
                                    thread_name=f"swarm-averager-{prefix}", start_timeout_s=start_timeout_s)
         self._loop, self._p2p = self._service.loop, self._service.p2p
@@ -299,9 +300,14 @@ class GroupAverager:
         started = time.monotonic()
         group: Group | None = None
         try:
+            lonely_windows = 0
             while group is None and time.monotonic() + self.config.matchmaking_time_s < deadline:
                 suspects = {f["peer"] for f in record.failures}  # a peer that failed us is not drawn again
                 group = await self._form_group(gather, record, deadline, suspects)
+                lonely_windows = lonely_windows + 1 if group is None and self._lonely else 0
+                if lonely_windows >= 2:  # nobody else has been looking for two whole windows: stop waiting
+                    record.fail(self.peer_id, "matchmaking", "no other peer looking for a group")
+                    break
             record.phase_s["matchmaking"] = time.monotonic() - started
             if group is None:
                 return None, None
@@ -347,6 +353,7 @@ class GroupAverager:
             if full_and_stable or time.monotonic() >= window_end:
                 break
             previous = set(candidates)
+        self._lonely = len(candidates) <= 1
         chunk = next(c for c in draw_groups(candidates, cfg.target_group_size, cfg.min_group_size)
                      if self.peer_id in c)
         if len(chunk) < cfg.min_group_size:

@@ -90,7 +90,8 @@ class TrainerConfig:
     target_group_size: int = 8
     """Largest averaging group."""
     min_group_size: int = 2
-    """Smallest averaging group; with fewer peers a round is retried until averaging_timeout_s."""
+    """Smallest averaging group; with fewer peers a round is retried until averaging_timeout_s, or until two
+    matchmaking windows in a row find no other peer looking."""
     matchmaking_time_s: float = 2.0
     """How long peers gather in the DHT before groups are drawn."""
     averaging_timeout_s: float = 30.0

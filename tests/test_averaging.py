@@ -268,3 +268,17 @@ def test_sigkilled_peer_process_mid_round(tmp_path, phase):
         for child in children:
             terminate(child, timeout_s=15)
         terminate(node.child, timeout_s=15)
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_nobody_else_looks_for_stops_waiting_after_two_windows(make_group):
+    """A survivor left out of its group (or a lone peer) must not wait out the whole round deadline."""
+    averagers = make_group(aggregator="mean")  # matchmaking window 1 s; only the first one steps
+    tensors, weights = _inputs()
+    started = time.monotonic()
+    out, record, group = averagers[0].step(tensors[0], weight=weights[0], timeout_s=40.0)
+    elapsed = time.monotonic() - started
+    assert out is None and group is None
+    assert {"peer": averagers[0].peer_id, "phase": "matchmaking",
+            "reason": "no other peer looking for a group"} in record.failures, record.to_dict()
+    assert elapsed < 10, f"waited {elapsed:.1f}s for nobody (round deadline 40 s)"
