@@ -36,9 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
-import shlex
 import shutil
 import signal
 import statistics
@@ -48,13 +46,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks._common import run_metadata
 from benchmarks.netlab import LabUnavailable
 from swarm._private.cli import add_dataclass_arguments, dataclass_from_args
 from swarm.events import read_events
@@ -464,19 +462,6 @@ def _summary(config: ChurnConfig, cycles: list[dict[str, Any]]) -> dict[str, Any
             "kills": len(cycles)}
 
 
-def run_metadata(argv: list[str] | None) -> dict[str, Any]:
-    """Date, machine and versions, and the exact command, for a result's JSON."""
-    import hivemind
-    import torch
-
-    return {"benchmark": "churn", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": platform.platform(),
-            "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "hivemind": hivemind.__version__,
-            "command": shlex.join([sys.executable, "-m", __spec__.name if __spec__ else "benchmarks.churn",
-                                   *(sys.argv[1:] if argv is None else argv)])}
-
-
 def print_tables(result: dict[str, Any], console: Console) -> None:
     cfg, rate, cycles = result["config"], result["rate_mbit"], result["cycles"]
     where = f"{result['lab']}" + (f", {rate:g} Mbit/s" if rate else ", unshaped")
@@ -547,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = False
     try:
         with _signals_unwind():
-            result = {**run_metadata(argv), "config": asdict(config), **run(config, console, work)}
+            result = {**run_metadata("churn", argv), "config": asdict(config), **run(config, console, work)}
         ok = True
     except BenchmarkFailed as e:
         console.print(f"[bold red]churn benchmark failed:[/] {e}")

@@ -16,15 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
-import shlex
 import signal
 import statistics
 import sys
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +28,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks._common import run_metadata
 from bootstrap import start_dht, stop_dht, visible_maddrs
 from swarm.checkpoint import Manifest, SignedManifest, sign_manifest, verify_manifest
 from swarm.checkpoint.gossip import GossipConfig, ManifestGossip
@@ -109,18 +106,6 @@ def memory_rows(memory: dict[str, Any]) -> list[tuple[str, str]]:
                                          f"{memory['per_peer_pss_mean'] / mib:.0f}"),
             ("this process: RSS, PSS per peer (MiB)", f"{memory['main_process']['rss'] / mib:.0f}, "
                                                       f"{memory['main_process_pss_per_peer'] / mib:.1f}")]
-
-
-def run_metadata(name: str, argv: list[str] | None) -> dict[str, Any]:
-    import hivemind
-    import torch
-
-    return {"benchmark": name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "hivemind": hivemind.__version__,
-            "memory_total_bytes": psutil.virtual_memory().total,
-            "command": shlex.join([sys.executable, "-m", f"benchmarks.{name}",
-                                   *(sys.argv[1:] if argv is None else argv)])}
 
 
 def start_dhts(num_peers: int, console: Console) -> list:
@@ -245,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every DHT and p2pd stops
     try:
-        result = {**run_metadata("gossip", argv),
+        result = {**run_metadata("gossip", argv, memory_total_bytes=psutil.virtual_memory().total),
                   "config": {"peers": args.peers, "fanout": args.fanout, "repeats": args.repeats},
                   **run(args.peers, args.fanout, args.repeats, console)}
     finally:

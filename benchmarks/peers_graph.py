@@ -22,11 +22,13 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 from hivemind.utils.serializer import MSGPackSerializer
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.gossip import check_memory, memory_rows, peer_memory, run_metadata
+from benchmarks._common import run_metadata
+from benchmarks.gossip import check_memory, memory_rows, peer_memory
 from bootstrap import stop_dht, visible_maddrs
 from peers import Advertiser, ResourceGraph, sign_record
 from peers.testing import record_builder
@@ -70,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every DHT and p2pd stops
     try:
-        result = {**run_metadata("peers_graph", argv), "config": {k: v for k, v in vars(args).items() if k != "out"},
+        memory = psutil.virtual_memory().total
+        result = {**run_metadata("peers_graph", argv, memory_total_bytes=memory),
+                  "config": {k: v for k, v in vars(args).items() if k != "out"},
                   **run(args.peers, args.refresh_s, args.expiry_s, args.queries, console)}
     finally:
         signal.signal(signal.SIGTERM, previous)

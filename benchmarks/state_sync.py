@@ -23,15 +23,12 @@ import argparse
 import json
 import logging
 import os
-import platform
-import shlex
 import signal
 import statistics
 import sys
 import tempfile
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +37,7 @@ from hivemind.averaging import DecentralizedAverager
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks._common import run_metadata
 from benchmarks.netlab import LabUnavailable
 from bootstrap import start_dht, stop_dht, visible_maddrs
 from swarm.checkpoint import CheckpointStore
@@ -318,16 +316,6 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def run_metadata(argv: list[str] | None) -> dict[str, Any]:
-    import hivemind
-
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.platform(),
-            "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "hivemind": hivemind.__version__,
-            "command": shlex.join([sys.executable, "-m", "benchmarks.state_sync",
-                                   *(sys.argv[1:] if argv is None else argv)])}
-
-
 def _parse_setting(text: str) -> float | None | str:
     if text in ("loopback", "unshaped"):
         return text
@@ -398,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             print_table(size_bytes, blocks[-1], console)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    result = {"benchmark": "state_sync", **run_metadata(argv),
+    result = {**run_metadata("state_sync", argv),
               "config": {"numel": args.numel, "settings": args.setting, "donor_rate_mbit": args.donor_rate_mbit,
                          "repeats": args.repeats, "chunks": CHUNKS, "max_shard_bytes": MAX_SHARD_BYTES},
               "size_bytes": size_bytes, "size_mb": size_bytes / 1e6, "settings": blocks, "skipped": skipped}
