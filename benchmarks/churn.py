@@ -43,8 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +51,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks._common import run_metadata
+from benchmarks._common import make_lab, run_metadata, signals_unwind
 from benchmarks.netlab import LabUnavailable
 from swarm._private.cli import add_dataclass_arguments, dataclass_from_args
 from swarm.events import read_events
@@ -402,36 +401,8 @@ def _steady_once(swarm: _Swarm, since: float) -> bool:
     return all(_grouped_rounds(p.read(), after=since) for p in swarm.live())
 
 
-def make_lab(config: ChurnConfig, num_hosts: int, console: Console) -> tuple[Any, str | None]:
-    """The lab to run on, and why it is loopback when netns was asked for but is unavailable."""
-    from benchmarks import netlab
-
-    if config.lab == "loopback":
-        return netlab.loopback_lab(num_hosts), None
-    try:
-        return netlab.netns_lab(num_hosts, rate_mbit=config.rate_mbit or None), None
-    except netlab.LabUnavailable as e:
-        if config.lab == "netns":
-            raise
-        console.print(f"[yellow]no shaped test hosts ({e}); running on loopback[/]")
-        return netlab.loopback_lab(num_hosts), str(e)
-
-
-@contextmanager
-def _signals_unwind() -> Iterator[None]:
-    """SIGTERM unwinds like Ctrl+C, so every finally block (and the lab's close) runs."""
-    def handler(signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def run(config: ChurnConfig, console: Console, work: Path) -> dict[str, Any]:
-    lab, fallback = make_lab(config, config.peers + 1, console)
+    lab, fallback = make_lab(config.lab, rate_mbit=config.rate_mbit, num_hosts=config.peers + 1, console=console)
     if config.death == "host" and lab.kind != "netns":
         lab.close()
         raise BenchmarkFailed(f"--death host needs a netns lab; this machine has none ({fallback})")
@@ -531,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="swarm-churn-"))
     ok = False
     try:
-        with _signals_unwind():
+        with signals_unwind():
             result = {**run_metadata("churn", argv), "config": asdict(config), **run(config, console, work)}
         ok = True
     except BenchmarkFailed as e:

@@ -306,7 +306,9 @@ def stop_dht(dht: hivemind.DHT, *, timeout_s: float = 10.0) -> None:
     Asks the DHT to shut down cleanly first, then terminates (and finally kills) whatever of its
     process tree is left. Safe to call twice or on a DHT whose process already died.
     """
-    if dht.pid is None:
+    if dht.pid is None or dht.exitcode is not None:
+        # never started, or already exited and reaped: its pid may now belong to an unrelated process,
+        # and its orphaned children (if any) cannot be found from it any more (the reaper owns those)
         return
     try:
         root = psutil.Process(dht.pid)
@@ -382,6 +384,36 @@ def num_known_peers(dht: hivemind.DHT, *, refresh: bool = False, timeout_s: floa
     Raises `TimeoutError` if the DHT process does not answer within `timeout_s`.
     """
     return _call(dht, partial(_count_peers, refresh=refresh), timeout_s)
+
+
+async def _ping_all(_dht: hivemind.DHT, node: hivemind.DHTNode, peer_ids: tuple[str, ...], timeout_s: float) -> int:
+    async def ping(peer: str) -> bool:
+        with contextlib.suppress(Exception):  # a bad id, a dead peer or a timeout: it just does not count
+            return await asyncio.wait_for(node.protocol.call_ping(PeerID.from_base58(peer)), timeout_s) is not None
+        return False
+
+    return sum(await asyncio.gather(*(ping(peer) for peer in peer_ids)))
+
+
+def reconnect(dht: hivemind.DHT, peer_ids: Iterable[str], *,
+              timeout_s: float = _RPC_TIMEOUT_S) -> concurrent.futures.Future:
+    """Ping `peer_ids` (at most 64, by peer ID: the daemon still knows the addresses of peers it met) so
+    that each one that answers is back in `dht`'s routing table, and `dht` in its. Returns at once: a
+    future of the number that answered.
+
+    A hivemind DHT drops every node that fails an RPC, so after a network partition a node can be left
+    knowing nobody, and the others have dropped it too; nothing brings them together again until one
+    contacts the other. Call this when a peer finds itself alone.
+    """
+    own = str(dht.peer_id)
+    ids = tuple(dict.fromkeys(p for p in peer_ids if isinstance(p, str) and p and p != own))[:64]
+    return dht.run_coroutine(partial(_ping_all, peer_ids=ids, timeout_s=timeout_s), return_future=True)
+
+
+def peer_id_of_maddr(maddr: str) -> str | None:
+    """The peer ID a multiaddr ends with (`.../p2p/<id>`), or None."""
+    head, sep, tail = str(maddr).rpartition("/p2p/")
+    return tail.split("/", 1)[0] or None if sep else None
 
 
 # --- the bootstrap node -------------------------------------------------------------------------

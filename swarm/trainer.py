@@ -22,6 +22,7 @@ is plain parameter averaging.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -42,7 +43,7 @@ from hivemind import DHT
 from packaging.version import InvalidVersion, Version
 
 from averaging import AveragingConfig, GroupAverager, RoundRecord
-from bootstrap import start_reaper, stop_dht, visible_maddrs
+from bootstrap import peer_id_of_maddr, reconnect, start_reaper, stop_dht, visible_maddrs
 from peers import (
     MAX_LIFETIME_S,
     Advertiser,
@@ -319,6 +320,8 @@ class Trainer:
         self._lost: dict[str, int] = {}
         self._val_for_status: float | None = None
         self._solo_streak = 0
+        self._met: dict[str, None] = {}  # peers of recent groups, oldest first (bounded)
+        self._reconnecting: concurrent.futures.Future | None = None
         self._run_peers: tuple[float, set[str]] = (0.0, set())
         self.prober: BandwidthProber | None = None
         self._closing = threading.Event()
@@ -567,10 +570,12 @@ class Trainer:
             next_round = 1 + max([self.round] + [r for r in rounds if isinstance(r, int) and 0 <= r < 2**62])
             self.counters.rounds_ok += 1
             self._solo_streak = 0
+            self._remember(group.members)
         else:
             averaged, next_round = delta, self.round + 1
             self.counters.rounds_solo += 1
             self._solo_streak += 1
+            self._reconnect()
         self._apply_outer_step(averaged, next_round=next_round, new_base=new_base)
         grouped = group is not None and averaged is not delta
         samples = int(self._samples_since_sync)
@@ -589,6 +594,28 @@ class Trainer:
         self._resync_if_lagging()
         self._last_sync_end = time.perf_counter()
         return self.last_round
+
+    def _remember(self, members: Any) -> None:
+        for member in members:
+            self._met.pop(member, None)
+            self._met[member] = None
+        while len(self._met) > 64:
+            self._met.pop(next(iter(self._met)))
+
+    def _reconnect(self) -> None:
+        """Alone this round: ping the peers of recent groups, the run's known peers and the initial peers,
+        in the background. A partition (or any run of failed DHT calls) empties the DHT's routing table,
+        and nothing would bring this peer back to the others until one of them happened to call it."""
+        if self._reconnecting is not None and not self._reconnecting.done():
+            return
+        initial = (peer_id_of_maddr(m) for m in self.config.initial_peers)
+        peers = [*reversed(self._met), *sorted(self.run_peers()), *(p for p in initial if p)]
+        try:
+            self._reconnecting = reconnect(self.dht, peers)
+        except Exception as e:  # the DHT process is gone or closing: nothing to reconnect
+            logger.debug(f"could not ping known peers: {e!r}")
+            return
+        self._reconnecting.add_done_callback(_log_reconnected)
 
     def _evaluate_for_seal(self) -> float | None:
         """Validation loss of the new global parameters (all members evaluate the same ones)."""
@@ -884,3 +911,8 @@ def _with_digest(info: TaskInfo, names: Sequence[str], params: Sequence[torch.Te
         return info
     shapes = ";".join(f"{name}:{tuple(p.shape)}" for name, p in zip(names, params))
     return dataclasses.replace(info, config_digest=hashlib.sha256(shapes.encode()).hexdigest())
+
+
+def _log_reconnected(future: concurrent.futures.Future) -> None:
+    if not future.cancelled() and future.exception() is None and future.result():
+        logger.info(f"alone in the last round: {future.result()} known peer(s) answered a ping")

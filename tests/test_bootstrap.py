@@ -35,9 +35,12 @@ from bootstrap.node import (
     main,
     num_known_peers,
     parse_initial_peers,
+    peer_id_of_maddr,
+    reconnect,
     run,
     start_dht,
     stop_dht,
+    visible_maddrs,
 )
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -197,6 +200,43 @@ def test_start_dht_joins_through_the_bootstrap(bootstrap_node: list[str]) -> Non
     finally:
         stop_dht(dht)
     assert not alive(tree), "stop_dht must leave no p2pd behind"
+
+
+async def _forget_everyone(_dht: hivemind.DHT, node: hivemind.DHTNode) -> int:
+    table = node.protocol.routing_table
+    for node_id in list(table.uid_to_peer_id):
+        del table[node_id]
+    return len(table.uid_to_peer_id)
+
+
+@pytest.mark.timeout(60)
+def test_reconnect_brings_back_peers_a_partition_made_both_sides_forget() -> None:
+    """What a partition leaves: two live nodes that have dropped each other from their routing tables
+    (hivemind drops a node at its first failed RPC), so neither finds the other's records. A ping by peer
+    ID from either side puts each back in the other's table."""
+    first = start_dht(connect_timeout_s=20, nat_port_map=False)
+    second = start_dht(visible_maddrs(first), connect_timeout_s=20, nat_port_map=False)
+    try:
+        assert wait_until(lambda: num_known_peers(second) == 1 and num_known_peers(first) == 1, timeout_s=10)
+        for dht in (first, second):  # the fault: both sides forgot the other
+            assert dht.run_coroutine(_forget_everyone) == 0
+        assert num_known_peers(first) == num_known_peers(second) == 0
+        assert first.store("mm", "looking", expiration_time=get_dht_time() + 60)  # lands on `first` alone
+        assert second.get("mm", latest=True) is None  # cut off: the record is out of its reach
+
+        assert reconnect(second, [str(first.peer_id), str(second.peer_id), "not-a-peer-id"]).result(10) == 1
+        assert num_known_peers(second) == 1 and num_known_peers(first) == 1
+        found = second.get("mm", latest=True)
+        assert found is not None and found.value == "looking"
+    finally:
+        stop_dht(second)
+        stop_dht(first)
+
+
+def test_peer_id_of_maddr() -> None:
+    assert peer_id_of_maddr("/ip4/1.2.3.4/tcp/5/p2p/QmPeer") == "QmPeer"
+    assert peer_id_of_maddr("/ip4/1.2.3.4/tcp/5") is None
+    assert peer_id_of_maddr("/ip4/1.2.3.4/tcp/5/p2p/") is None
 
 
 @pytest.mark.timeout(90)

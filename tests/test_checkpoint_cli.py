@@ -57,3 +57,25 @@ def test_verify_fails_on_a_corrupt_shard_or_a_bad_signature(sealed_store, capsys
     forged.signatures[peer] = "00" * 64
     (folder / "manifests" / f"{older}.json").write_bytes(forged.to_bytes())
     assert main(["verify", "--dir", str(folder), "--manifest", older[:12]]) == 1
+
+
+def test_verify_takes_the_newest_checkpoint_held_whole(sealed_store, tmp_path, capsys):
+    """A store also keeps manifests learned by gossip without their shards; by default `verify` checks the
+    newest one whose shards it holds, and a manifest named explicitly must have them all."""
+    store, folder = sealed_store
+    elsewhere = CheckpointStore(tmp_path / "elsewhere")
+    signers = [Identity.generate(), Identity.generate()]
+    manifest = Manifest(version=1, run_id="cli", step=4, round=4, task="charlm", config_digest="c" * 64,
+                        parent=store.list_manifests()[-1],
+                        shards=tuple(elsewhere.put_tensors({"param/w": torch.full((4, 4), 4.0)})),
+                        participants=tuple(sorted(s.peer_id for s in signers)), metrics={},
+                        created_at=1_800_000_004)
+    signed = SignedManifest(manifest=manifest, signatures={})
+    for signer in signers:
+        signed = signed.with_signature(*sign_manifest(manifest, signer))
+    gossiped = store.put_manifest(signed.to_bytes())  # the manifest only, as gossip delivers it
+    assert store.list_manifests()[-1] == gossiped
+    assert main(["verify", "--dir", str(folder)]) == 0
+    assert "step 3" in " ".join(capsys.readouterr().out.split())
+    assert main(["verify", "--dir", str(folder), "--manifest", gossiped[:12]]) == 1
+    assert "fetch it from a donor first" in " ".join(capsys.readouterr().out.split())

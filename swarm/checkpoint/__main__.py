@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             cmd.add_argument("--dir", required=True, type=Path, help="checkpoint store folder")
         if name != "list":
-            cmd.add_argument("--manifest", default=None, help="manifest digest (default: the newest)")
+            cmd.add_argument("--manifest", default=None, help="manifest digest (default: the newest one whose shards are all in the store)")
         if name == "export":
             cmd.add_argument("--out", required=True, type=Path, help="output .safetensors file")
     return parser
@@ -132,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     if not digests:
         console.print(f"[bold red]error:[/] no manifest in {args.dir}")
         return 1
-    chosen = args.manifest or digests[-1]
+    # a store also keeps manifests learned by gossip whose shards it never fetched: by default take the
+    # newest one it holds whole
+    held = [d for d in digests if not store.missing_shards(_load(store, d).manifest)]
+    chosen = args.manifest or (held or digests)[-1]
     matches = [d for d in digests if d.startswith(chosen)]
     if len(matches) != 1:
         console.print(f"[bold red]error:[/] manifest {chosen!r} not found (or ambiguous)")

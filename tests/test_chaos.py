@@ -1,0 +1,110 @@
+"""The chaos runner (benchmarks.chaos): its checks can fail, and a 2-minute chaos run on the namespace
+test hosts passes every one of them with every fault having fired (TESTMATRIX rows 5, 6, 7, 17, 18, 20).
+
+The full run (`python -m benchmarks.chaos --duration 600 --peers 6`, with its no-chaos arm for the
+steps/min ratio) is too long for `make test`; its figures are in RESILIENCE.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+
+import pytest
+from rich.console import Console
+
+from benchmarks.chaos import ChaosConfig, checks, run
+
+_NETNS = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+
+
+def _passing_summary() -> dict:
+    """A chaos summary that passes every check (the shape `summarize` returns)."""
+    return {
+        "progress": {"steps": 900, "steps_per_min": 450.0, "val_loss_initial": 4.2, "val_loss_final": 2.9},
+        "checkpoints": {"stores": 4, "manifests": 12, "complete": 8, "problems": []},
+        "ledgers": {"ledgers": 4, "entries": 300, "problems": []},
+        "kills": [{"victim": "peer1.0", "vanish_s": 0.4}, {"victim": "bootstrap", "vanish_s": 0.3}],
+        "orphans": [],
+        "exits": [],
+        "stops": {"peers": 4, "exit_0": 4, "max_seconds": 3.0, "max_children_gone_s": 0.2},
+        "rss": {"peers_measured": 2, "growth_mib": {}, "max_growth_mib": 20.0},
+        "rounds": {"attempted": 40, "grouped": 36, "ratio": 0.9},
+        "partition": {"slot": 2, "isolated_side_steps": 120, "other_side_grouped_rounds": 5, "rounds_to_remerge": 1,
+                      "seconds_to_remerge": 4.0},
+        "restarts": {"settled": 3, "settled_joined": 3, "settled_state_verified": 3, "after_bootstrap_loss": 1,
+                     "after_bootstrap_loss_joined": 1, "after_bootstrap_loss_grouped": 1},
+        "bootstrap_killed_at_s": 60.0,
+        "joiners": {"joiners": 3, "verified": 3, "join_s_max": 9.0, "download_x_floor_max": 1.3},
+        "slow_host": {"slot": 1, "mbit": 10.0, "grouped_rounds": 6, "median_round_s": 4.0, "others_median_round_s": 3.0},
+    }
+
+
+# each: (what breaks, how the summary shows it, the check that must fail)
+_BREAKAGES = [
+    ("no progress", lambda s: s["progress"].update(steps=0, steps_per_min=0.0), "progress"),
+    ("loss rose", lambda s: s["progress"].update(val_loss_final=4.5), "validation loss fell"),
+    ("bad checkpoint", lambda s: s["checkpoints"]["problems"].append("x: bad signature"), "every checkpoint verifies"),
+    ("no checkpoint", lambda s: s["checkpoints"].update(manifests=0, complete=0), "every checkpoint verifies"),
+    ("bad ledger", lambda s: s["ledgers"]["problems"].append("x: edited"), "every ledger verifies"),
+    ("peer crashed", lambda s: s["exits"].append({"peer": "peer2.0", "exit_code": 1, "last_line": "Traceback"}),
+     "no peer exited on its own"),
+    ("orphan", lambda s: s["orphans"].append("peer1.0: pid 7 p2pd"), "no orphaned process"),
+    ("slow reaper", lambda s: s["kills"][0].update(vanish_s=9.0), "no orphaned process"),
+    ("unclean stop", lambda s: s["stops"].update(exit_0=3), "SIGTERM stops every peer cleanly"),
+    ("RSS grew", lambda s: s["rss"].update(max_growth_mib=500.0), "RSS growth per peer"),
+    ("rounds failed", lambda s: s["rounds"].update(grouped=4, ratio=0.1), "rounds grouped / attempted"),
+    ("never re-merged", lambda s: s["partition"].update(rounds_to_remerge=None), "re-merge after partition"),
+    ("late re-merge", lambda s: s["partition"].update(rounds_to_remerge=3), "re-merge after partition"),
+    ("cut-off side stalled", lambda s: s["partition"].update(isolated_side_steps=0),
+     "both sides trained during the partition"),
+    ("no kill fired", lambda s: s.update(kills=[s["kills"][1]]), "peers killed and restarted"),
+    ("restart never joined", lambda s: s["restarts"].update(settled_joined=2), "peers killed and restarted"),
+    ("no join after loss", lambda s: s["restarts"].update(after_bootstrap_loss_joined=0), "joins after bootstrap loss"),
+    ("joiner without state", lambda s: s["joiners"].update(verified=2), "joiners under load get verified state"),
+    ("slow host dropped", lambda s: s["slow_host"].update(grouped_rounds=0), "slow host keeps averaging"),
+]
+
+
+def test_a_healthy_summary_passes_every_check() -> None:
+    config = ChaosConfig(peers=4)
+    results = checks(config, _passing_summary(), baseline=None)
+    assert [c["check"] for c in results if c["ok"] is not True] == []
+
+
+@pytest.mark.parametrize("what, breaks, check", _BREAKAGES, ids=[b[0] for b in _BREAKAGES])
+def test_each_check_fails_when_its_figure_is_bad(what: str, breaks, check: str) -> None:
+    summary = copy.deepcopy(_passing_summary())
+    breaks(summary)
+    failed = [c["check"] for c in checks(ChaosConfig(peers=4), summary, baseline=None) if c["ok"] is False]
+    assert failed == [check], what
+
+
+def test_progress_is_judged_against_the_no_chaos_arm() -> None:
+    config = ChaosConfig(peers=4, min_progress_ratio=0.5)
+    baseline = {"progress": {"steps_per_min": 1000.0}}
+    summary = _passing_summary()
+    result = {c["check"]: c["ok"] for c in checks(config, summary, baseline=baseline)}
+    assert result["progress vs no-chaos"] is False  # 450 < 0.5 x 1000
+    baseline["progress"]["steps_per_min"] = 800.0
+    assert {c["check"]: c["ok"] for c in checks(config, summary, baseline=baseline)}["progress vs no-chaos"] is True
+
+
+@pytest.mark.skipif(not _NETNS, reason="the chaos run needs network namespaces (root, ip, tc)")
+def test_two_minute_chaos_run_survives_every_fault(tmp_path) -> None:
+    config = ChaosConfig(duration_s=100, peers=4, seed=7, baseline_s=0, kill_every_s=18, partition_s=20,
+                         joiners=0, lab="netns", sync_every=10)
+    result = run(config, work=tmp_path, console=Console(width=200))
+    chaos = result["chaos"]
+    # the faults fired: kills (and restarts), the partition, the slow host, the bootstrap node's death
+    peer_kills = [k for k in chaos["kills"] if k["victim"] != "bootstrap"]
+    assert len(peer_kills) >= 3, chaos["kills"]
+    assert chaos["restarts"]["restarts"] == len(peer_kills)
+    assert chaos["partition"] is not None and chaos["partition"]["seconds"] >= 20
+    assert chaos["slow_host"] is not None
+    assert chaos["bootstrap_killed_at_s"] is not None
+    assert any(k["via"] == "live peers" for k in peer_kills), "no peer restarted after the bootstrap node died"
+    failed = [c for c in result["checks"] if c["ok"] is False]
+    assert not failed, f"failed checks: {failed}; logs in {tmp_path}"
+    assert result["passed"]
