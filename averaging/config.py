@@ -34,6 +34,9 @@ class AveragingConfig:
     """Robust rule applied to each slice: centered_clip, trimmed_mean or mean."""
     max_weight: float = 1e6
     """A contribution claiming a larger weight (or a non-finite or non-positive one) is rejected."""
+    max_weight_ratio: float | None = None
+    """Cap each accepted weight at this many times the median accepted weight of the slice, so that one
+    sender's huge (but allowed) claim cannot outweigh the rest; None: no cap."""
 
     def __post_init__(self) -> None:
         if self.min_group_size < 2:
@@ -47,6 +50,10 @@ class AveragingConfig:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         if self.round_timeout_s <= self.matchmaking_time_s + self.join_timeout_s:
             raise ValueError(f"round_timeout_s must exceed matchmaking and joining, got {self.round_timeout_s!r}")
+        ratio = self.max_weight_ratio
+        if ratio is not None and not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool)
+                                      and math.isfinite(ratio) and ratio >= 1):
+            raise ValueError(f"max_weight_ratio must be None or a finite number >= 1, got {ratio!r}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts!r}")
         if self.codec not in ("fp32", "fp16", "int8"):

@@ -514,7 +514,8 @@ class GroupAverager:
         contributions = [state.parts[s] for s in sorted(survivors)]
         try:
             result = await asyncio.to_thread(aggregate, contributions, numel=state.numel,
-                                             aggregator=self.config.aggregator, max_weight=self.config.max_weight)
+                                             aggregator=self.config.aggregator, max_weight=self.config.max_weight,
+                                             max_weight_ratio=self.config.max_weight_ratio)
         except ValueError as e:
             record.fail(self.peer_id, "reduce", f"nothing to aggregate: {e}")
             state.result.set_result(None)

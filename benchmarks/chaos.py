@@ -291,13 +291,12 @@ class _Arm:
         candidates = [i for i in self.live() if i.slot not in (exclude, cut)]
         self.rng.shuffle(candidates)
         maddrs = [] if self.bootstrap_killed_at is not None else list(self.bootstrap_maddrs)
-        for inc in candidates[:3]:
-            joined = inc.first("joined")
-            if joined and joined.get("peer_id"):
-                maddrs.append(f"{self.lab.hosts[inc.slot].maddr(inc.port)}/p2p/{joined['peer_id']}")
-        if not maddrs:
-            raise ChaosFailed("no live joined peer to give a restarted peer as its initial peer")
-        return maddrs
+        joined = [(inc, event) for inc in candidates if (event := inc.first("joined")) and event.get("peer_id")]
+        for inc, event in joined[:3]:
+            maddrs.append(f"{self.lab.hosts[inc.slot].maddr(inc.port)}/p2p/{event['peer_id']}")
+        # nobody joined to point at (cannot happen with 3+ peers unless all restart at once): the dead
+        # bootstrap node's address makes the peer exit, which the run reports as a failure
+        return maddrs or list(self.bootstrap_maddrs)
 
     def live(self) -> list[_Incarnation]:
         return [i for i in self.incarnations if i.alive]
@@ -438,6 +437,9 @@ class _Arm:
             self.partition["healed_at"] = time.time()
         live = self.live()
         trees = {inc.name: _tree(inc.proc.pid) for inc in live}
+        # a peer signalled while Python is still importing has started nothing yet; the signal's default
+        # action ends it (exit code -SIGTERM), which leaves nothing behind either
+        importing = {inc.name for inc in live if len(trees[inc.name]) <= 1 and not inc.first("start")}
         started = time.monotonic()
         for inc in live:
             inc.proc.send_signal(signal.SIGTERM)
@@ -446,7 +448,8 @@ class _Arm:
                 code = inc.proc.wait(timeout=max(1.0, _STOP_GRACE_S - (time.monotonic() - started)))
             except Exception:
                 code = None
-            inc.stopped = {"exit_code": code, "seconds": time.monotonic() - started}
+            clean = code == 0 or (code == -signal.SIGTERM and inc.name in importing)
+            inc.stopped = {"exit_code": code, "clean": clean, "seconds": time.monotonic() - started}
             vanish_s, left = _wait_gone(trees[inc.name], timeout_s=self.config.max_vanish_s)
             inc.stopped["children_gone_s"] = vanish_s
             self._record_orphans(inc.name, left)
@@ -631,6 +634,7 @@ def summarize(arm: _Arm) -> dict[str, Any]:
             "joiners": joiners_summary(arm),
             "kills": arm.kills, "exits": arm.exits, "orphans": arm.orphans, "rss": rss_summary(arm),
             "stops": {"peers": len(stops), "exit_0": sum(s["exit_code"] == 0 for s in stops),
+                      "clean": sum(bool(s.get("clean")) for s in stops),
                       "max_seconds": max((s["seconds"] for s in stops), default=None),
                       "max_children_gone_s": max((s["children_gone_s"] for s in stops), default=None)},
             "bootstrap_killed_at_s": arm.bootstrap_killed_at - arm.t0 if arm.bootstrap_killed_at else None,
@@ -670,8 +674,9 @@ def checks(config: ChaosConfig, chaos: dict[str, Any], baseline: dict[str, Any] 
         f"after SIGKILL", f"0; <= {config.max_vanish_s:g}s",
         not chaos["orphans"] and all(v <= config.max_vanish_s for v in vanish))
     stops = chaos["stops"]
-    add("SIGTERM stops every peer cleanly", f"{stops['exit_0']}/{stops['peers']} exit 0 in <= "
-        f"{_fmt(stops['max_seconds'])}s", "all", stops["peers"] > 0 and stops["exit_0"] == stops["peers"])
+    clean = stops.get("clean", stops["exit_0"])
+    add("SIGTERM stops every peer cleanly", f"{clean}/{stops['peers']} clean ({stops['exit_0']} exit 0, the rest "
+        f"still importing) in <= {_fmt(stops['max_seconds'])}s", "all", stops["peers"] > 0 and clean == stops["peers"])
     growth = [arm["rss"]["max_growth_mib"] for arm in (chaos, baseline) if arm and "rss" in arm]
     growth = [g for g in growth if g is not None]
     figure = f"max {_fmt(chaos['rss']['max_growth_mib'])} MiB over {chaos['rss']['peers_measured']} peer(s)"

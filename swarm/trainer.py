@@ -106,6 +106,9 @@ class TrainerConfig:
     """Wire format of the averaged pseudo-gradients: fp32, fp16 or int8 (bitsandbytes blockwise 8-bit)."""
     aggregator: str = "centered_clip"
     """Robust rule for each slice: centered_clip, trimmed_mean or mean."""
+    max_weight_ratio: float = 2.0
+    """A member's weight (samples since its last round) counts at most this many times the median of its
+    group's, so one peer claiming a huge sample count cannot outweigh the others (0: no cap)."""
     load_state: bool = True
     """Download the run's current state from a peer at start-up (a fresh run starts from the model as given)."""
     load_state_timeout_s: float = 60.0
@@ -201,7 +204,8 @@ class TrainerConfig:
             min_group_size=self.min_group_size, target_group_size=self.target_group_size,
             matchmaking_time_s=self.matchmaking_time_s, join_timeout_s=5.0, sender_timeout_s=self.sender_timeout_s,
             reducer_timeout_s=self.reducer_timeout_s, agreement_timeout_s=5.0,
-            round_timeout_s=self.averaging_timeout_s, codec=self.codec, aggregator=self.aggregator, max_weight=1e9)
+            round_timeout_s=self.averaging_timeout_s, codec=self.codec, aggregator=self.aggregator, max_weight=1e9,
+            max_weight_ratio=self.max_weight_ratio or None)
 
     def requirements(self) -> Requirements:
         return Requirements(min_memory_bytes=int(self.require_memory_gb * 2**30), dtype=self.require_dtype,
@@ -565,7 +569,7 @@ class Trainer:
         new_base = None
         if averaged is not None and group is not None:
             rejected = self._check_gathered(group.gathered)
-            new_base = self._agree_on_base(group, torch.cat([base, momentum]))
+            new_base = self._agree_on_base(group, record, torch.cat([base, momentum]))
             rounds = [g.get("round") for g in group.gathered.values() if isinstance(g, dict)]
             next_round = 1 + max([self.round] + [r for r in rounds if isinstance(r, int) and 0 <= r < 2**62])
             self.counters.rounds_ok += 1
@@ -776,13 +780,23 @@ class Trainer:
                 return f"{name}: shape/dtype/values do not fit"
         return None
 
-    def _agree_on_base(self, group: Any, base: torch.Tensor) -> torch.Tensor | None:
+    def _agree_on_base(self, group: Any, record: RoundRecord | None, base: torch.Tensor) -> torch.Tensor | None:
         """When members hold different global state (parameters and outer momentum, concatenated in
         ``base``: after a missed round, a join, or groups that went separate ways), average it too, in
-        fp32, so every member holds the same state again (and all sign the same checkpoint)."""
+        fp32, so every member holds the same state again (and all sign the same checkpoint).
+
+        Only among the members whose updates the round included (the same set at every reducer): one
+        that was dropped (late, refused, dead) is not there to take part, and waiting for it would cost
+        every later round a timeout while its state drifts."""
+        if record is not None and record.included:
+            kept = set(record.included)
+            if self.peer_id not in kept:
+                return None
+            members = tuple(m for m in group.members if m in kept)
+            group = dataclasses.replace(group, members=members, gathered={m: group.gathered.get(m) for m in members})
         # str(): the digests are untrusted metadata and may be unhashable (a list, a dict)
         digests = {str(g.get("base")) for g in group.gathered.values() if isinstance(g, dict)}
-        if len(digests) <= 1:
+        if len(digests) <= 1 or len(group.members) < 2:
             return None
         averaged, record = self.group_averager.average_in_group(group, base, weight=1.0, codec="fp32",
                                                                 timeout_s=self.config.averaging_timeout_s)

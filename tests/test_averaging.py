@@ -191,6 +191,24 @@ def test_byzantine_update_is_contained_by_the_robust_rule_not_by_the_mean(make_g
 
 
 @pytest.mark.timeout(120)
+def test_a_huge_but_allowed_weight_is_capped_at_a_multiple_of_the_median(make_group):
+    """TESTMATRIX row 9, the weight attack: a sign-flipped update claiming 1e5 samples (far below the
+    hard bound, so it is not rejected) carries CenteredClip with it unless weights are capped at a
+    multiple of the group's median (the trainer's default: 2x); the uncapped run is the negative control."""
+    generator = torch.Generator().manual_seed(SEED)
+    center = torch.randn(20_000, generator=generator)
+    honest = [center + 0.01 * torch.randn(20_000, generator=generator) for _ in range(3)]
+    tensors, weights = [*honest, -center], [1.0, 1.0, 1.0, 1e5]
+    honest_mean = sum(honest) / 3
+    errors = {}
+    for ratio in (None, 2.0):
+        out = _run(make_group(aggregator="centered_clip", max_weight_ratio=ratio), tensors, weights)[0][0]
+        errors[ratio] = ((out - honest_mean).norm() / honest_mean.norm()).item()
+    assert errors[None] > 0.5, f"seed {SEED}: the heavy attacker did not move the uncapped rule ({errors})"
+    assert errors[2.0] < 0.05, f"seed {SEED}: the capped rule was moved ({errors})"
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("bad_weight", [float("nan"), -1.0, 1e30])
 def test_a_poisoned_weight_is_rejected_and_the_sender_dropped(make_group, bad_weight):
     """TESTMATRIX row 10: the weight check happens at every reducer, not only at the honest sender."""

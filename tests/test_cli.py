@@ -15,7 +15,7 @@ from tests.helpers import free_port, python_cmd, spawn, wait_until
 PEER_FLAGS = [
     "--run", "--initial-peers", "--sync-every", "--outer-lr", "--outer-momentum", "--target-group-size",
     "--min-group-size", "--matchmaking-time-s", "--averaging-timeout-s", "--sender-timeout-s",
-    "--reducer-timeout-s", "--codec", "--aggregator", "--load-state", "--load-state-timeout-s",
+    "--reducer-timeout-s", "--codec", "--aggregator", "--max-weight-ratio", "--load-state", "--load-state-timeout-s",
     "--checkpoint-dir", "--checkpoint-every", "--keep-checkpoints", "--ledger-dir", "--metrics-port",
     "--metrics-host",
     "--host-maddrs", "--announce-maddrs", "--connect-timeout-s", "--advertise", "--record-refresh-s",
