@@ -96,6 +96,8 @@ class ChaosConfig:
     """Local steps between averaging rounds."""
     matchmaking_time_s: float = 2.0
     sender_timeout_s: float = 5.0
+    averaging_timeout_s: float = 30.0
+    """The peers' round deadline (their default): how long a round a fault lands in can stall training."""
     eval_batches: int = 4
     """Validation batches per evaluation."""
     min_progress_ratio: float = 0.5
@@ -120,7 +122,7 @@ class ChaosConfig:
         if self.lab not in ("auto", "netns", "loopback"):
             raise ValueError(f"lab must be auto, netns or loopback, got {self.lab!r}")
         for name in ("duration_s", "kill_every_s", "startup_timeout_s", "max_vanish_s", "matchmaking_time_s",
-                     "sender_timeout_s"):
+                     "sender_timeout_s", "averaging_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("partition_s", "slow_mbit", "rate_mbit", "min_progress_ratio", "min_round_ratio"):
@@ -273,6 +275,7 @@ class _Arm:
             "--shard-index", str(slot), "--num-shards", str(cfg.slots), "--seed", "0",
             "--sync-every", str(cfg.sync_every), "--target-group-size", str(cfg.peers),
             "--sender-timeout-s", str(cfg.sender_timeout_s), "--matchmaking-time-s", str(cfg.matchmaking_time_s),
+            "--averaging-timeout-s", str(cfg.averaging_timeout_s),
             "--identity-key", str(self.work / f"peer{slot}.key"), "--events", str(self.work / f"{name}.jsonl"),
             "--torch-threads", "1", "--no-progress", "--eval-batches", str(cfg.eval_batches),
             "--checkpoint-dir", str(self.work / "checkpoints"), "--ledger-dir", str(self.work / "ledgers"),
@@ -797,6 +800,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lab", default=defaults.lab, choices=("auto", "netns", "loopback"))
     parser.add_argument("--preset", default=defaults.preset)
     parser.add_argument("--sync-every", type=int, default=defaults.sync_every)
+    parser.add_argument("--averaging-timeout-s", type=float, default=defaults.averaging_timeout_s)
     parser.add_argument("--max-rss-growth-mib", type=float, default=defaults.max_rss_growth_mib)
     parser.add_argument("--min-progress-ratio", type=float, default=defaults.min_progress_ratio)
     parser.add_argument("--keep-logs", action="store_true")

@@ -783,10 +783,11 @@ def test_group_metadata_checks_never_raise(gathered):
     calls: list[Any] = []
     fake = SimpleNamespace(group_averager=SimpleNamespace(
         average_in_group=lambda *a, **k: calls.append(a) or (None, SimpleNamespace(failures=[]))),
-        config=SimpleNamespace(averaging_timeout_s=1.0), round=3)
+        config=SimpleNamespace(averaging_timeout_s=1.0), round=3, peer_id=OWNER.peer_id)
     group = Group(group_id="g", members=(OTHER.peer_id, OWNER.peer_id),
                   gathered={OTHER.peer_id: gathered, OWNER.peer_id: _GATHER})
-    assert Trainer._agree_on_base(fake, group, torch.zeros(4)) is None
+    record = SimpleNamespace(included=[OTHER.peer_id, OWNER.peer_id])
+    assert Trainer._agree_on_base(fake, group, record, torch.zeros(4)) is None
     assert len(calls) <= 1
     # every member builds the same manifest from everyone's metadata: one member's bad values must not make
     # that manifest invalid (it would stop the whole group from sealing, and from swapping receipts)
