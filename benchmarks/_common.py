@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import re
 import shlex
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 
@@ -52,3 +56,33 @@ def signals_unwind() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def save_result(path: str | Path, result: Any) -> Path:
+    """Write a benchmark's result as indented JSON (creating the folder); returns the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    return out
+
+
+_INITIAL_PEERS = re.compile(r"--initial-peers\s+(/\S+(?:\s+/\S+)*)")
+
+
+def start_bootstrap_node(lab: Any, host: int, *, work: Path, port: int = 0, env: dict[str, str] | None = None,
+                         timeout_s: float) -> tuple[Any, list[str] | None]:
+    """Start ``python -m bootstrap`` on lab host ``host`` (its log and identity in ``work``) and wait for the
+    ``--initial-peers`` line it prints: ``(process, maddrs)``, maddrs None if it exited or printed none
+    within ``timeout_s`` (the log is ``work/bootstrap.log``)."""
+    log = work / "bootstrap.log"
+    proc = lab.spawn(host, [sys.executable, "-m", "bootstrap", "--host-maddrs", lab.hosts[host].maddr(port),
+                            "--identity", str(work / "bootstrap.id"), "--refresh-period-s", "300"], log=log, env=env)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        match = _INITIAL_PEERS.search(log.read_text(errors="replace")) if log.exists() else None
+        if match:
+            return proc, match.group(1).split()
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    return proc, None

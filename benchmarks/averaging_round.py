@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import shlex
@@ -51,6 +50,7 @@ from rich.table import Table
 from averaging.compression import get_codec, wire_bytes
 from averaging.group import slice_bounds
 from benchmarks._avg_worker import make_tensor, sample_indices, wait_json, write_json
+from benchmarks._common import save_result
 from benchmarks.netlab import Lab, LabUnavailable, loopback_lab, netns_lab
 
 RESULTS = Path(__file__).parent / "results" / "averaging_round.json"
@@ -459,9 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                          "matchmaking_s": MATCHMAKING_S, "fp32_rel_tol": FP32_REL_TOL, "lossy_slack": LOSSY_SLACK,
                          "worker_threads": 1, "sender_death": args.sender_death},
               "elapsed_s": time.time() - started, "ok": ok, "rows": rows, "skipped": skipped, "sender_death": deaths}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = save_result(args.out, result)
     console.print(f"wrote {out}" + ("" if ok else " [red](some result checks FAILED)[/red]"))
     return 0 if ok else 1
 

@@ -33,7 +33,6 @@ against its floor (bytes / link rate), and the slow host's round time.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -52,12 +51,11 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks._common import make_lab, run_metadata, signals_unwind
+from benchmarks._common import make_lab, run_metadata, save_result, signals_unwind, start_bootstrap_node
 from swarm.events import read_events
 
 RESULTS = Path(__file__).parent / "results" / "chaos.json"
 _DOWNLOADED = re.compile(r"downloaded (\d+) bytes of checkpoint shards from (\d+) donor\(s\) in ([\d.]+)s")
-_INITIAL_PEERS = re.compile(r"--initial-peers\s+(/\S+(?:\s+/\S+)*)")
 _POLL_S = 0.2
 _RSS_EVERY_S = 5.0
 _TRAIN_EVENT_STEPS = 10  # swarm.peer writes a "train" event every 10 local steps
@@ -247,21 +245,11 @@ class _Arm:
         self.console.print(f"  [dim]{offset}[/] {what} {' '.join(f'{k}={v}' for k, v in fields.items())}")
 
     def start_bootstrap(self) -> None:
-        host = self.config.slots
-        log = self.work / "bootstrap.log"
-        self.bootstrap = self.lab.spawn(host, [
-            sys.executable, "-m", "bootstrap", "--host-maddrs", self.lab.hosts[host].maddr(_BASE_PORT),
-            "--identity", str(self.work / "bootstrap.id"), "--refresh-period-s", "300"], log=log, env=self._env())
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        while time.monotonic() < deadline:
-            match = _INITIAL_PEERS.search(log.read_text(errors="replace")) if log.exists() else None
-            if match:
-                self.bootstrap_maddrs = match.group(1).split()
-                return
-            if self.bootstrap.poll() is not None:
-                break
-            time.sleep(_POLL_S)
-        raise ChaosFailed(f"the bootstrap node printed no --initial-peers line; see {log}")
+        self.bootstrap, maddrs = start_bootstrap_node(self.lab, self.config.slots, work=self.work, port=_BASE_PORT,
+                                                      env=self._env(), timeout_s=self.config.startup_timeout_s)
+        if maddrs is None:
+            raise ChaosFailed(f"the bootstrap node printed no --initial-peers line; see {self.work / 'bootstrap.log'}")
+        self.bootstrap_maddrs = maddrs
 
     def spawn(self, slot: int) -> _Incarnation:
         cfg = self.config
@@ -838,8 +826,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"logs, events, ledgers and checkpoints kept in {work}")
     result["meta"] = run_metadata("chaos", argv)
     print_tables(result, console)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2, default=str))
+    save_result(args.out, result)
     console.print(f"wrote {args.out}")
     if not ok:
         console.print(f"[bold red]chaos checks failed[/] (seed {config.seed})")

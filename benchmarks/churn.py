@@ -34,7 +34,6 @@ host's link, so that the peer falls silent like a lost machine and the others wa
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -51,14 +50,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks._common import make_lab, run_metadata, signals_unwind
+from benchmarks._common import make_lab, run_metadata, save_result, signals_unwind, start_bootstrap_node
 from benchmarks.netlab import LabUnavailable
 from swarm._private.cli import add_dataclass_arguments, dataclass_from_args
 from swarm.events import read_events
 
 RESULTS = Path(__file__).parent / "results" / "churn.json"
 RUN = "churn-bench"
-_INITIAL_PEERS = re.compile(r"--initial-peers\s+(/\S+(?:\s+/\S+)*)")
 _DOWNLOADED = re.compile(r"downloaded (\d+) bytes of checkpoint shards from (\d+) donor\(s\) in ([\d.]+)s")
 _POLL_S = 0.2
 _KILL_POLL_S = 0.01
@@ -161,21 +159,11 @@ class _Swarm:
         return {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "COLUMNS": "400"}
 
     def start_bootstrap(self) -> None:
-        host = self.lab.hosts[self.bootstrap_host]
-        log = self.work / "bootstrap.log"
-        proc = self.lab.spawn(self.bootstrap_host, [
-            sys.executable, "-m", "bootstrap", "--host-maddrs", host.maddr(0),
-            "--identity", str(self.work / "bootstrap.id"), "--refresh-period-s", "300"], log=log, env=self._env())
-        deadline = time.monotonic() + self.config.phase_timeout_s
-        while time.monotonic() < deadline:
-            match = _INITIAL_PEERS.search(log.read_text(errors="replace")) if log.exists() else None
-            if match:
-                self.initial_peers = match.group(1).split()
-                return
-            if proc.poll() is not None:
-                break
-            time.sleep(_POLL_S)
-        raise BenchmarkFailed(f"the bootstrap node printed no --initial-peers line; see {log}")
+        _, maddrs = start_bootstrap_node(self.lab, self.bootstrap_host, work=self.work, env=self._env(),
+                                         timeout_s=self.config.phase_timeout_s)
+        if maddrs is None:
+            raise BenchmarkFailed(f"the bootstrap node printed no --initial-peers line; see {self.work / 'bootstrap.log'}")
+        self.initial_peers = maddrs
 
     def start_peer(self, host: int, *, dump: bool) -> _Peer:
         cfg, self._count = self.config, self._count + 1
@@ -520,9 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             console.print(f"logs, events and ledgers kept in {work}")
     print_tables(result, console)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = save_result(args.out, result)
     console.print(f"wrote {out}")
     return 0
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import re
@@ -53,6 +52,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import netlab
+from benchmarks._common import save_result
 from swarm.events import read_events
 
 RESULTS = Path(__file__).parent / "results" / "convergence.json"
@@ -577,8 +577,7 @@ def run(config: ConvergenceConfig, console: Console, *, command: str) -> dict[st
         "table": rows, "ours_vs_hivemind": ours_vs_hivemind(arms), "arms": arms,
         "plot": str(out.with_suffix(".png")), "logs": str(work) if config.keep_logs else None,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    save_result(out, result)
     plot(arms, out.with_suffix(".png"), title=f"charlm/{config.preset}: {config.peers} peers, {setting}")
     if not config.keep_logs:
         shutil.rmtree(work, ignore_errors=True)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import re
@@ -60,7 +59,7 @@ from hivemind.utils import get_dht_time
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks._common import run_metadata
+from benchmarks._common import run_metadata, save_result
 from bootstrap import DHTStartError, stop_dht, visible_maddrs
 from peers import Advertiser, ResourceGraph
 from peers.testing import record_builder
@@ -705,9 +704,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     print_table(result, console)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = save_result(args.out, result)
     console.print(f"wrote {out}; {result['seconds']:.1f} s")
     if not result["passed"]:
         console.print(f"[bold red]a check failed[/] (seed {config.seed}; rerun with --seed {config.seed})")

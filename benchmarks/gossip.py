@@ -14,7 +14,6 @@ Above 50 peers the benchmark first checks that the machine has the memory for th
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import statistics
@@ -28,7 +27,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks._common import run_metadata
+from benchmarks._common import run_metadata, save_result
 from bootstrap import start_dht, stop_dht, visible_maddrs
 from swarm.checkpoint import Manifest, SignedManifest, sign_manifest, verify_manifest
 from swarm.checkpoint.gossip import GossipConfig, ManifestGossip
@@ -236,9 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     print_table(result, console)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = save_result(args.out, result)
     console.print(f"wrote {out}")
     return 0
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import logging
 import signal
 import statistics
@@ -27,7 +26,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks._common import run_metadata
+from benchmarks._common import run_metadata, save_result
 from benchmarks.gossip import check_memory, memory_rows, peer_memory
 from bootstrap import stop_dht, visible_maddrs
 from peers import Advertiser, ResourceGraph, sign_record
@@ -88,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, value in memory_rows(result["memory"]):
         table.add_row(label, value)
     console.print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = save_result(args.out, result)
     console.print(f"wrote {out}")
     return 0
 

@@ -11,7 +11,6 @@ other. Shaped-link rows need root (network namespaces); without it they are skip
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -24,6 +23,8 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.table import Table
+
+from benchmarks._common import save_result
 
 RESULTS_DIR = Path(__file__).parent / "results"
 
@@ -142,9 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in runs:
         summary.add_row(run["name"], str(run["exit_code"]), f"{run['seconds']:.0f}", run["command"])
     console.print(summary)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = save_result(args.out, result)
     console.print(f"wrote {out}; each benchmark's own JSON is beside it")
     return 0 if all(run["exit_code"] == 0 for run in runs) else 1
 

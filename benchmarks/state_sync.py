@@ -37,7 +37,7 @@ from hivemind.averaging import DecentralizedAverager
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks._common import run_metadata
+from benchmarks._common import run_metadata, save_result
 from benchmarks.netlab import LabUnavailable
 from bootstrap import start_dht, stop_dht, visible_maddrs
 from swarm.checkpoint import CheckpointStore
@@ -390,9 +390,7 @@ def main(argv: list[str] | None = None) -> int:
               "config": {"numel": args.numel, "settings": args.setting, "donor_rate_mbit": args.donor_rate_mbit,
                          "repeats": args.repeats, "chunks": CHUNKS, "max_shard_bytes": MAX_SHARD_BYTES},
               "size_bytes": size_bytes, "size_mb": size_bytes / 1e6, "settings": blocks, "skipped": skipped}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = save_result(args.out, result)
     console.print(f"wrote {out}")
     return 0 if blocks else 2
 
