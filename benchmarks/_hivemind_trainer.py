@@ -1,9 +1,11 @@
-"""Worker process of benchmarks.convergence: one charlm trainer that is not a Swarm peer.
+"""Worker process of benchmarks.convergence: one trainer (charlm or teacher) that is not a Swarm peer.
 
     python -m benchmarks._hivemind_trainer dht  --host-maddrs /ip4/127.0.0.1/tcp/0
     python -m benchmarks._hivemind_trainer solo --preset tiny --steps 3720 --eval-every 60 --log solo.jsonl
     python -m benchmarks._hivemind_trainer hivemind --initial-peers /ip4/... --shard-index 0 --num-shards 4 \
         --peers 4 --steps 930 --eval-every 15 --sync-every 15 --log hm0.jsonl
+    python -m benchmarks._hivemind_trainer dp --ip 10.77.0.11 --shard-index 0 --num-shards 4 --peers 4 \
+        --steps 930 --eval-every 15 --ready-dir DIR --log dp0.jsonl
 
 Roles:
   * ``dht``: a plain hivemind DHT node (no Swarm record validators) for the hivemind arm to join;
@@ -12,9 +14,15 @@ Roles:
     (shard 0 of 1, i.e. the union of the swarm's shards), no network at all.
   * ``hivemind``: the anchor, the same AdamW wrapped in ``hivemind.Optimizer`` with
     ``use_local_updates=True`` (see ``make_hivemind_optimizer`` for every setting and why).
+  * ``dp``: the reference, synchronous data parallelism: ``--peers`` processes (rank = shard index)
+    in one torch.distributed gloo group, the model wrapped in ``DistributedDataParallel``, so every
+    step all-reduces the gradients (fp32) and applies the same AdamW step everywhere: one step of
+    the global batch ``peers x batch``. Rank 0 hosts the TCPStore on ``--ip`` and writes its port to
+    ``--ready-dir``/rendezvous.json; the others read it from there (``--ip`` of rank 0 too).
 
-Solo and hivemind share one training and evaluation loop, so the figures differ only by the
-optimizer wrapper. Every line of ``--log`` is a JSON object with an ``event`` key: ``start``,
+All roles share one training and evaluation loop and the same inner optimizer (AdamW with the same
+lr, weight decay and linear warm-up, ``--lr-warmup-steps``), so the figures differ only by how the
+peers combine their work. Every line of ``--log`` is a JSON object with an ``event`` key: ``start``,
 ``val`` (``step``, ``samples`` seen by this process, ``val_loss``), ``done``. SIGTERM/SIGINT stop
 the loop and shut the optimizer and DHT down (no p2pd is left).
 """
@@ -29,6 +37,7 @@ import signal
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
@@ -92,10 +101,14 @@ def _interrupt(signum: int, _frame: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks._hivemind_trainer", description=__doc__.splitlines()[0])
-    parser.add_argument("role", choices=("dht", "solo", "hivemind"))
+    parser.add_argument("role", choices=("dht", "solo", "hivemind", "dp"))
+    parser.add_argument("--task", default="charlm", help="task of swarm.tasks (charlm, teacher)")
+    parser.add_argument("--lr-warmup-steps", type=int, default=0,
+                        help="linear warm-up of the learning rate over this many local steps")
+    parser.add_argument("--ip", default="127.0.0.1", help="dp: the address of rank 0's TCPStore")
     parser.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"])
     parser.add_argument("--initial-peers", nargs="*", default=[])
-    parser.add_argument("--preset", default="tiny", help="charlm size preset")
+    parser.add_argument("--preset", default="tiny", help="task size preset")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial model and the batch order")
     parser.add_argument("--shard-index", type=int, default=0)
     parser.add_argument("--num-shards", type=int, default=1)
@@ -165,11 +178,51 @@ def wait_for_peers(ready_dir: Path, *, index: int, num_peers: int, timeout_s: fl
         time.sleep(0.05)
 
 
-def train(args: argparse.Namespace, log: _Log, *, dht: Any = None) -> None:
-    task = get_task("charlm", preset=args.preset)
+def start_gloo(args: argparse.Namespace) -> Any:
+    """Join the dp arm's gloo group: rank 0 hosts the TCPStore and publishes its port in --ready-dir."""
+    import torch.distributed as dist
+
+    if args.ip.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    timeout = timedelta(seconds=args.ready_timeout_s)
+    rendezvous = Path(args.ready_dir) / "rendezvous.json"
+    if args.shard_index == 0:  # port 0: the store picks a free port, no race with other runs
+        store = dist.TCPStore(args.ip, 0, args.peers, is_master=True, timeout=timeout, wait_for_workers=False)
+        rendezvous.parent.mkdir(parents=True, exist_ok=True)
+        tmp = rendezvous.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"port": store.port}))
+        os.replace(tmp, rendezvous)
+    else:
+        deadline = time.monotonic() + args.ready_timeout_s
+        while not rendezvous.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no rendezvous from rank 0 within {args.ready_timeout_s:.0f} s")
+            time.sleep(0.05)
+        store = dist.TCPStore(args.ip, json.loads(rendezvous.read_text())["port"], args.peers, is_master=False,
+                              timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=args.shard_index, world_size=args.peers, timeout=timeout)
+    return dist
+
+
+def set_warmup_lr(optimizer: Any, *, step: int, lr: float, warmup_steps: int) -> None:
+    """The learning rate of local step ``step`` (1-based): linear warm-up to ``lr`` over ``warmup_steps``."""
+    factor = min(1.0, step / warmup_steps) if warmup_steps > 0 else 1.0
+    # hivemind.Optimizer's param_groups are copies: its inner optimizer holds the real ones
+    inner = optimizer.state_averager.optimizer if hasattr(optimizer, "state_averager") else optimizer
+    for group in inner.param_groups:
+        group["lr"] = lr * factor
+
+
+def train(args: argparse.Namespace, log: _Log, *, dht: Any = None, dist: Any = None) -> None:
+    task = get_task(args.task, preset=args.preset)
     model = task.build_model(seed=args.seed)
     batch_size = task.config.batch_size
     counter = _AveragingCounter()
+    trained = model
+    if dist is not None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        trained = DistributedDataParallel(model)  # broadcasts rank 0's weights (identical anyway: same seed)
     if dht is None:
         optimizer: Any = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     else:
@@ -184,7 +237,7 @@ def train(args: argparse.Namespace, log: _Log, *, dht: Any = None) -> None:
 
     started, step = time.monotonic(), 0
     try:
-        if dht is not None and args.ready_dir:
+        if dht is not None and args.ready_dir and args.role == "hivemind":
             wait_for_peers(Path(args.ready_dir), index=args.shard_index, num_peers=args.peers,
                            timeout_s=args.ready_timeout_s)
         log.emit("start", pid=os.getpid(), role=args.role, params=num_params(model), batch_size=batch_size,
@@ -192,8 +245,9 @@ def train(args: argparse.Namespace, log: _Log, *, dht: Any = None) -> None:
         evaluate(0)
         started = time.monotonic()
         for step in range(1, args.steps + 1):
-            loss = task.loss(model, next(batches))
-            loss.backward()
+            set_warmup_lr(optimizer, step=step, lr=args.lr, warmup_steps=args.lr_warmup_steps)
+            loss = task.loss(trained, next(batches))
+            loss.backward()  # dp: DDP all-reduces (averages) the gradients here
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if step % args.eval_every == 0 or step == args.steps:
@@ -233,6 +287,15 @@ def main(argv: list[str] | None = None) -> int:
             serve_dht(args)
         elif args.role == "solo":
             train(args, log)
+        elif args.role == "dp":
+            if not args.ready_dir:
+                print("error: dp needs --ready-dir (the rendezvous folder)", file=sys.stderr)
+                return 2
+            dist = start_gloo(args)
+            try:
+                train(args, log, dist=dist)
+            finally:
+                dist.destroy_process_group()
         else:
             from bootstrap import start_dht, start_reaper
 

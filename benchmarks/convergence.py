@@ -1,13 +1,18 @@
-"""Convergence on charlm, side by side in one run: one peer alone, our swarm, and hivemind's Optimizer.
+"""Convergence side by side in one run: one peer alone, data parallelism, our swarm, hivemind's Optimizer.
 
-    python -m benchmarks.convergence [--preset tiny] [--samples 60000] [--peers 4] [--sync-every 15]
-                                     [--setting netns|loopback] [--out benchmarks/results/convergence.json]
+    python -m benchmarks.convergence [--task charlm|teacher] [--preset tiny] [--samples 60000] [--peers 4]
+                                     [--sync-every 15] [--setting netns|loopback]
+                                     [--out benchmarks/results/convergence.json]
 
-Three arms train the same charlm model (same preset, same seed) on the same data for the same total
-number of samples S, one after the other:
+Four arms train the same model (same task, preset and seed) on the same data for the same total
+number of samples S, one after the other, all with the same inner optimizer: AdamW with swarm.peer's
+learning rate, weight decay and inner warm-up (``TrainerConfig.inner_warmup_steps``):
 
 * ``solo``: one process, plain AdamW on the whole training split (shard 0 of 1, the union of the
   swarm's shards), S samples;
+* ``dp``: the reference, synchronous data parallelism: ``--peers`` processes in one torch.distributed
+  gloo group (``DistributedDataParallel``), process i on shard i of N, gradients all-reduced in fp32
+  every step, so one step takes the global batch N x batch; S samples in all;
 * ``ours``: a bootstrap node and ``--peers`` ``python -m swarm.peer`` processes, peer i on shard i
   of N, each training S/N samples (``--max-steps``), averaging every ``--sync-every`` steps, with
   swarm.peer's defaults except the bandwidth probe (off: a one-off 1 MiB-each-way measurement per
@@ -56,12 +61,15 @@ from benchmarks._common import save_result
 from swarm.events import read_events
 
 RESULTS = Path(__file__).parent / "results" / "convergence.json"
-ARMS = ("solo", "ours", "hivemind")
+ARMS = ("solo", "dp", "ours", "hivemind")
 LR = 3e-3
 """Inner AdamW learning rate of every arm (swarm.peer's default)."""
 WEIGHT_DECAY = 0.01
 SAMPLES_RATIO_TARGET = 1.1
-BYTES_REDUCTION_TARGET = 500.0
+LOSS_RATIO_TO_DP_TARGET = 1.05
+"""Final validation loss of our swarm at most this many times the data-parallel arm's (issue 13)."""
+BYTES_REDUCTION_VS_DP_TARGET = 25.0
+"""Our swarm sends at least this many times fewer bytes per sample than fp32 data parallelism."""
 _INITIAL_PEERS = re.compile(r"^--initial-peers\s+(/\S+(?:\s+/\S+)*)\s*$", re.MULTILINE)
 _CHILD_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
@@ -70,8 +78,10 @@ _CHILD_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 class ConvergenceConfig:
     """What the convergence benchmark trains and where."""
 
+    task: str = "charlm"
+    """Task of swarm.tasks to train (charlm, teacher)."""
     preset: str = "tiny"
-    """charlm size preset (tiny, small, default)."""
+    """Size preset of the task (charlm: tiny, small, default; teacher: tiny, default)."""
     samples: int = 60000
     """Total training samples of each arm (rounded down to whole averaging rounds of all peers)."""
     peers: int = 4
@@ -83,7 +93,7 @@ class ConvergenceConfig:
     out: str = str(RESULTS)
     """JSON output path; the plot goes beside it (same name, .png)."""
     eval_batches: int = 8
-    """Validation batches per evaluation (charlm's fixed validation set has 8)."""
+    """Validation batches per evaluation (charlm's fixed validation set has 8, teacher's 4)."""
     seed: int = 0
     """Seed of the initial model and of the batch order."""
     arm_timeout_s: float = 3600.0
@@ -92,10 +102,9 @@ class ConvergenceConfig:
     """Keep the processes' logs and event files (always kept when an arm fails)."""
 
     def __post_init__(self) -> None:
-        from swarm.tasks import PRESETS
+        from swarm.tasks import get_task
 
-        if self.preset not in PRESETS:
-            raise ValueError(f"preset must be one of {', '.join(sorted(PRESETS))}, got {self.preset!r}")
+        get_task(self.task, preset=self.preset)  # an unknown task or preset raises ValueError
         if self.peers < 2:
             raise ValueError(f"peers must be >= 2, got {self.peers!r}")
         if self.sync_every < 1:
@@ -123,9 +132,9 @@ class Plan:
 
     @classmethod
     def of(cls, config: ConvergenceConfig) -> Plan:
-        from swarm.tasks import PRESETS
+        from swarm.tasks import get_task
 
-        batch_size = PRESETS[config.preset].batch_size
+        batch_size = get_task(config.task, preset=config.preset).config.batch_size
         rounds = config.samples // (config.peers * batch_size * config.sync_every)
         if rounds < 1:
             raise ValueError(f"samples={config.samples} is less than one round of every peer "
@@ -242,14 +251,39 @@ def _run_procs(lab: netlab.Lab, specs: dict[str, tuple[int, list[str], Path]], *
                    tx_before=tx_before, tx_after=tx_after, peer_hosts=peer_hosts)
 
 
+def _inner_warmup_steps() -> int:
+    """swarm.peer's inner learning-rate warm-up, given to every arm: one inner optimizer for all."""
+    from swarm.trainer import TrainerConfig
+
+    return next(f.default for f in dataclasses.fields(TrainerConfig) if f.name == "inner_warmup_steps")
+
+
+def _worker_argv(role: str, config: ConvergenceConfig, *extra: str) -> list[str]:
+    return _python("benchmarks._hivemind_trainer", role, "--task", config.task, "--preset", config.preset,
+                   "--seed", str(config.seed), "--eval-batches", str(config.eval_batches), "--lr", str(LR),
+                   "--weight-decay", str(WEIGHT_DECAY), "--lr-warmup-steps", str(_inner_warmup_steps()), *extra)
+
+
 def run_solo(lab: netlab.Lab, config: ConvergenceConfig, plan: Plan, work: Path, console: Console) -> _ArmRun:
     events = work / "solo.jsonl"
-    argv = _python("benchmarks._hivemind_trainer", "solo", "--preset", config.preset, "--seed", str(config.seed),
-                   "--shard-index", "0", "--num-shards", "1", "--steps", str(plan.solo_steps),
-                   "--eval-every", str(config.peers * config.sync_every), "--eval-batches", str(config.eval_batches),
-                   "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY), "--log", str(events))
+    argv = _worker_argv("solo", config, "--shard-index", "0", "--num-shards", "1", "--steps", str(plan.solo_steps),
+                        "--eval-every", str(config.peers * config.sync_every), "--log", str(events))
     return _run_procs(lab, {"solo": (1, argv, events)}, work=work, what="solo", config=config,
                       total_steps=plan.solo_steps, console=console)
+
+
+def run_dp(lab: netlab.Lab, config: ConvergenceConfig, plan: Plan, work: Path, console: Console) -> _ArmRun:
+    """Synchronous data parallelism (gloo, DDP): one step of N x batch per step, steps_per_peer steps."""
+    specs = {}
+    for i in range(config.peers):  # rank i on host 1 + i; rank 0's host serves the TCPStore
+        events = work / f"dp-peer{i}.jsonl"
+        argv = _worker_argv("dp", config, "--ip", lab.hosts[1].ip, "--shard-index", str(i),
+                            "--num-shards", str(config.peers), "--peers", str(config.peers),
+                            "--steps", str(plan.steps_per_peer), "--eval-every", str(config.sync_every),
+                            "--ready-dir", str(work / "dp-rendezvous"), "--log", str(events))
+        specs[f"peer{i}"] = (1 + i, argv, events)
+    return _run_procs(lab, specs, work=work, what="dp", config=config, console=console,
+                      total_steps=config.peers * plan.steps_per_peer)
 
 
 def run_ours(lab: netlab.Lab, config: ConvergenceConfig, plan: Plan, work: Path, console: Console) -> _ArmRun:
@@ -258,7 +292,7 @@ def run_ours(lab: netlab.Lab, config: ConvergenceConfig, plan: Plan, work: Path,
         host = lab.hosts[1 + i]
         events = work / f"ours-peer{i}.jsonl"
         argv = _python(
-            "swarm.peer", "--run", "convergence", "--task", "charlm", "--task-preset", config.preset,
+            "swarm.peer", "--run", "convergence", "--task", config.task, "--task-preset", config.preset,
             "--host-maddrs", host.maddr(0), "--shard-index", str(i), "--num-shards", str(config.peers),
             "--seed", str(config.seed), "--sync-every", str(config.sync_every),
             "--target-group-size", str(config.peers), "--max-steps", str(plan.steps_per_peer),
@@ -282,12 +316,10 @@ def run_hivemind(lab: netlab.Lab, config: ConvergenceConfig, plan: Plan, work: P
     for i in range(config.peers):
         host = lab.hosts[1 + i]
         events = work / f"hivemind-peer{i}.jsonl"
-        argv = _python(
-            "benchmarks._hivemind_trainer", "hivemind", "--host-maddrs", host.maddr(0), "--preset", config.preset,
-            "--seed", str(config.seed), "--shard-index", str(i), "--num-shards", str(config.peers),
-            "--steps", str(plan.steps_per_peer), "--eval-every", str(config.sync_every),
-            "--eval-batches", str(config.eval_batches), "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY),
-            "--peers", str(config.peers), "--sync-every", str(config.sync_every), "--log", str(events),
+        argv = _worker_argv(
+            "hivemind", config, "--host-maddrs", host.maddr(0), "--shard-index", str(i),
+            "--num-shards", str(config.peers), "--steps", str(plan.steps_per_peer),
+            "--eval-every", str(config.sync_every), "--peers", str(config.peers), "--sync-every", str(config.sync_every), "--log", str(events),
             "--run-id", "convergence", "--ready-dir", str(work / "hivemind-ready"),
             # the same timeouts as our peers use (TrainerConfig's defaults)
             "--matchmaking-time-s", str(defaults["matchmaking_time_s"]),
@@ -416,9 +448,12 @@ def _bytes_sent(name: str, arm: dict[str, Any]) -> tuple[int | None, str]:
 
 
 def compare(arms: dict[str, dict], *, num_params: int, batch_size: int, num_peers: int) -> list[dict[str, Any]]:
-    """One table row per arm: final loss, samples to the solo loss, bytes per sample and wall time."""
-    solo = arms["solo"]
+    """One table row per arm: final loss (and its ratio to the data-parallel arm's), samples to the solo
+    loss, bytes per sample (and how many times fewer than the data-parallel arm's) and wall time."""
+    solo, dp = arms["solo"], arms["dp"]
     target = solo["final_val_loss"]
+    dp_sent, _ = _bytes_sent("dp", dp)
+    dp_per_sample = dp_sent / dp["samples"] if dp_sent and dp["samples"] else None
     reference = fp32_every_step_bytes_per_sample(num_peers=num_peers, num_params=num_params, batch_size=batch_size)
     rows = []
     for name in ARMS:
@@ -429,9 +464,12 @@ def compare(arms: dict[str, dict], *, num_params: int, batch_size: int, num_peer
             reach = samples_to_reach(arm["curve"], target) if target is not None else None
         sent, source = _bytes_sent(name, arm)
         per_sample = sent / arm["samples"] if sent is not None and arm["samples"] else None
+        final = arm["final_val_loss"]
         rows.append({
             "arm": name, "peers": 1 if name == "solo" else num_peers, "samples": arm["samples"],
-            "final_val_loss": arm["final_val_loss"],
+            "final_val_loss": final,
+            "loss_ratio_to_dp": final / dp["final_val_loss"] if final is not None and dp["final_val_loss"] else None,
+            "bytes_reduction_vs_dp": dp_per_sample / per_sample if dp_per_sample and per_sample else None,
             "samples_to_solo_loss": reach,
             "samples_ratio_to_solo": reach / solo["samples"] if reach is not None and solo["samples"] else None,
             "bytes_sent": sent, "bytes_source": source, "bytes_per_sample": per_sample,
@@ -455,16 +493,17 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
 
 def print_table(rows: list[dict[str, Any]], *, title: str, console: Console) -> None:
     table = Table(title=title)
-    for column in ("arm", "samples", "final loss", "to solo loss", "x solo", "bytes sent", "B/sample",
-                   "fp32/step B/sample", "fewer bytes", "wall s"):
+    for column in ("arm", "samples", "final loss", "x dp loss", "to solo loss", "x solo", "bytes sent", "B/sample",
+                   "fewer B than dp", "fp32/step B/sample", "fewer bytes", "wall s"):
         table.add_column(column, justify="right")
     for row in rows:
         reach = row["samples_to_solo_loss"]
         reduction = row["bytes_reduction_vs_fp32_every_step"]
         table.add_row(
-            row["arm"], str(row["samples"]), _fmt(row["final_val_loss"], ".4f"),
+            row["arm"], str(row["samples"]), _fmt(row["final_val_loss"], ".4f"), _fmt(row["loss_ratio_to_dp"], ".3f"),
             "not reached" if reach is None else f"{reach:.0f}", _fmt(row["samples_ratio_to_solo"], ".2f"),
             _fmt(row["bytes_sent"]), _fmt(row["bytes_per_sample"], ".0f"),
+            "-" if row["bytes_reduction_vs_dp"] is None else f"{row['bytes_reduction_vs_dp']:.1f}x",
             _fmt(row["fp32_every_step_bytes_per_sample"], ".0f"), "-" if reduction is None else f"{reduction:.0f}x",
             _fmt(row["wall_s"], ".1f"))
     console.print(table)
@@ -481,7 +520,8 @@ def plot(arms: dict[str, dict], path: Path, *, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    labels = {"solo": "one peer alone", "ours": "Swarm (ours)", "hivemind": "hivemind Optimizer"}
+    labels = {"solo": "one peer alone", "dp": "data parallel (gloo, every step)", "ours": "Swarm (ours)",
+              "hivemind": "hivemind Optimizer"}
     for name in ARMS:
         curve = arms[name]["curve"]
         if curve:
@@ -489,7 +529,7 @@ def plot(arms: dict[str, dict], path: Path, *, title: str) -> None:
     final = arms["solo"]["final_val_loss"]
     if final is not None:
         ax.axhline(final, color="grey", linestyle=":", label=f"solo final loss {final:.3f}")
-    ax.set(xlabel="training samples seen (all peers)", ylabel="validation loss (charlm)", title=title)
+    ax.set(xlabel="training samples seen (all peers)", ylabel="validation loss", title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -542,11 +582,13 @@ def run(config: ConvergenceConfig, console: Console, *, command: str) -> dict[st
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl+C: the lab closes
     try:
         with open_lab(config.setting, config.peers + 1, console) as lab:
-            console.print(f"convergence: {lab.kind} lab, {config.peers} peers, charlm/{config.preset}, "
+            console.print(f"convergence: {lab.kind} lab, {config.peers} peers, {config.task}/{config.preset}, "
                           f"{plan.samples} samples per arm ({plan.steps_per_peer} steps per peer, {plan.rounds} "
                           f"rounds of {config.sync_every}); logs in {work}", highlight=False)
             runs = {"solo": run_solo(lab, config, plan, work, console)}
             console.print(f"  solo done in {runs['solo'].wall_s:.0f} s")
+            runs["dp"] = run_dp(lab, config, plan, work, console)
+            console.print(f"  dp done in {runs['dp'].wall_s:.0f} s")
             runs["ours"] = run_ours(lab, config, plan, work, console)
             console.print(f"  ours done in {runs['ours'].wall_s:.0f} s")
             runs["hivemind"] = run_hivemind(lab, config, plan, work, console)
@@ -568,17 +610,19 @@ def run(config: ConvergenceConfig, console: Console, *, command: str) -> dict[st
         "command": command, "config": dataclasses.asdict(config), "setting": setting,
         "plan": {**dataclasses.asdict(plan), "samples": plan.samples},
         "num_params": num_params, "lr": LR, "weight_decay": WEIGHT_DECAY,
+        "inner_warmup_steps": _inner_warmup_steps(),
         "reference": {"fp32_every_step_bytes_per_sample": fp32_every_step_bytes_per_sample(
             num_peers=config.peers, num_params=num_params, batch_size=plan.batch_size),
             "formula": "2(N-1)/N * 4 bytes * num_params / batch_size (per peer-step)"},
-        "targets": {"samples_ratio_to_solo_max": SAMPLES_RATIO_TARGET,
-                    "bytes_reduction_vs_fp32_every_step_min": BYTES_REDUCTION_TARGET,
+        "targets": {"loss_ratio_to_dp_max": LOSS_RATIO_TO_DP_TARGET,
+                    "bytes_reduction_vs_dp_min": BYTES_REDUCTION_VS_DP_TARGET,
+                    "samples_ratio_to_solo_max": SAMPLES_RATIO_TARGET,
                     "ours_final_val_loss_at_most_hivemind": True},
         "table": rows, "ours_vs_hivemind": ours_vs_hivemind(arms), "arms": arms,
         "plot": str(out.with_suffix(".png")), "logs": str(work) if config.keep_logs else None,
     }
     save_result(out, result)
-    plot(arms, out.with_suffix(".png"), title=f"charlm/{config.preset}: {config.peers} peers, {setting}")
+    plot(arms, out.with_suffix(".png"), title=f"{config.task}/{config.preset}: {config.peers} peers, {setting}")
     if not config.keep_logs:
         shutil.rmtree(work, ignore_errors=True)
     return result
@@ -610,12 +654,16 @@ def main(argv: list[str] | None = None) -> int:
         console.print("[yellow]interrupted; every process and namespace was removed[/]")
         return 130
     print_table(result["table"], console=console,
-                title=f"convergence on charlm/{config.preset}: {config.peers} peers, {result['setting']}, "
+                title=f"convergence on {config.task}/{config.preset}: {config.peers} peers, {result['setting']}, "
                       f"{result['plan']['samples']} samples per arm")
     ours = next(r for r in result["table"] if r["arm"] == "ours")
     hm = next(r for r in result["table"] if r["arm"] == "hivemind")
     console.print(f"ours vs hivemind at {ours['samples']} samples: final val loss {_fmt(ours['final_val_loss'], '.4f')}"
                   f" vs {_fmt(hm['final_val_loss'], '.4f')}", highlight=False)
+    if ours["loss_ratio_to_dp"] is not None:
+        console.print(f"ours vs data parallel: {ours['loss_ratio_to_dp']:.3f}x its final val loss (target <= "
+                      f"{LOSS_RATIO_TO_DP_TARGET}), {_fmt(ours['bytes_reduction_vs_dp'], '.1f')}x fewer bytes per sample "
+                      f"(target >= {BYTES_REDUCTION_VS_DP_TARGET})", highlight=False)
     console.print(f"wrote {config.out} and {result['plot']}")
     return 0
 

@@ -51,7 +51,7 @@ class PeerConfig:
     task: str = "charlm"
     """Built-in task to train (see the list printed for an unknown name)."""
     task_preset: str = "default"
-    """Size preset of the task's model (charlm: tiny, small, default)."""
+    """Size preset of the task's model (charlm: tiny, small, default; teacher: tiny, default)."""
     device: str = "auto"
     """auto (CUDA when available), cpu or cuda."""
     optimizer: str = "adamw"

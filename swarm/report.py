@@ -53,7 +53,7 @@ PNG_NAMES: dict[str, str] = {
 """Figure key -> file name inside the report's PNG folder (fixed, so scripts and tests can find them)."""
 
 TIMELINE_KINDS = ("start", "joined", "state_synced", "failure", "peer_replaced", "checkpoint_sealed",
-                  "record_rejected", "stop")
+                  "record_rejected", "diverging", "stop")
 """Entry kinds drawn on the failure and recovery timeline and listed in the events table."""
 VANISHED = "vanished (killed?)"
 """Pseudo-event at the last entry of a ledger that has no "stop" entry."""

@@ -60,6 +60,7 @@ from peers import (
     unmet_requirements,
 )
 from peers.bandwidth import BandwidthProber
+from swarm._private.divergence import DivergenceGuard, Rising
 from swarm._private.evidence import Evidence, milli
 from swarm.checkpoint.manifest import MANIFEST_REJECTIONS
 from swarm.checkpoint.sync import CheckpointManager, SealRequest
@@ -84,6 +85,11 @@ class TrainerConfig:
     """Multiaddrs of any live peers of the network (bootstrap node or any peer); empty starts a new network."""
     sync_every: int = 50
     """Local (inner) optimizer steps between averaging rounds."""
+    inner_warmup_steps: int = 100
+    """Linear warm-up of the inner optimizer's learning rate over this peer's first local steps (0: off).
+    A fresh inner optimizer (AdamW with no statistics yet) takes large steps, and replicas that start
+    with large steps from scratch drift apart before their first average; see the README's "choosing
+    sync_every and the outer optimizer". Applied on top of any schedule of the user's own."""
     outer_lr: float = 0.7
     """Learning rate of the outer Nesterov-SGD step applied to the averaged pseudo-gradient."""
     outer_momentum: float = 0.9
@@ -109,6 +115,9 @@ class TrainerConfig:
     max_weight_ratio: float = 2.0
     """A member's weight (samples since its last round) counts at most this many times the median of its
     group's, so one peer claiming a huge sample count cannot outweigh the others (0: no cap)."""
+    divergence_rounds: int = 3
+    """Warn loudly (log, ledger, status board) when the validation loss sealed by the groups rose this many
+    rounds in a row by 1% or more in all (0: never). Needs ``evaluate=``."""
     load_state: bool = True
     """Download the run's current state from a peer at start-up (a fresh run starts from the model as given)."""
     load_state_timeout_s: float = 60.0
@@ -158,6 +167,10 @@ class TrainerConfig:
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
             raise ValueError(f"checkpoint_every must be >= 0 and keep_checkpoints >= 1, got "
                              f"{self.checkpoint_every!r}, {self.keep_checkpoints!r}")
+        if self.inner_warmup_steps < 0:
+            raise ValueError(f"inner_warmup_steps must be >= 0, got {self.inner_warmup_steps!r}")
+        if self.divergence_rounds < 0:
+            raise ValueError(f"divergence_rounds must be >= 0, got {self.divergence_rounds!r}")
         for name in ("sync_every",):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
@@ -324,6 +337,7 @@ class Trainer:
         self._lost: dict[str, int] = {}
         self._val_for_status: float | None = None
         self._solo_streak = 0
+        self._divergence = DivergenceGuard(rounds=config.divergence_rounds)
         self._met: dict[str, None] = {}  # peers of recent groups, oldest first (bounded)
         self._reconnecting: concurrent.futures.Future | None = None
         self._run_peers: tuple[float, set[str]] = (0.0, set())
@@ -522,7 +536,7 @@ class Trainer:
         ``loss`` (optional, a float) is only reported: status board and metrics.
         Returns the round's result when a round ran, else None.
         """
-        self.inner_optimizer.step()
+        self._inner_step()
         self.inner_optimizer.zero_grad(set_to_none=True)
         self.local_step += 1
         self._samples_since_sync += num_samples
@@ -535,6 +549,28 @@ class Trainer:
         if self.local_step % self.config.sync_every == 0:
             return self.sync()
         return None
+
+    def inner_lr_factor(self) -> float:
+        """The factor on the inner optimizer's learning rate for the next local step (the warm-up)."""
+        warmup = self.config.inner_warmup_steps
+        return min(1.0, (self.local_step + 1) / warmup) if warmup > 0 else 1.0
+
+    def _inner_step(self) -> None:
+        """The inner optimizer's step, its learning rates scaled by the warm-up factor for this step only
+        (restored afterwards, so a user's own scheduler keeps working on its own values)."""
+        factor = self.inner_lr_factor()
+        if factor >= 1.0:
+            self.inner_optimizer.step()
+            return
+        groups = self.inner_optimizer.param_groups
+        saved = [group["lr"] for group in groups]
+        for group, lr in zip(groups, saved):
+            group["lr"] = lr * factor
+        try:
+            self.inner_optimizer.step()
+        finally:
+            for group, lr in zip(groups, saved):
+                group["lr"] = lr
 
     def sync(self) -> RoundResult:
         """Average pseudo-gradients with a group now and apply the outer step.
@@ -589,6 +625,9 @@ class Trainer:
             weight=weight, duration_s=time.perf_counter() - started, rejected=rejected, record=record,
         )
         val_loss = self._evaluate_for_seal() if grouped else None
+        rising = self._divergence.observe(val_loss, round_=self.round)
+        if rising is not None:
+            self._report_rising(rising)
         self._record_round(self.last_round, group if grouped else None, samples=samples, val_loss=val_loss)
         if grouped:
             self._finish_group_round(group, record, samples=samples, val_loss=val_loss)
@@ -598,6 +637,18 @@ class Trainer:
         self._resync_if_lagging()
         self._last_sync_end = time.perf_counter()
         return self.last_round
+
+    def _report_rising(self, rising: Rising) -> None:
+        """Never silently: a validation loss that keeps rising is logged, kept in the ledger and shown on
+        the status board (its timeline) and in the report."""
+        cfg = self.config
+        logger.warning(
+            f"round {rising.round}: the validation loss sealed by the groups rose {rising.rounds} rounds in a row, "
+            f"{rising.start:.4f} -> {rising.now:.4f} (+{100 * rising.rise:.1f}%): training is diverging. "
+            f"Outer settings: sync_every={cfg.sync_every}, outer_lr={cfg.outer_lr}, "
+            f"outer_momentum={cfg.outer_momentum}; a lower outer_lr or outer_momentum (README: choosing "
+            f"sync_every and the outer optimizer) or a lower inner learning rate usually cures it")
+        self.evidence.record("diverging", rising.to_dict())
 
     def _remember(self, members: Any) -> None:
         for member in members:
@@ -675,13 +726,16 @@ class Trainer:
             self.evidence.rejections(what, counts, round_=self.round)
 
     def _resync_if_lagging(self, max_solo_rounds: int = 3) -> None:
-        """A peer cut off from the others for a few rounds takes the run's newest sealed state again."""
+        """A peer cut off from the others for a few rounds takes the run's newest sealed state again, but
+        only state sealed at a later round than its own: a peer left alone (the others died or left)
+        keeps training forward instead of rolling back to the last checkpoint it sealed with them."""
         if self.checkpoints is None or self._solo_streak < max_solo_rounds:
             return
-        newest = self.checkpoints.newest_digest()
-        if newest is not None and self.load_state(timeout_s=self.config.load_state_timeout_s, reason="resync"):
-            logger.info(f"was cut off for {self._solo_streak} rounds: re-synced to sealed step {newest[0]}")
-            self._solo_streak = 0
+        streak, before = self._solo_streak, self.round
+        self._solo_streak = 0  # looked again after another max_solo_rounds solo rounds
+        if self.load_state(timeout_s=self.config.load_state_timeout_s, reason="resync", newer_than=before):
+            logger.info(f"was cut off for {streak} rounds: re-synced from round {before} to the run's newer "
+                        f"sealed round {self.round}")
 
     def _finish_group_round(self, group: Any, record: RoundRecord | None, *, samples: int,
                             val_loss: float | None) -> None:
@@ -739,15 +793,17 @@ class Trainer:
                           for name, p in zip(self._names, self._global)})
         return state
 
-    def load_state(self, *, timeout_s: float, reason: str = "join") -> bool:
+    def load_state(self, *, timeout_s: float, reason: str = "join", newer_than: int | None = None) -> bool:
         """Resume from the run's newest sealed checkpoint, verified end to end; True if one was loaded.
 
-        Nothing unverified is ever loaded: before the run has sealed a checkpoint (its first round)
-        every peer starts from the same seeded model, which is the run's genesis state."""
+        With ``newer_than`` only a checkpoint sealed at a later round than that is taken (never an
+        older state than this peer's own). Nothing unverified is ever loaded: before the run has
+        sealed a checkpoint (its first round) every peer starts from the same seeded model, which is
+        the run's genesis state."""
         started = time.monotonic()
         if self.checkpoints is not None:
             try:
-                loaded = self.checkpoints.load_newest(timeout_s=timeout_s)
+                loaded = self.checkpoints.load_newest(timeout_s=timeout_s, newer_than=newer_than)
             except Exception as e:  # a bad or unreachable checkpoint: say why, then try the fallback
                 logger.warning(f"could not load the newest sealed checkpoint: {e!r}")
                 self.counters.rejected["sealed checkpoint"] += 1
@@ -755,6 +811,8 @@ class Trainer:
             if loaded is not None:
                 manifest, state = loaded
                 problem = self._state_dict_problem(state)
+                if newer_than is not None and manifest.round <= newer_than:
+                    problem = f"sealed at round {manifest.round}, not after this peer's round {newer_than}"
                 if problem is None:
                     tensors = [state[f"param/{n}"] for n in self._names] + [state[f"momentum/{n}"] for n in self._names]
                     self._install_state(manifest.round, tensors)
@@ -767,7 +825,10 @@ class Trainer:
                     return True
                 self.counters.rejected[f"sealed checkpoint: {problem}"] += 1
                 logger.warning(f"rejected the sealed checkpoint: {problem}")
-        logger.info("no sealed checkpoint of this run yet: starting from the model as given (the run's genesis)")
+        if newer_than is None:
+            logger.info("no sealed checkpoint of this run yet: starting from the model as given (the run's genesis)")
+        else:
+            logger.info(f"no sealed checkpoint of this run after round {newer_than}: training on from this peer's own")
         return False
 
     def _state_dict_problem(self, state: dict[str, torch.Tensor]) -> str | None:

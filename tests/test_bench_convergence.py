@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks.convergence: a tiny three-arm run on loopback writes every curve and the
+"""Smoke test of benchmarks.convergence: a tiny four-arm run on loopback writes every curve and the
 table; plus the pure helpers (interpolated samples-to-loss, the step plan). Checks structure, not speed."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from benchmarks.convergence import ARMS, ConvergenceConfig, Plan, main, samples_to_reach
 
 TABLE_KEYS = {
-    "arm", "peers", "samples", "final_val_loss", "samples_to_solo_loss", "samples_ratio_to_solo", "bytes_sent",
+    "arm", "peers", "samples", "final_val_loss", "loss_ratio_to_dp", "bytes_reduction_vs_dp", "samples_to_solo_loss", "samples_ratio_to_solo", "bytes_sent",
     "bytes_source", "bytes_per_sample", "fp32_every_step_bytes_per_sample", "bytes_reduction_vs_fp32_every_step",
     "wall_s", "train_s",
 }
@@ -33,7 +33,7 @@ def test_plan_gives_every_arm_the_same_whole_rounds():
 
 
 @pytest.mark.timeout(150)
-def test_three_arms_on_loopback_write_curves_and_table(tmp_path):
+def test_four_arms_on_loopback_write_curves_and_table(tmp_path):
     out = tmp_path / "convergence.json"
     code = main(["--preset", "tiny", "--peers", "2", "--samples", "640", "--sync-every", "5",
                  "--setting", "loopback", "--eval-batches", "2", "--arm-timeout-s", "120", "--out", str(out)])

@@ -5,6 +5,7 @@ after it; the test recomputes each round in this process (weighted mean, then th
 torch's own optimizer) and requires every peer to match within 1e-5.
 """
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,43 @@ def test_a_joiner_resumes_bit_exactly_from_a_sealed_checkpoint(bootstrap_node, t
     finally:
         for child in [*donors, *([joiner] if joiner else [])]:
             terminate(child, timeout_s=30)
+
+
+@pytest.mark.timeout(180)
+def test_a_lone_survivor_keeps_training_forward_after_its_partner_is_killed(bootstrap_node, tmp_path):
+    """Two peers seal checkpoints together; one is SIGKILLed. The survivor trains on alone: its round and
+    step never go back, and when it looks for newer sealed state (after 3 solo rounds) it finds none
+    newer than its own and keeps its work (it used to re-sync to the last checkpoint, over and over)."""
+    def peer(name: str, index: int, *extra: str):
+        return spawn(python_cmd(
+            "-m", "swarm.peer", "--initial-peers", *bootstrap_node, "--run", "lone", "--task-preset", "tiny",
+            "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity-key", str(tmp_path / f"{name}.key"),
+            "--events", str(tmp_path / f"{name}.jsonl"), "--checkpoint-dir", str(tmp_path / "checkpoints"),
+            "--ledger-dir", str(tmp_path / "ledgers"), "--shard-index", str(index), "--num-shards", "2",
+            "--torch-threads", "1", "--no-progress", "--sync-every", "5", "--matchmaking-time-s", "0.5",
+            "--eval-batches", "1", "--log-level", "INFO", *extra))
+    survivor, victim = peer("survivor", 0, "--max-rounds", "9"), peer("victim", 1)
+    try:
+        def grouped_rounds():
+            return [e for e in read_events(tmp_path / "survivor.jsonl") if e["event"] == "round"
+                    and e["group_size"] == 2]
+        wait_until(lambda: len(grouped_rounds()) >= 2, timeout_s=120, message=survivor.describe)
+        wait_until(lambda: "sealed checkpoint of run" in "".join(survivor.stderr_lines), timeout_s=30,
+                   message=survivor.describe)
+        terminate(victim, timeout_s=10, sig=signal.SIGKILL)
+        assert victim.returncode == -signal.SIGKILL  # the fault fired
+        wait_until(lambda: survivor.returncode is not None, timeout_s=120, message=survivor.describe)
+        assert survivor.returncode == 0, survivor.describe()
+    finally:
+        for child in (survivor, victim):
+            terminate(child, timeout_s=30)
+    events = read_events(tmp_path / "survivor.jsonl")
+    rounds = [e for e in events if e["event"] == "round"]
+    solo_after = [e for e in rounds[len(grouped_rounds()):] if e["group_size"] == 1]
+    assert len(solo_after) >= 3, f"the survivor should have trained >= 3 rounds alone: {rounds}"
+    assert [e["round"] for e in rounds] == sorted({e["round"] for e in rounds}), rounds  # strictly increasing
+    steps = [e["step"] for e in events if "step" in e and e["event"] in ("round", "train")]
+    assert steps == sorted(steps), steps
+    stderr = "".join(survivor.stderr_lines)
+    assert "no sealed checkpoint of this run after round" in stderr, stderr[-3000:]  # the re-sync check ran
+    assert "re-synced" not in stderr, stderr[-3000:]

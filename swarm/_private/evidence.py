@@ -44,9 +44,16 @@ def _status_note(kind: str, body: dict) -> tuple[str, str] | None:
         return "group re-formed", f"round {body.get('round')}: a slice was lost, survivors retried"
     if kind == "round" and body.get("solo"):
         return "solo round", f"round {body.get('round')}: no group, own update applied"
+    if kind == "diverging":
+        return "val loss rising", (f"{body.get('rounds')} sealed rounds in a row: {_num(body.get('from'))} -> "
+                                   f"{_num(body.get('to'))}")
     if kind == "stop":
         return "left", str(body.get("signal") or "")
     return None
+
+
+def _num(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, (int, float)) else "?"
 
 
 def _short(peers: Any) -> str:

@@ -218,9 +218,10 @@ class CheckpointManager:
         return signatures
 
     # ------------------------------------------------------------------------------------ loading
-    def load_newest(self, *, timeout_s: float = 120.0,
-                    attempts: int = 3) -> tuple[Manifest, dict[str, torch.Tensor]] | None:
-        """The newest sealed state of the run, verified end to end, or None if there is none yet.
+    def load_newest(self, *, timeout_s: float = 120.0, attempts: int = 3,
+                    newer_than: int | None = None) -> tuple[Manifest, dict[str, torch.Tensor]] | None:
+        """The newest sealed state of the run, verified end to end, or None if there is none yet (or,
+        with ``newer_than``, none sealed at a later round than that: nothing is downloaded then).
 
         Donors keep only their last few checkpoints, so a manifest can be pruned while a joiner
         downloads it: then the joiner asks again for the newest one and retries.
@@ -233,7 +234,7 @@ class CheckpointManager:
                 self.gossip.publish(data)  # verifies it; if newer than what we had, it becomes ours
             with self._lock:
                 newest = self.newest
-            if newest is None:
+            if newest is None or (newer_than is not None and newest.round <= newer_than):
                 return None
             try:
                 return newest, self._download(newest, timeout_s=max(1.0, deadline - time.monotonic()))

@@ -1,12 +1,13 @@
 """Training tasks: the model, data and loss a swarm trains, taken from a registry built into the package.
 
 Owns the task interface (`Task`), the registry of built-in tasks (`known_tasks`, `get_task`) and the
-built-in `charlm` task (a small character-level transformer over the CPython help text). A run names
+built-in tasks: `charlm` (a small character-level transformer over the CPython help text) and
+`teacher` (an MLP classifier on a non-IID synthetic data set labelled by a random teacher). A run names
 its task; the code always comes from this installed package and never from the network.
 
 Depends on torch and on `pydoc_data` from the standard library (the charlm corpus); nothing else
 in swarm. Exports: Task, Batch, get_task, known_tasks, UnknownTaskError, num_params, CharLMConfig,
-CharLMTask, PRESETS.
+CharLMTask, PRESETS, TeacherConfig, TeacherTask, TEACHER_PRESETS.
 """
 
 from __future__ import annotations
@@ -18,13 +19,17 @@ from torch import Tensor, nn
 
 from swarm.tasks._registry import UnknownTaskError, get_task, known_tasks
 from swarm.tasks.charlm import PRESETS, Batch, CharLMConfig, CharLMTask
+from swarm.tasks.teacher import TEACHER_PRESETS, TeacherConfig, TeacherTask
 
 __all__ = [
     "PRESETS",
+    "TEACHER_PRESETS",
     "Batch",
     "CharLMConfig",
     "CharLMTask",
     "Task",
+    "TeacherConfig",
+    "TeacherTask",
     "UnknownTaskError",
     "get_task",
     "known_tasks",
