@@ -77,7 +77,16 @@ PLAN: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
     "convergence": (
         "benchmarks.convergence",
         [["--preset", "tiny", "--samples", "16000", "--peers", "4"]],
-        [["--preset", "tiny", "--samples", "60000", "--peers", "4"]],
+        [["--preset", "tiny", "--samples", "60000", "--peers", "4"],
+         ["--task", "teacher", "--preset", "tiny", "--samples", "120000", "--peers", "4",
+          "--eval-batches", "4", "--out", str(RESULTS_DIR / "convergence_teacher.json")]],
+    ),
+    # single-process simulations of the outer-step recipes against data parallelism (about 30 minutes for charlm)
+    "recipe_sweep": (
+        "benchmarks.recipe_sweep",
+        [["--task", "teacher", "--grid", "quick", "--samples", "30000",
+          "--out", str(RESULTS_DIR / "recipe_sweep_quick.json")]],
+        [["--task", "charlm", "--samples", "60000"], ["--task", "teacher", "--samples", "120000"]],
     ),
     "churn": (
         "benchmarks.churn",

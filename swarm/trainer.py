@@ -9,7 +9,10 @@ Nesterov-SGD step to its copy of the global parameters, with the pseudo-gradient
 When all members hold the same global parameters this is exactly DiLoCo's averaged pseudo-gradient;
 when they do not (after a missed round, say) averaging the local parameters also pulls the bases
 together instead of letting them drift apart forever. With ``outer_lr=1, outer_momentum=0`` a round
-is plain parameter averaging.
+is plain parameter averaging. The defaults (``swarm.recipe``): the outer settings follow the sync
+interval (Nesterov lr 0.5 / momentum 0.5 below 40 steps, plain averaging from 40), and the inner
+optimizer's learning rate warms up linearly over each peer's first ``inner_warmup_steps`` steps; a
+validation loss that rises for ``divergence_rounds`` sealed rounds in a row is reported loudly.
 
     trainer = swarm.Trainer(model, torch.optim.AdamW(model.parameters()), run="my-run",
                             initial_peers=["/ip4/1.2.3.4/tcp/31337/p2p/Qm..."], sync_every=50)
@@ -68,6 +71,7 @@ from swarm.identity import Identity, PeerBinding
 from swarm.ledger import GENESIS, Ledger, LedgerError, default_ledger_path
 from swarm.ledger.receipts import Receipt, sign_receipt
 from swarm.network import start_swarm_dht
+from swarm.recipe import INNER_WARMUP_STEPS, OuterSettings, outer_settings, step_with_lr_factor, warmup_factor
 
 logger = logging.getLogger(__name__)
 
@@ -85,15 +89,17 @@ class TrainerConfig:
     """Multiaddrs of any live peers of the network (bootstrap node or any peer); empty starts a new network."""
     sync_every: int = 50
     """Local (inner) optimizer steps between averaging rounds."""
-    inner_warmup_steps: int = 100
+    inner_warmup_steps: int = INNER_WARMUP_STEPS
     """Linear warm-up of the inner optimizer's learning rate over this peer's first local steps (0: off).
     A fresh inner optimizer (AdamW with no statistics yet) takes large steps, and replicas that start
     with large steps from scratch drift apart before their first average; see the README's "choosing
     sync_every and the outer optimizer". Applied on top of any schedule of the user's own."""
-    outer_lr: float = 0.7
-    """Learning rate of the outer Nesterov-SGD step applied to the averaged pseudo-gradient."""
-    outer_momentum: float = 0.9
-    """Momentum of the outer step (0 disables momentum and Nesterov)."""
+    outer_lr: float | None = None
+    """Learning rate of the outer Nesterov-SGD step applied to the averaged pseudo-gradient (default: by
+    sync_every, swarm.recipe.outer_settings: 0.5 below 40 steps, 1 (plain averaging) below 300, 0.7)."""
+    outer_momentum: float | None = None
+    """Momentum of the outer step, 0 disables momentum and Nesterov (default: by sync_every,
+    swarm.recipe.outer_settings: 0.5 below 40 steps, 0 below 300, 0.9)."""
     target_group_size: int = 8
     """Largest averaging group."""
     min_group_size: int = 2
@@ -174,10 +180,11 @@ class TrainerConfig:
         for name in ("sync_every",):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if not 0 < self.outer_lr <= 10:
-            raise ValueError(f"outer_lr must be in (0, 10], got {self.outer_lr!r}")
-        if not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
+        outer = self.outer()
+        if not 0 < outer.lr <= 10:
+            raise ValueError(f"outer_lr must be in (0, 10], got {outer.lr!r}")
+        if not 0 <= outer.momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {outer.momentum!r}")
         for name in ("load_state_timeout_s", "connect_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -211,6 +218,12 @@ class TrainerConfig:
             return int(text) if text.isdigit() else int(datetime.fromisoformat(text).timestamp())
         except ValueError:
             raise ValueError(f"available_until must be an ISO-8601 time or unix seconds, got {text!r}") from None
+
+    def outer(self) -> OuterSettings:
+        """The outer step's settings: the fields given, else the rule's for ``sync_every``."""
+        rule = outer_settings(self.sync_every) if self.sync_every >= 1 else OuterSettings(lr=0.5, momentum=0.5)
+        return OuterSettings(lr=rule.lr if self.outer_lr is None else self.outer_lr,
+                             momentum=rule.momentum if self.outer_momentum is None else self.outer_momentum)
 
     def averaging_config(self) -> AveragingConfig:
         return AveragingConfig(
@@ -320,6 +333,8 @@ class Trainer:
         self._state_lock = threading.Lock()
         self._names, self._params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
         self._global = [p.detach().to("cpu", torch.float32, copy=True) for p in self._params]
+        self.outer = config.outer()
+        """The outer step's learning rate and momentum (config.outer_lr/outer_momentum, else the rule's)."""
         self._outer_optimizer = self._make_outer_optimizer(self._global)
         self.task_info = _with_digest(task_info or TaskInfo(), self._names, self._global)
         self.advertiser: Advertiser | None = None
@@ -483,8 +498,8 @@ class Trainer:
         )
 
     def _make_outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.SGD:
-        momentum = self.config.outer_momentum
-        return torch.optim.SGD(params, lr=self.config.outer_lr, momentum=momentum, nesterov=momentum > 0)
+        outer = self.outer
+        return torch.optim.SGD(params, lr=outer.lr, momentum=outer.momentum, nesterov=outer.momentum > 0)
 
     def _performance(self) -> Performance:
         measured = self.prober.summary() if self.prober is not None else {}
@@ -552,25 +567,11 @@ class Trainer:
 
     def inner_lr_factor(self) -> float:
         """The factor on the inner optimizer's learning rate for the next local step (the warm-up)."""
-        warmup = self.config.inner_warmup_steps
-        return min(1.0, (self.local_step + 1) / warmup) if warmup > 0 else 1.0
+        return warmup_factor(self.local_step + 1, self.config.inner_warmup_steps)
 
     def _inner_step(self) -> None:
-        """The inner optimizer's step, its learning rates scaled by the warm-up factor for this step only
-        (restored afterwards, so a user's own scheduler keeps working on its own values)."""
-        factor = self.inner_lr_factor()
-        if factor >= 1.0:
-            self.inner_optimizer.step()
-            return
-        groups = self.inner_optimizer.param_groups
-        saved = [group["lr"] for group in groups]
-        for group, lr in zip(groups, saved):
-            group["lr"] = lr * factor
-        try:
-            self.inner_optimizer.step()
-        finally:
-            for group, lr in zip(groups, saved):
-                group["lr"] = lr
+        """The inner optimizer's step, its learning rates scaled by the warm-up factor for this step only."""
+        step_with_lr_factor(self.inner_optimizer, self.inner_lr_factor())
 
     def sync(self) -> RoundResult:
         """Average pseudo-gradients with a group now and apply the outer step.
@@ -645,8 +646,8 @@ class Trainer:
         logger.warning(
             f"round {rising.round}: the validation loss sealed by the groups rose {rising.rounds} rounds in a row, "
             f"{rising.start:.4f} -> {rising.now:.4f} (+{100 * rising.rise:.1f}%): training is diverging. "
-            f"Outer settings: sync_every={cfg.sync_every}, outer_lr={cfg.outer_lr}, "
-            f"outer_momentum={cfg.outer_momentum}; a lower outer_lr or outer_momentum (README: choosing "
+            f"Outer settings: sync_every={cfg.sync_every}, outer_lr={self.outer.lr}, "
+            f"outer_momentum={self.outer.momentum}; a lower outer_lr or outer_momentum (README: choosing "
             f"sync_every and the outer optimizer) or a lower inner learning rate usually cures it")
         self.evidence.record("diverging", rising.to_dict())
 
@@ -887,7 +888,7 @@ class Trainer:
                 if new_base is not None:
                     param.copy_(new_base[offset:offset + numel].view_as(param))
                     momentum = new_base[total + offset:total + offset + numel]
-                    if self.config.outer_momentum > 0:
+                    if self.outer.momentum > 0:
                         self._outer_optimizer.state[param]["momentum_buffer"] = momentum.view_as(param).clone()
                 param.grad = delta[offset:offset + numel].view_as(param).clone()
                 offset += numel
@@ -911,7 +912,7 @@ class Trainer:
         with self._state_lock:
             for base, new in zip(self._global, tensors[:count]):
                 base.copy_(new)
-            if self.config.outer_momentum > 0:
+            if self.outer.momentum > 0:
                 for base, buf in zip(self._global, tensors[count:]):
                     self._outer_optimizer.state[base]["momentum_buffer"] = buf.clone()
             self._copy_global_to_model()

@@ -13,9 +13,9 @@ from tests.helpers import free_port, python_cmd, spawn, wait_until
 
 # Adding, renaming or removing a flag is a decision: update this list in the same change.
 PEER_FLAGS = [
-    "--run", "--initial-peers", "--sync-every", "--outer-lr", "--outer-momentum", "--target-group-size",
-    "--min-group-size", "--matchmaking-time-s", "--averaging-timeout-s", "--sender-timeout-s",
-    "--reducer-timeout-s", "--codec", "--aggregator", "--max-weight-ratio", "--load-state", "--load-state-timeout-s",
+    "--run", "--initial-peers", "--sync-every", "--inner-warmup-steps", "--outer-lr", "--outer-momentum",
+    "--target-group-size", "--min-group-size", "--matchmaking-time-s", "--averaging-timeout-s", "--sender-timeout-s",
+    "--reducer-timeout-s", "--codec", "--aggregator", "--max-weight-ratio", "--divergence-rounds", "--load-state", "--load-state-timeout-s",
     "--checkpoint-dir", "--checkpoint-every", "--keep-checkpoints", "--ledger-dir", "--metrics-port",
     "--metrics-host",
     "--host-maddrs", "--announce-maddrs", "--connect-timeout-s", "--advertise", "--record-refresh-s",

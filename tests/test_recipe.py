@@ -70,3 +70,56 @@ def test_teacher_task_learns_in_a_few_hundred_steps():
         optimizer.step()
         optimizer.zero_grad()
     assert task.evaluate(model) < 0.7 * start
+
+
+def test_outer_settings_follow_the_sync_interval_and_explicit_fields_win():
+    from swarm.recipe import OuterSettings, outer_settings
+    from swarm.trainer import TrainerConfig
+
+    assert outer_settings(15) == OuterSettings(lr=0.5, momentum=0.5)
+    assert outer_settings(50) == outer_settings(150) == OuterSettings(lr=1.0, momentum=0.0)
+    assert outer_settings(500) == OuterSettings(lr=0.7, momentum=0.9)
+    assert TrainerConfig(run="r", sync_every=15).outer() == OuterSettings(lr=0.5, momentum=0.5)
+    assert TrainerConfig(run="r", sync_every=15, outer_lr=1.0, outer_momentum=0.0).outer() == OuterSettings(1.0, 0.0)
+    assert TrainerConfig(run="r", sync_every=500, outer_lr=0.3).outer() == OuterSettings(lr=0.3, momentum=0.9)
+    with pytest.raises(ValueError, match="outer_momentum"):
+        TrainerConfig(run="r", outer_momentum=1.0)
+    with pytest.raises(ValueError, match="sync_every"):
+        outer_settings(0)
+
+
+def test_warm_up_scales_one_step_and_restores_the_users_learning_rate():
+    from swarm.recipe import step_with_lr_factor, warmup_factor
+
+    assert [warmup_factor(s, 4) for s in (1, 2, 4, 9)] == [0.25, 0.5, 1.0, 1.0]
+    assert warmup_factor(1, 0) == 1.0
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    b.load_state_dict(a.state_dict())
+    opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=1e-2 * 0.25)  # the reference: the scaled rate throughout
+    x = torch.randn(8, 4)
+    for _ in range(3):
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            model(x).pow(2).mean().backward()
+        step_with_lr_factor(opt_a, 0.25)
+        opt_b.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+    assert opt_a.param_groups[0]["lr"] == 1e-2  # restored
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-7, rtol=0)
+
+
+def test_a_rising_streak_reaches_the_status_board_and_the_report():
+    from swarm._private.evidence import _status_note
+    from swarm.report import TIMELINE_KINDS
+
+    rising = DivergenceGuard(rounds=2).observe
+    rising(1.0, round_=1)
+    rising(1.2, round_=2)
+    report = rising(1.5, round_=3)
+    assert report is not None
+    kind, detail = _status_note("diverging", report.to_dict())
+    assert kind == "val loss rising" and "1.000 -> 1.500" in detail
+    assert "diverging" in TIMELINE_KINDS

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct(">I")
 MAX_MANIFEST_BYTES = 1 << 20
+_FROM_INDEX = "DHT index"
 
 Verify = Callable[[bytes], tuple[str, int]]
 """Returns (digest, step) of a valid sealed manifest; raises ValueError with the reason otherwise."""
@@ -48,7 +49,9 @@ class GossipConfig:
     the peers are missed by the push and wait for the pull: 4 missed 2% of 50 peers, 8 misses ~0.03%)."""
     pull_interval_s: float = 5.0
     """Anti-entropy: this often, read the run's DHT index and take any newer valid manifest (push
-    gossip that forwards only news can miss a few peers; the pull closes that gap)."""
+    gossip that forwards only news can miss a few peers; the pull closes that gap). Skipped while
+    pushes of the newest manifest keep arriving (the push reaches this peer): reading the index
+    returns every peer's manifest, and those reads were half the bytes a sealing round cost."""
     push_timeout_s: float = 5.0
     """Deadline of one push to one peer."""
     index_expiry_s: float = 600.0
@@ -75,15 +78,21 @@ class ManifestGossip:
 
     def __init__(self, dht: hivemind.DHT, *, run_id: str, verify: Verify, peers: Callable[[], Sequence[str]],
                  on_new: Callable[[bytes, str, int], None] | None = None, config: GossipConfig | None = None,
-                 start_timeout_s: float = 30.0):
+                 start_timeout_s: float = 30.0, announce: Callable[[bytes, str], bool] | None = None):
         self.dht, self.run_id, self.verify, self.peers = dht, run_id, verify, peers
         self.on_new = on_new or (lambda data, digest, step: None)
+        self.announce = announce or (lambda data, digest: True)
+        """Whether this peer writes a new manifest into the run's DHT index (default: always). Every
+        copy in the index costs each reader its bytes, so a group lets two of its members write it."""
         self.config = config or GossipConfig()
         self.rejected: Counter = Counter()
         self.received = 0
         self.forwarded = 0
         self._forwarding: set[asyncio.Task] = set()
         self.newest: tuple[int, str, bytes] | None = None
+        self.pulls = 0
+        """Anti-entropy reads of the DHT index made so far (the others were skipped: pushes arrived)."""
+        self._last_push = -float("inf")
         self._lock = threading.Lock()
         self._service = P2PService(dht, handler_name=f"swarm.gossip.v1.{run_id}", handler=self._serve,
                                    thread_name=f"swarm-gossip-{run_id}", background=self._pull_periodically,
@@ -122,12 +131,22 @@ class ManifestGossip:
             logger.info(f"rejected a manifest from {source or 'this peer'}: {e}")
             return False
         with self._lock:
+            if source not in (None, _FROM_INDEX) and (self.newest is None or step >= self.newest[0]):
+                self._last_push = time.monotonic()  # the push reaches this peer with current manifests
             if self.newest is not None and (step < self.newest[0] or digest == self.newest[1]):
                 return False  # old news: do not forward, so the epidemic dies out
             self.newest = (step, digest, data)
         self.on_new(data, digest, step)
-        await asyncio.gather(self._announce(data, digest, step), self._push(data, exclude={source}))
+        announce = self._announce(data, digest, step) if self._should_announce(data, digest) else asyncio.sleep(0)
+        await asyncio.gather(announce, self._push(data, exclude={source}))
         return True
+
+    def _should_announce(self, data: bytes, digest: str) -> bool:
+        try:
+            return bool(self.announce(data, digest))
+        except Exception as e:  # a failing policy must not stop the epidemic: announce, as by default
+            logger.debug(f"announce policy failed: {e!r}")
+            return True
 
     async def _announce(self, data: bytes, digest: str, step: int) -> None:
         with contextlib.suppress(Exception):  # the index is a convenience; gossip does not depend on it
@@ -183,13 +202,16 @@ class ManifestGossip:
                 await asyncio.wait_for(stop.wait(), self.config.pull_interval_s * random.uniform(0.5, 1.5))
             if stop.is_set():
                 return
+            if time.monotonic() - self._last_push < self.config.pull_interval_s:
+                continue  # pushes are arriving: nothing to catch up on
+            self.pulls += 1
             try:
                 data = await asyncio.wait_for(self._from_index(), self.config.push_timeout_s)
             except Exception as e:  # the next pull tries again
                 logger.debug(f"anti-entropy pull failed: {e!r}")
                 continue
             if data is not None and (self.newest is None or data != self.newest[2]):
-                await self._accept(data, source="DHT index")
+                await self._accept(data, source=_FROM_INDEX)
 
     async def _from_index(self) -> bytes | None:
         found = await self.dht.get(index_key(self.run_id), latest=True, return_future=True)

@@ -13,6 +13,7 @@ lacks from several donors with every digest checked, and resumes from exactly th
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import threading
 import time
@@ -39,6 +40,9 @@ from swarm.checkpoint.manifest import (
 from swarm.checkpoint.store import CheckpointStore
 from swarm.identity import Identity
 from swarm.ledger.receipts import ReceiptRejected, SignedReceipt, verify_receipt
+
+ANNOUNCERS = 2
+"""Members of a sealing group that write its manifest into the run's DHT index."""
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +109,7 @@ class CheckpointManager:
         self._sealer = ThreadPoolExecutor(1, thread_name_prefix="swarm-sealer")
         self.exchange = ShardExchange(dht, StoreShardSource(self.store))
         self.gossip = ManifestGossip(dht, run_id=run_id, verify=self._verify, peers=lambda: sorted(run_peers()),
-                                     on_new=self._on_new)
+                                     on_new=self._on_new, announce=self._announces)
 
     # ------------------------------------------------------------------------------------ verification
     def _verify(self, data: bytes) -> tuple[str, int]:
@@ -118,6 +122,16 @@ class CheckpointManager:
         if live < default_quorum(len(manifest.participants)):
             raise ValueError(f"unknown signers: {live} of {len(signers)} signers hold live records in the run")
         return manifest.digest(), manifest.step
+
+    def _announces(self, data: bytes, digest: str) -> bool:
+        """Two members of the sealing group write its manifest into the run's DHT index (the same two on
+        every member: the first by sha256(digest + peer ID)), not every member and every peer that
+        hears of it: each copy there is read by every joiner and anti-entropy pull. Measured, 4 peers
+        sealing every round: the index writes were 137 KB of the 278 KB each peer sent per round
+        besides the averaged tensors."""
+        participants = SignedManifest.from_bytes(data).manifest.participants
+        ranked = sorted(participants, key=lambda p: hashlib.sha256(f"{digest}{p}".encode()).digest())
+        return self.identity.peer_id in ranked[:ANNOUNCERS]
 
     def _on_new(self, data: bytes, digest: str, step: int) -> None:
         self.store.put_manifest(data)
