@@ -100,7 +100,7 @@ def test_warm_up_scales_one_step_and_restores_the_users_learning_rate():
     opt_b = torch.optim.AdamW(b.parameters(), lr=1e-2 * 0.25)  # the reference: the scaled rate throughout
     x = torch.randn(8, 4)
     for _ in range(3):
-        for model, opt in ((a, opt_a), (b, opt_b)):
+        for model in (a, b):
             model(x).pow(2).mean().backward()
         step_with_lr_factor(opt_a, 0.25)
         opt_b.step()
