@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import re
@@ -86,3 +87,16 @@ def start_bootstrap_node(lab: Any, host: int, *, work: Path, port: int = 0, env:
             break
         time.sleep(0.2)
     return proc, None
+
+
+def rising(curve: list[tuple[float, float]], *, tolerance: float = 0.02) -> bool:
+    """A validation curve [(samples, loss), ...] rose more than ``tolerance`` above its running minimum
+    somewhere in its second half (training that drifts away, not a plateau's noise)."""
+    best = math.inf
+    half = curve[-1][0] / 2 if curve else 0
+    for seen, loss in curve:
+        if seen >= half and loss > best * (1 + tolerance):
+            return True
+        best = min(best, loss)
+    return False
+

@@ -57,7 +57,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import netlab
-from benchmarks._common import save_result
+from benchmarks._common import rising, save_result
 from swarm.events import read_events
 
 RESULTS = Path(__file__).parent / "results" / "convergence.json"
@@ -468,6 +468,7 @@ def compare(arms: dict[str, dict], *, num_params: int, batch_size: int, num_peer
         rows.append({
             "arm": name, "peers": 1 if name == "solo" else num_peers, "samples": arm["samples"],
             "final_val_loss": final,
+            "rising": rising([(p["samples"], p["val_loss"]) for p in arm["curve"]]),
             "loss_ratio_to_dp": final / dp["final_val_loss"] if final is not None and dp["final_val_loss"] else None,
             "bytes_reduction_vs_dp": dp_per_sample / per_sample if dp_per_sample and per_sample else None,
             "samples_to_solo_loss": reach,
@@ -493,7 +494,7 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
 
 def print_table(rows: list[dict[str, Any]], *, title: str, console: Console) -> None:
     table = Table(title=title)
-    for column in ("arm", "samples", "final loss", "x dp loss", "to solo loss", "x solo", "bytes sent", "B/sample",
+    for column in ("arm", "samples", "final loss", "x dp loss", "rising", "to solo loss", "x solo", "bytes sent", "B/sample",
                    "fewer B than dp", "fp32/step B/sample", "fewer bytes", "wall s"):
         table.add_column(column, justify="right")
     for row in rows:
@@ -501,6 +502,7 @@ def print_table(rows: list[dict[str, Any]], *, title: str, console: Console) -> 
         reduction = row["bytes_reduction_vs_fp32_every_step"]
         table.add_row(
             row["arm"], str(row["samples"]), _fmt(row["final_val_loss"], ".4f"), _fmt(row["loss_ratio_to_dp"], ".3f"),
+            "yes" if row["rising"] else "no",
             "not reached" if reach is None else f"{reach:.0f}", _fmt(row["samples_ratio_to_solo"], ".2f"),
             _fmt(row["bytes_sent"]), _fmt(row["bytes_per_sample"], ".0f"),
             "-" if row["bytes_reduction_vs_dp"] is None else f"{row['bytes_reduction_vs_dp']:.1f}x",

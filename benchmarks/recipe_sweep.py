@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import math
 import multiprocessing
 import os
 import sys
@@ -44,7 +43,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks._common import save_result
+from benchmarks._common import rising, save_result
 
 RESULTS = Path(__file__).parent / "results"
 LR = 3e-3
@@ -217,17 +216,6 @@ def bytes_ratio(result: dict[str, Any], *, peers: int) -> float | None:
     dp_bytes = 4.0 * result["steps"]  # one fp32 all-reduce per step
     ours = per_element * result["rounds"]  # both: x 2(N-1)/N x numel per peer
     return dp_bytes / ours
-
-
-def rising(curve: list[tuple[int, float]], *, tolerance: float = 0.02) -> bool:
-    """The curve rose more than ``tolerance`` above its running minimum in the second half."""
-    best = math.inf
-    half = curve[-1][0] / 2
-    for seen, loss in curve:
-        if seen >= half and loss > best * (1 + tolerance):
-            return True
-        best = min(best, loss)
-    return False
 
 
 def summarize(results: list[dict[str, Any]], *, peers: int) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ import pytest
 from benchmarks.convergence import ARMS, ConvergenceConfig, Plan, main, samples_to_reach
 
 TABLE_KEYS = {
-    "arm", "peers", "samples", "final_val_loss", "loss_ratio_to_dp", "bytes_reduction_vs_dp", "samples_to_solo_loss", "samples_ratio_to_solo", "bytes_sent",
+    "arm", "peers", "samples", "final_val_loss", "rising", "loss_ratio_to_dp", "bytes_reduction_vs_dp", "samples_to_solo_loss", "samples_ratio_to_solo", "bytes_sent",
     "bytes_source", "bytes_per_sample", "fp32_every_step_bytes_per_sample", "bytes_reduction_vs_fp32_every_step",
     "wall_s", "train_s",
 }
