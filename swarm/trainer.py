@@ -123,7 +123,7 @@ class TrainerConfig:
     group's, so one peer claiming a huge sample count cannot outweigh the others (0: no cap)."""
     divergence_rounds: int = 3
     """Warn loudly (log, ledger, status board) when the validation loss sealed by the groups rose this many
-    rounds in a row by 1% or more in all (0: never). Needs ``evaluate=``."""
+    rounds in a row, by at least 1 percent in all (0: never). Needs ``evaluate=``."""
     load_state: bool = True
     """Download the run's current state from a peer at start-up (a fresh run starts from the model as given)."""
     load_state_timeout_s: float = 60.0
@@ -547,6 +547,10 @@ class Trainer:
     # ----------------------------------------------------------------------------------------- training
     def step(self, *, num_samples: int = 1, loss: float | None = None) -> RoundResult | None:
         """One inner optimizer step (and zero_grad); every ``sync_every`` steps also an averaging round.
+
+        Over this trainer's first ``inner_warmup_steps`` steps the optimizer's learning rates are scaled
+        by ``step / inner_warmup_steps`` for the step (and restored, so a scheduler of the user's keeps
+        its own values).
 
         ``loss`` (optional, a float) is only reported: status board and metrics.
         Returns the round's result when a round ran, else None.
