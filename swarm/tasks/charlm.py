@@ -48,6 +48,17 @@ def _require_fraction(name: str, value: Any, *, low: float, high: float, high_in
         raise ValueError(f"{name} must be in [{low}, {high}{bracket}, got {value!r}")
 
 
+def config_from_preset(presets: dict[str, Any], *, task: str, name: str, overrides: dict[str, Any]) -> Any:
+    """``presets[name]`` with ``overrides`` applied; an unknown preset or field raises ValueError naming it."""
+    if name not in presets:
+        raise ValueError(f"unknown {task} preset {name!r}; known presets: {', '.join(sorted(presets))}")
+    fields = [field.name for field in dataclasses.fields(presets[name])]
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown {task} config field {unknown[0]!r}; known fields: {', '.join(fields)}")
+    return dataclasses.replace(presets[name], **overrides)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CharLMConfig:
     """Shape of the charlm model and of its data pipeline; every peer of a run must use the same one."""
@@ -89,13 +100,7 @@ class CharLMConfig:
     @classmethod
     def preset(cls, name: str = "default", **overrides: Any) -> CharLMConfig:
         """The named preset (see PRESETS) with `overrides` applied; bad names or values raise ValueError."""
-        if name not in PRESETS:
-            raise ValueError(f"unknown charlm preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
-        fields = [field.name for field in dataclasses.fields(cls)]
-        unknown = sorted(set(overrides) - set(fields))
-        if unknown:
-            raise ValueError(f"unknown charlm config field {unknown[0]!r}; known fields: {', '.join(fields)}")
-        return dataclasses.replace(PRESETS[name], **overrides)
+        return config_from_preset(PRESETS, task="charlm", name=name, overrides=overrides)
 
 
 PRESETS: dict[str, CharLMConfig] = {

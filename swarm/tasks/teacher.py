@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from swarm.tasks.charlm import _require_fraction, _require_int
+from swarm.tasks.charlm import _require_fraction, _require_int, config_from_preset
 
 Batch = tuple[Tensor, Tensor]
 """``(inputs, labels)``: a float32 ``[batch_size, input_dim]`` tensor and a LongTensor ``[batch_size]``."""
@@ -81,13 +81,7 @@ class TeacherConfig:
     @classmethod
     def preset(cls, name: str = "default", **overrides: Any) -> TeacherConfig:
         """The named preset (see TEACHER_PRESETS) with ``overrides`` applied; bad names or values raise ValueError."""
-        if name not in TEACHER_PRESETS:
-            raise ValueError(f"unknown teacher preset {name!r}; known presets: {', '.join(sorted(TEACHER_PRESETS))}")
-        fields = [field.name for field in dataclasses.fields(cls)]
-        unknown = sorted(set(overrides) - set(fields))
-        if unknown:
-            raise ValueError(f"unknown teacher config field {unknown[0]!r}; known fields: {', '.join(fields)}")
-        return dataclasses.replace(TEACHER_PRESETS[name], **overrides)
+        return config_from_preset(TEACHER_PRESETS, task="teacher", name=name, overrides=overrides)
 
 
 TEACHER_PRESETS: dict[str, TeacherConfig] = {
