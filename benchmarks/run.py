@@ -77,7 +77,7 @@ PLAN: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
     "convergence": (
         "benchmarks.convergence",
         [["--preset", "tiny", "--samples", "16000", "--peers", "4"]],
-        [["--preset", "tiny", "--samples", "60000", "--peers", "4"],
+        [["--preset", "tiny", "--samples", "61000", "--peers", "4"],
          ["--task", "teacher", "--preset", "tiny", "--samples", "120000", "--peers", "4",
           "--eval-batches", "4", "--out", str(RESULTS_DIR / "convergence_teacher.json")]],
     ),
