@@ -206,7 +206,9 @@ def start_gloo(args: argparse.Namespace) -> Any:
 
 def set_warmup_lr(optimizer: Any, *, step: int, lr: float, warmup_steps: int) -> None:
     """The learning rate of local step ``step`` (1-based): linear warm-up to ``lr`` over ``warmup_steps``."""
-    factor = min(1.0, step / warmup_steps) if warmup_steps > 0 else 1.0
+    from swarm.recipe import warmup_factor
+
+    factor = warmup_factor(step, warmup_steps)
     # hivemind.Optimizer's param_groups are copies: its inner optimizer holds the real ones
     inner = optimizer.state_averager.optimizer if hasattr(optimizer, "state_averager") else optimizer
     for group in inner.param_groups:

@@ -253,9 +253,9 @@ def _run_procs(lab: netlab.Lab, specs: dict[str, tuple[int, list[str], Path]], *
 
 def _inner_warmup_steps() -> int:
     """swarm.peer's inner learning-rate warm-up, given to every arm: one inner optimizer for all."""
-    from swarm.trainer import TrainerConfig
+    from swarm.recipe import INNER_WARMUP_STEPS
 
-    return next(f.default for f in dataclasses.fields(TrainerConfig) if f.name == "inner_warmup_steps")
+    return INNER_WARMUP_STEPS
 
 
 def _worker_argv(role: str, config: ConvergenceConfig, *extra: str) -> list[str]:

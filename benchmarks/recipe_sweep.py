@@ -133,6 +133,7 @@ def simulate(recipe: Recipe, *, task_name: str, preset: str, samples: int, peers
     """Train one recipe in this process; returns its curve and figures."""
     import torch
 
+    from swarm.recipe import warmup_factor
     from swarm.tasks import get_task
 
     torch.set_num_threads(1)
@@ -142,7 +143,7 @@ def simulate(recipe: Recipe, *, task_name: str, preset: str, samples: int, peers
     started = time.monotonic()
 
     def lr_factor(step: int) -> float:  # swarm.Trainer.inner_lr_factor, for the (step + 1)-th step
-        return min(1.0, (step + 1) / recipe.inner_warmup) if recipe.inner_warmup > 0 else 1.0
+        return warmup_factor(step + 1, recipe.inner_warmup)
 
     curve: list[tuple[int, float]] = []
     rounds = 0
@@ -250,7 +251,7 @@ def print_table(rows: list[dict[str, Any]], *, title: str, console: Console) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from swarm.trainer import TrainerConfig
+    from swarm.recipe import INNER_WARMUP_STEPS
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.recipe_sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="charlm")
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=160)
-    warmup = next(f.default for f in dataclasses.fields(TrainerConfig) if f.name == "inner_warmup_steps")
+    warmup = INNER_WARMUP_STEPS
     recipes = grid(args.grid, warmup=warmup)
     if args.only:
         recipes = [r for r in recipes if r.name == "dp" or r.name in args.only]
