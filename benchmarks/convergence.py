@@ -1,7 +1,7 @@
 """Convergence side by side in one run: one peer alone, data parallelism, our swarm, hivemind's Optimizer.
 
     python -m benchmarks.convergence [--task charlm|teacher] [--preset tiny] [--samples 60000] [--peers 4]
-                                     [--sync-every 15] [--setting netns|loopback]
+                                     [--sync-every 10] [--setting netns|loopback]
                                      [--out benchmarks/results/convergence.json]
 
 Four arms train the same model (same task, preset and seed) on the same data for the same total
@@ -59,6 +59,7 @@ from rich.table import Table
 from benchmarks import netlab
 from benchmarks._common import rising, save_result
 from swarm.events import read_events
+from swarm.recipe import DEFAULT_SYNC_EVERY
 
 RESULTS = Path(__file__).parent / "results" / "convergence.json"
 ARMS = ("solo", "dp", "ours", "hivemind")
@@ -82,12 +83,12 @@ class ConvergenceConfig:
     """Task of swarm.tasks to train (charlm, teacher)."""
     preset: str = "tiny"
     """Size preset of the task (charlm: tiny, small, default; teacher: tiny, default)."""
-    samples: int = 60000
+    samples: int = 61000
     """Total training samples of each arm (rounded down to whole averaging rounds of all peers)."""
     peers: int = 4
     """Peers of each swarm arm."""
-    sync_every: int = 15
-    """Local steps per peer between averaging rounds (ours) / per hivemind epoch."""
+    sync_every: int = DEFAULT_SYNC_EVERY
+    """Local steps per peer between averaging rounds (ours) / per hivemind epoch (default: swarm.peer's)."""
     setting: str = ""
     """netns (each process on its own lab host, exact byte counts) or loopback; empty: netns when root."""
     out: str = str(RESULTS)

@@ -64,6 +64,8 @@ class Recipe:
     sync_warmup: int = 0
     """Steps over which the sync interval grows linearly from 1 to sync_every (0: fixed)."""
     average_inner_state: bool = False
+    inner_decay: bool = False
+    """Cosine decay of the inner learning rate after the warm-up, to 10% at the last step."""
     codec: str = "int8"
     """Rounding of the pseudo-gradients on the wire: int8 (the swarm's default), int4 or fp32."""
     dp: bool = False
@@ -76,10 +78,14 @@ class Recipe:
 
 def grid(name: str, *, warmup: int) -> list[Recipe]:
     """The rows of a named grid; ``warmup`` is the inner warm-up the chosen defaults use."""
+    from swarm.recipe import DEFAULT_SYNC_EVERY as DEFAULT_H
+    from swarm.recipe import outer_settings
+
     rows = [Recipe(name="dp", dp=True, inner_warmup=warmup), Recipe(name="dp-nowarmup", dp=True)]
     if name == "quick":
         return [*rows, Recipe(name="plain H15", sync_every=15),
-                Recipe(name="defaults", sync_every=15, inner_warmup=warmup, outer_lr=0.5, outer_momentum=0.5)]
+                Recipe(name="defaults", sync_every=DEFAULT_H, inner_warmup=warmup,
+                       outer_lr=outer_settings(DEFAULT_H).lr, outer_momentum=outer_settings(DEFAULT_H).momentum)]
     for h in (15, 30, 50, 100):
         rows += [
             Recipe(name=f"H{h} plain", sync_every=h),
@@ -103,6 +109,13 @@ def grid(name: str, *, warmup: int) -> list[Recipe]:
                inner_warmup=warmup),
         Recipe(name="H8 nesterov 0.5/0.5 + warm-up", sync_every=8, outer_lr=0.5, outer_momentum=0.5,
                inner_warmup=warmup),
+        Recipe(name="dp + decay", dp=True, inner_warmup=warmup, inner_decay=True),
+        Recipe(name="H15 nesterov 0.5/0.5 + warm-up + decay", sync_every=15, outer_lr=0.5, outer_momentum=0.5,
+               inner_warmup=warmup, inner_decay=True),
+        Recipe(name="H15 plain + warm-up + decay", sync_every=15, inner_warmup=warmup, inner_decay=True),
+        Recipe(name="H10 nesterov 0.5/0.5 + warm-up + decay", sync_every=10, outer_lr=0.5, outer_momentum=0.5,
+               inner_warmup=warmup, inner_decay=True),
+        Recipe(name="H30 plain + warm-up + decay", sync_every=30, inner_warmup=warmup, inner_decay=True),
         Recipe(name="H8 nesterov 0.5/0.5 + warm-up, int4", sync_every=8, outer_lr=0.5, outer_momentum=0.5,
                inner_warmup=warmup, codec="int4"),
     ]
@@ -133,7 +146,7 @@ def simulate(recipe: Recipe, *, task_name: str, preset: str, samples: int, peers
     """Train one recipe in this process; returns its curve and figures."""
     import torch
 
-    from swarm.recipe import warmup_factor
+    from swarm.recipe import decay_factor, warmup_factor
     from swarm.tasks import get_task
 
     torch.set_num_threads(1)
@@ -143,7 +156,10 @@ def simulate(recipe: Recipe, *, task_name: str, preset: str, samples: int, peers
     started = time.monotonic()
 
     def lr_factor(step: int) -> float:  # swarm.Trainer.inner_lr_factor, for the (step + 1)-th step
-        return warmup_factor(step + 1, recipe.inner_warmup)
+        factor = warmup_factor(step + 1, recipe.inner_warmup)
+        if recipe.inner_decay:
+            factor *= decay_factor(step + 1, warmup_steps=recipe.inner_warmup, total_steps=steps)
+        return factor
 
     curve: list[tuple[int, float]] = []
     rounds = 0
@@ -225,7 +241,10 @@ def summarize(results: list[dict[str, Any]], *, peers: int) -> list[dict[str, An
     for r in results:
         recipe = r["recipe"]
         with_warmup = recipe["inner_warmup"] or recipe["dp"] or "dp-nowarmup" not in by_name
-        reference = by_name["dp" if with_warmup else "dp-nowarmup"]
+        # each row against data parallelism with the same inner schedule
+        name = "dp + decay" if recipe["inner_decay"] and "dp + decay" in by_name else \
+            "dp" if with_warmup else "dp-nowarmup"
+        reference = by_name[name]
         final = r["curve"][-1][1]
         rows.append({"recipe": recipe["name"], "final_val_loss": final, "min_val_loss": min(v for _, v in r["curve"]),
                      "reference": reference["recipe"]["name"],
@@ -269,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     warmup = INNER_WARMUP_STEPS
     recipes = grid(args.grid, warmup=warmup)
     if args.only:
-        recipes = [r for r in recipes if r.name == "dp" or r.name in args.only]
+        recipes = [r for r in recipes if r.name in ("dp", "dp + decay") or r.name in args.only]
     out = Path(args.out) if args.out else RESULTS / f"recipe_sweep_{args.task}.json"
     kwargs = {"task_name": args.task, "preset": args.preset, "samples": args.samples, "peers": args.peers,
               "eval_every_samples": args.eval_every_samples}

@@ -18,9 +18,14 @@ parallelism at equal samples, on two kinds of model (charlm, a transformer; teac
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+DEFAULT_SYNC_EVERY = 10
+"""Default sync interval H: the smallest whose bytes per sample stay 25x under fp32 data parallelism's on
+charlm tiny (measured on real peers: 28.6x at H=10), since smaller intervals train better at equal samples."""
 
 INNER_WARMUP_STEPS = 100
 """Default linear warm-up of the inner learning rate, in a peer's local steps (50 and 200 did worse)."""
@@ -56,6 +61,15 @@ def outer_settings(sync_every: int) -> OuterSettings:
 def warmup_factor(step: int, warmup_steps: int) -> float:
     """The factor on the inner learning rate for local step ``step`` (1-based): ``min(1, step / warmup)``."""
     return min(1.0, step / warmup_steps) if warmup_steps > 0 else 1.0
+
+
+def decay_factor(step: int, *, warmup_steps: int, total_steps: int, final: float = 0.1) -> float:
+    """Cosine decay of the inner learning rate after the warm-up: 1 at ``warmup_steps``, ``final`` at
+    ``total_steps`` (1-based ``step``; 1 throughout when ``total_steps`` is 0, an open-ended run)."""
+    if total_steps <= 0 or step <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def step_with_lr_factor(optimizer: torch.optim.Optimizer, factor: float) -> None:

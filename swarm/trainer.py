@@ -71,7 +71,14 @@ from swarm.identity import Identity, PeerBinding
 from swarm.ledger import GENESIS, Ledger, LedgerError, default_ledger_path
 from swarm.ledger.receipts import Receipt, sign_receipt
 from swarm.network import start_swarm_dht
-from swarm.recipe import INNER_WARMUP_STEPS, OuterSettings, outer_settings, step_with_lr_factor, warmup_factor
+from swarm.recipe import (
+    DEFAULT_SYNC_EVERY,
+    INNER_WARMUP_STEPS,
+    OuterSettings,
+    outer_settings,
+    step_with_lr_factor,
+    warmup_factor,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +94,10 @@ class TrainerConfig:
     """Name of the run to join (letters, digits, '_', '.', '-'; at most 64 characters)."""
     initial_peers: tuple[str, ...] = ()
     """Multiaddrs of any live peers of the network (bootstrap node or any peer); empty starts a new network."""
-    sync_every: int = 50
-    """Local (inner) optimizer steps between averaging rounds."""
+    sync_every: int = DEFAULT_SYNC_EVERY
+    """Local (inner) optimizer steps between averaging rounds. Smaller trains better at equal samples and
+    sends more (README: choosing sync_every and the outer optimizer); raise it on a slow link, or for a
+    large model whose rounds take long."""
     inner_warmup_steps: int = INNER_WARMUP_STEPS
     """Linear warm-up of the inner optimizer's learning rate over this peer's first local steps (0: off).
     A fresh inner optimizer (AdamW with no statistics yet) takes large steps, and replicas that start

@@ -20,7 +20,7 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,12 +78,15 @@ class ManifestGossip:
 
     def __init__(self, dht: hivemind.DHT, *, run_id: str, verify: Verify, peers: Callable[[], Sequence[str]],
                  on_new: Callable[[bytes, str, int], None] | None = None, config: GossipConfig | None = None,
-                 start_timeout_s: float = 30.0, announce: Callable[[bytes, str], bool] | None = None):
+                 start_timeout_s: float = 30.0, announce: Callable[[bytes, str], bool] | None = None,
+                 holders: Callable[[bytes], Collection[str]] | None = None):
         self.dht, self.run_id, self.verify, self.peers = dht, run_id, verify, peers
         self.on_new = on_new or (lambda data, digest, step: None)
         self.announce = announce or (lambda data, digest: True)
         """Whether this peer writes a new manifest into the run's DHT index (default: always). Every
         copy in the index costs each reader its bytes, so a group lets two of its members write it."""
+        self.holders = holders or (lambda data: ())
+        """Peers that hold a manifest already and are never pushed it (the group that sealed it)."""
         self.config = config or GossipConfig()
         self.rejected: Counter = Counter()
         self.received = 0
@@ -131,14 +134,14 @@ class ManifestGossip:
             logger.info(f"rejected a manifest from {source or 'this peer'}: {e}")
             return False
         with self._lock:
-            if source not in (None, _FROM_INDEX) and (self.newest is None or step >= self.newest[0]):
-                self._last_push = time.monotonic()  # the push reaches this peer with current manifests
+            if source != _FROM_INDEX and (self.newest is None or step >= self.newest[0]):
+                self._last_push = time.monotonic()  # pushed to, or sealing: this peer's manifests are current
             if self.newest is not None and (step < self.newest[0] or digest == self.newest[1]):
                 return False  # old news: do not forward, so the epidemic dies out
             self.newest = (step, digest, data)
         self.on_new(data, digest, step)
         announce = self._announce(data, digest, step) if self._should_announce(data, digest) else asyncio.sleep(0)
-        await asyncio.gather(announce, self._push(data, exclude={source}))
+        await asyncio.gather(announce, self._push(data, exclude={source, *self._holders(data)}))
         return True
 
     def _should_announce(self, data: bytes, digest: str) -> bool:
@@ -147,6 +150,13 @@ class ManifestGossip:
         except Exception as e:  # a failing policy must not stop the epidemic: announce, as by default
             logger.debug(f"announce policy failed: {e!r}")
             return True
+
+    def _holders(self, data: bytes) -> Collection[str]:
+        try:
+            return self.holders(data)
+        except Exception as e:  # a failing policy must not stop the epidemic: push to anyone
+            logger.debug(f"holders policy failed: {e!r}")
+            return ()
 
     async def _announce(self, data: bytes, digest: str, step: int) -> None:
         with contextlib.suppress(Exception):  # the index is a convenience; gossip does not depend on it
