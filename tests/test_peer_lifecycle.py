@@ -16,7 +16,7 @@ def _start_standalone_peer(tmp_path):
         "--identity-key", str(tmp_path / "k"), "--events", str(events), "--torch-threads", "1", "--no-progress",
         "--sync-every", "5", "--averaging-timeout-s", "10", "--load-state-timeout-s", "5",
     ))
-    wait_until(lambda: any(e["event"] == "train" for e in read_events(events)) or child.returncode is not None,
+    wait_until(lambda: any(e["event"] == "first_step" for e in read_events(events)) or child.returncode is not None,
                timeout_s=90, message=child.describe)
     assert child.returncode is None, child.describe()
     tree = descendants(child.pid)
