@@ -12,10 +12,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# --no-compile: byte-compiling every file of torch at install took 19 of its 27 s here; the
-	# modules a process imports are compiled on first import instead
-	$(PY) -m pip install -q --no-compile -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 demo: setup

@@ -356,7 +356,7 @@ def _train_peer(index: int, *, trainer: Any, model: torch.nn.Module, task: Any, 
 def run_arm(arm: Arm, *, config: ByzantineConfig, dhts: list, task: Any,
             advance: Callable[[], None]) -> dict[str, Any]:
     """Train one arm to the end; its val-loss curve, the attack's counts and the rounds' fate."""
-    from swarm.identity import Identity
+    from bootstrap.identity import Identity
     from swarm.trainer import Trainer, TrainerConfig
 
     started = time.monotonic()

@@ -5,7 +5,7 @@ a live peer's address.
     python -m benchmarks.dht_churn [--peers 30] [--kill-fraction 0.1] [--lookups 300] [--seed N]
 
 The bootstrap node is `python -m bootstrap`, a separate OS process. Every peer is a real DHT node (its
-own DHT process and p2pd, started by `swarm.network.start_swarm_dht` with its `Identity`) that publishes
+own DHT process and p2pd, started by `bootstrap.network.start_swarm_dht` with its `Identity`) that publishes
 a signed capability record with `peers.Advertiser`; their advertisers live in this process, as in
 benchmarks.peers_graph. All peers join through the bootstrap node.
 
@@ -61,11 +61,11 @@ from rich.table import Table
 
 from benchmarks._common import run_metadata, save_result
 from bootstrap import DHTStartError, stop_dht, visible_maddrs
+from bootstrap.identity import Identity
+from bootstrap.network import start_swarm_dht
 from peers import Advertiser, ResourceGraph
 from peers.testing import record_builder
 from swarm._private.cli import add_dataclass_arguments, dataclass_from_args
-from swarm.identity import Identity
-from swarm.network import start_swarm_dht
 
 RESULTS = Path(__file__).parent / "results" / "dht_churn.json"
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -29,9 +29,9 @@ from rich.table import Table
 
 from benchmarks._common import run_metadata, save_result
 from bootstrap import start_dht, stop_dht, visible_maddrs
+from bootstrap.identity import Identity
 from swarm.checkpoint import Manifest, SignedManifest, sign_manifest, verify_manifest
 from swarm.checkpoint.gossip import GossipConfig, ManifestGossip
-from swarm.identity import Identity
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 RESULTS = Path(__file__).parent / "results" / "gossip.json"

@@ -29,10 +29,10 @@ from rich.table import Table
 from benchmarks._common import run_metadata, save_result
 from benchmarks.gossip import check_memory, memory_rows, peer_memory
 from bootstrap import stop_dht, visible_maddrs
+from bootstrap.identity import Identity
+from bootstrap.network import start_swarm_dht
 from peers import Advertiser, ResourceGraph, sign_record
 from peers.testing import record_builder
-from swarm.identity import Identity
-from swarm.network import start_swarm_dht
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 RESULTS = Path(__file__).parent / "results" / "peers_graph.json"
@@ -42,8 +42,8 @@ import sys, time, threading
 from bootstrap import start_reaper
 from peers.testing import record_builder
 from peers import Advertiser
-from swarm.identity import Identity
-from swarm.network import start_swarm_dht
+from bootstrap.identity import Identity
+from bootstrap.network import start_swarm_dht
 start_reaper()  # once this process is SIGKILLed, its DHT child and p2pd must go too
 ident = Identity.generate()
 dht = start_swarm_dht(ident, initial_peers=sys.argv[1:-2], host_maddrs=("/ip4/127.0.0.1/tcp/0",))

@@ -1,17 +1,20 @@
-"""Bootstrap: the swarm's entry point and the plumbing every Swarm process needs to start a DHT.
+"""Bootstrap: the ground floor. The swarm's entry point and what every Swarm process needs to start.
 
 Owns
   * the bootstrap DHT node, `python -m bootstrap` (`node.BootstrapConfig`, `node.main`): a plain,
     long-lived hivemind DHT peer that prints the `--initial-peers` line other peers join with;
   * DHT start-up helpers (`node`): validated initial peers, identity files, a `start_dht` that fails
     with a clear error within a timeout instead of hanging, and a `stop_dht` that leaves no `p2pd`;
+    `network.start_swarm_dht`: a DHT whose libp2p identity is the peer's Ed25519 key;
+  * peer identity and domain-separated Ed25519 signatures (`identity`), which every floor uses;
+  * signed capability records and their DHT validator (`records`): every Swarm DHT node, this one
+    included, refuses a forged or replayed capability record;
   * the process-lifetime reaper (`lifetime`): children (DHT, averager, `p2pd`) die with their parent;
   * the Prometheus endpoint (`metrics`): `serve_metrics` for any component's private registry, and
-    the bootstrap node's own metrics (`--metrics-port`).
+    the bootstrap node's own metrics (`--metrics-port`); the release, `version.SWARM_VERSION`.
 
-Uses hivemind (DHT, P2P, PeerID, Multiaddr), psutil and prometheus-client; rich and uvloop for the CLI only; the node
-installs `peers.records.PeerRecordValidator` so it refuses forged capability records like any Swarm
-DHT node. Knows nothing of the peer process: dependencies point swarm -> bootstrap.
+Uses hivemind (DHT, P2P, PeerID, Multiaddr), pynacl, psutil and prometheus-client; rich and uvloop
+for the CLI only. Imports no other Swarm package: every arrow points down to here.
 
 Exports the names in `__all__`. They load lazily, so `python -m bootstrap.lifetime` (the watchdog)
 imports psutil only, not hivemind and torch.

@@ -36,6 +36,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from bootstrap._private import procs
 from bootstrap.lifetime import start_reaper
 from bootstrap.metrics import BootstrapMetrics
+from bootstrap.records import PeerRecordValidator, dht_record_rejections
 
 __all__ = [
     "DEFAULT_HOST_MADDRS",
@@ -641,8 +642,6 @@ def _start_metrics(dht: hivemind.DHT, config: BootstrapConfig) -> BootstrapMetri
     """Serve the node's metrics if `config.metrics_port` is set; `MetricsServerError` if it cannot."""
     if not config.metrics_port:
         return None
-    from peers.records import dht_record_rejections
-
     def sample() -> tuple[int, dict[str, int]]:
         timeout_s = _METRICS_REFRESH_S
         return num_known_peers(dht, timeout_s=timeout_s), dht_record_rejections(dht, timeout_s=timeout_s)
@@ -667,10 +666,7 @@ def run(config: BootstrapConfig) -> int:
         if os.path.lexists(config.identity.expanduser()):
             check_identity_file(config.identity)  # fail on a bad identity before spawning anything
         start_reaper()
-        # the bootstrap node stores records like any DHT node: it enforces the capability-record
-        # rules too (imported here: `peers` is the one Swarm package the node depends on)
-        from peers.records import PeerRecordValidator
-
+        # the bootstrap node stores records like any DHT node: it enforces the capability-record rules too
         dht = start_dht(
             config.initial_peers,
             host_maddrs=config.host_maddrs,

@@ -1,24 +1,14 @@
 """Peers: what each peer can do, and the live resource graph of a network or run.
 
-Owns capability probing (`probe`), signed capability records and their DHT validator (`records`),
-the heartbeat that publishes them (`advertiser`), the resource graph with its placement score and
-run discovery (`graph`), active bandwidth/RTT probes over libp2p streams (`bandwidth`), and the CLI
-`python -m peers list|runs`. Uses hivemind's DHT and P2P, psutil, torch (device queries) and
-`swarm.identity` for signatures; knows nothing of the peer process.
+Owns capability probing (`probe`), the heartbeat that publishes the signed capability records
+(`advertiser`), the resource graph with its placement score and run discovery (`graph`), active
+bandwidth/RTT probes over libp2p streams (`bandwidth`), and the CLI `python -m peers list|runs`.
+Uses the ground floor, `bootstrap` (identity, the records' schema and DHT validator, DHT start-up;
+its record names are re-exported here), hivemind's DHT and P2P, psutil and torch (device queries);
+knows nothing of the peer process.
 """
 
-from peers.advertiser import Advertiser
-from peers.graph import (
-    ResourceGraph,
-    RunSummary,
-    ScoredPeer,
-    pick_run,
-    score_peers,
-    summarize_runs,
-    unmet_requirements,
-)
-from peers.probe import probe_hardware, probe_software, reachability
-from peers.records import (
+from bootstrap.records import (
     MAX_LIFETIME_S,
     MAX_RECORD_BYTES,
     PEERS_KEY,
@@ -36,6 +26,17 @@ from peers.records import (
     parse_record,
     sign_record,
 )
+from peers.advertiser import Advertiser
+from peers.graph import (
+    ResourceGraph,
+    RunSummary,
+    ScoredPeer,
+    pick_run,
+    score_peers,
+    summarize_runs,
+    unmet_requirements,
+)
+from peers.probe import probe_hardware, probe_software, reachability
 
 __all__ = [
     "MAX_LIFETIME_S", "MAX_RECORD_BYTES", "PEERS_KEY", "Advertiser", "Hardware", "Network", "PeerRecord",

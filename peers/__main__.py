@@ -82,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True)
     logging.basicConfig(level=logging.WARNING)
     from bootstrap import DHTStartError, parse_initial_peers, stop_dht
+    from bootstrap.identity import Identity
+    from bootstrap.network import start_swarm_dht
     from peers.graph import ResourceGraph
-    from swarm.identity import Identity
-    from swarm.network import start_swarm_dht
 
     try:
         initial_peers = parse_initial_peers(args.initial_peers)

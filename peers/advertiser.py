@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 from hivemind import DHT
 
-from peers.records import PEERS_KEY, PeerRecord, sign_record
-from swarm.identity import Identity
+from bootstrap.identity import Identity
+from bootstrap.records import PEERS_KEY, PeerRecord, sign_record
 
 logger = logging.getLogger(__name__)
 

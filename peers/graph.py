@@ -11,7 +11,7 @@ Placement score (0-100) of a peer for a run, higher is better::
 * ``reachability``: public 1, private 0.7, relayed 0.5, client-only 0.2;
 * ``trust``: half uptime (saturating at 1 h), half rounds completed (saturating at 100).
 
-Records are read from the DHT and verified one by one (:func:`peers.records.parse_record`); any
+Records are read from the DHT and verified one by one (:func:`bootstrap.records.parse_record`); any
 that fail are dropped with a logged reason and counted in ``ResourceGraph.rejections``.
 """
 
@@ -26,7 +26,7 @@ from hivemind import DHT
 from hivemind.utils.timed_storage import ValueWithExpiration
 from packaging.version import InvalidVersion, Version
 
-from peers.records import (
+from bootstrap.records import (
     PEERS_KEY,
     Hardware,
     PeerRecord,

@@ -15,7 +15,7 @@ from functools import cache
 import psutil
 import torch
 
-from peers.records import Hardware, Software
+from bootstrap.records import Hardware, Software
 
 
 @cache
@@ -52,10 +52,10 @@ def probe_hardware(device: torch.device | str = "cpu") -> Hardware:
 def probe_software() -> Software:
     import hivemind
 
-    import swarm
+    from bootstrap.version import SWARM_VERSION
 
     return Software(python=platform.python_version(), torch=torch.__version__.split("+")[0],
-                    cuda=torch.version.cuda or "none", hivemind=hivemind.__version__, swarm=swarm.__version__)
+                    cuda=torch.version.cuda or "none", hivemind=hivemind.__version__, swarm=SWARM_VERSION)
 
 
 def reachability(maddrs: Sequence[str], *, client_mode: bool = False) -> str:

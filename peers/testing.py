@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import time
 
-from peers.records import Hardware, Network, PeerRecord, Performance, Requirements, RunInfo, Software, Trust
-from swarm.identity import Identity
+from bootstrap.identity import Identity
+from bootstrap.records import (
+    Hardware,
+    Network,
+    PeerRecord,
+    Performance,
+    Requirements,
+    RunInfo,
+    Software,
+    Trust,
+)
 
 NO_REQUIREMENTS = Requirements(min_memory_bytes=0, dtype="fp32", min_swarm_version="", min_torch_version="")
 

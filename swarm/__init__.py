@@ -1,14 +1,14 @@
 """Swarm: peer-to-peer training on an open network, with no central coordinator.
 
 Owns the contributing peer process (`python -m swarm.peer`), the trainer API for users' own
-scripts (`swarm.Trainer`), peer identity and signatures (`swarm.identity`), the built-in task
+scripts (`swarm.Trainer`; `swarm.Identity` is `bootstrap.identity.Identity`), the built-in task
 registry (`swarm.tasks`), sealed checkpoints (`swarm.checkpoint`: store, signed manifests, gossip,
 verified shard exchange, state sync), the evidence of a run (`swarm.ledger`: hash-chained signed
 ledgers and participation receipts; `swarm.status`: the live board; `swarm.report`: the HTML report;
 `swarm.metrics`: Prometheus) and the one-command demo (`python -m swarm.demo`).
 
-Composes the other packages: `bootstrap` (DHT start-up, process lifetime), `peers` (capability
-records, resource graph) and `averaging` (groups, robust all-reduce), over hivemind's DHT and P2P.
+Composes the other packages: `bootstrap` (the ground floor: DHT start-up, identity and signatures,
+capability records, process lifetime), `peers` (probes, advertiser, resource graph) and `averaging` (groups, robust all-reduce), over hivemind's DHT and P2P.
 Exports: Trainer, TrainerConfig, RoundResult, Identity (imported lazily: `import swarm` stays cheap).
 """
 
@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from bootstrap.version import SWARM_VERSION
+
 __all__ = ["Identity", "RoundResult", "TaskInfo", "Trainer", "TrainerConfig"]
-__version__ = "0.1.0"
+__version__ = SWARM_VERSION
 
 _LAZY = {"Trainer": "swarm.trainer", "TrainerConfig": "swarm.trainer", "RoundResult": "swarm.trainer", "TaskInfo": "swarm.trainer",
-         "Identity": "swarm.identity"}
+         "Identity": "bootstrap.identity"}
 
 
 def __getattr__(name: str) -> Any:

@@ -32,11 +32,11 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from safetensors.torch import save_file
 
 from bootstrap import DHTStartError, parse_initial_peers, stop_dht
+from bootstrap.identity import Identity, IdentityError
+from bootstrap.network import start_swarm_dht
 from peers import ResourceGraph, pick_run, probe_hardware, probe_software
 from swarm._private.cli import add_dataclass_arguments, dataclass_from_args, field_docs
 from swarm.events import EventLog
-from swarm.identity import Identity, IdentityError
-from swarm.network import start_swarm_dht
 from swarm.tasks import get_task
 from swarm.trainer import TaskInfo, Trainer, TrainerConfig
 

@@ -2,7 +2,7 @@
 
 Publication. Every peer of run ``RUN`` keeps one entry under the DHT key ``swarm/RUN/status``
 (:func:`status_key`) with its own peer ID as subkey. The value is ``{"p": payload, "s": signature}``:
-``payload`` is canonical JSON (:func:`swarm.identity.canonical_json`, ints and strings only) of ::
+``payload`` is canonical JSON (:func:`bootstrap.identity.canonical_json`, ints and strings only) of ::
 
     {"v": 1, "peer": PEER_ID, "run": RUN, "t": unix_s, "state": str, "round": int, "step": int,
      "samples_per_s_milli": int, "loss_milli": int | null, "val_loss_milli": int | null,
@@ -76,8 +76,9 @@ from hivemind import DHT
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from bootstrap import DHTStartError, parse_initial_peers, stop_dht
+from bootstrap.identity import Identity, canonical_json, verify
+from bootstrap.records import PeerRecord
 from peers.graph import ResourceGraph
-from peers.records import PeerRecord
 from swarm.checkpoint.gossip import index_key
 from swarm.checkpoint.manifest import (
     ManifestRejected,
@@ -85,7 +86,6 @@ from swarm.checkpoint.manifest import (
     public_key_from_peer_id,
     verify_manifest,
 )
-from swarm.identity import Identity, canonical_json, verify
 
 logger = logging.getLogger("swarm.status")  # the same name when run as __main__
 
@@ -804,7 +804,7 @@ def _error(message: object) -> int:
 
 
 def _start_client(config: BoardConfig) -> DHT:
-    from swarm.network import start_swarm_dht
+    from bootstrap.network import start_swarm_dht
 
     # a throwaway key: the board only reads, and must not claim the user's peer identity
     return start_swarm_dht(Identity.generate(), initial_peers=config.initial_peers, client_mode=True,

@@ -47,6 +47,8 @@ from packaging.version import InvalidVersion, Version
 
 from averaging import AveragingConfig, GroupAverager, RoundRecord
 from bootstrap import peer_id_of_maddr, reconnect, start_reaper, stop_dht, visible_maddrs
+from bootstrap.identity import Identity, PeerBinding
+from bootstrap.network import start_swarm_dht
 from peers import (
     MAX_LIFETIME_S,
     Advertiser,
@@ -67,10 +69,8 @@ from swarm._private.divergence import DivergenceGuard, Rising
 from swarm._private.evidence import Evidence, milli
 from swarm.checkpoint.manifest import MANIFEST_REJECTIONS
 from swarm.checkpoint.sync import CheckpointManager, SealRequest
-from swarm.identity import Identity, PeerBinding
 from swarm.ledger import GENESIS, Ledger, LedgerError, default_ledger_path
 from swarm.ledger.receipts import Receipt, sign_receipt
-from swarm.network import start_swarm_dht
 from swarm.recipe import (
     DEFAULT_SYNC_EVERY,
     INNER_WARMUP_STEPS,

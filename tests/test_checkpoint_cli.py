@@ -5,9 +5,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from bootstrap.identity import Identity
 from swarm.checkpoint import CheckpointStore, Manifest, SignedManifest, sign_manifest
 from swarm.checkpoint.__main__ import main
-from swarm.identity import Identity
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ Every property asserts the same three things:
 
 | target | fuzzed entry point | live P2P check |
 |---|---|---|
-| capability records | ``peers.records.parse_record``, ``PeerRecordValidator.validate`` (msgpack) | test_peers |
+| capability records | ``bootstrap.records.parse_record``, ``PeerRecordValidator.validate`` (msgpack) | test_peers |
 | status board | ``swarm.status.parse_status`` | test_status |
 | receipts | ``swarm.ledger.receipts.verify_receipt`` (dicts and JSON bytes) | - |
 | manifests | ``SignedManifest.from_bytes``, ``verify_manifest`` | gossip below |
@@ -70,8 +70,9 @@ from averaging.compression import get_codec
 from averaging.config import AveragingConfig
 from averaging.group import Group, GroupAverager, ProtocolError, _ReduceState, read_header
 from bootstrap import start_dht, stop_dht, visible_maddrs
+from bootstrap.identity import Identity, IdentityError, PeerBinding, canonical_json, verify
+from bootstrap.records import PEERS_KEY, PeerRecordValidator, RecordRejected, parse_record, sign_record
 from peers.bandwidth import ProbeConfig, ProbeError, ProbeServer, _probe, open_p2p_replica
-from peers.records import PEERS_KEY, PeerRecordValidator, RecordRejected, parse_record, sign_record
 from peers.testing import make_record
 from swarm.checkpoint._private import parse_header
 from swarm.checkpoint.exchange import (
@@ -97,7 +98,6 @@ from swarm.checkpoint.manifest import (
     verify_manifest,
 )
 from swarm.checkpoint.store import CheckpointStore, ShardRejected
-from swarm.identity import Identity, IdentityError, PeerBinding, canonical_json, verify
 from swarm.ledger.chain import GENESIS, Ledger, LedgerError, read_entries, verify_ledger
 from swarm.ledger.receipts import Receipt, ReceiptRejected, sign_receipt, verify_receipt
 from swarm.status import LastGroup, PeerStatus, StatusEvent, StatusRejected, parse_status, sign_status

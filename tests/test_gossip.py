@@ -6,9 +6,9 @@ import time
 import pytest
 
 from bootstrap import start_dht, stop_dht, visible_maddrs
+from bootstrap.identity import Identity
 from swarm.checkpoint import Manifest, SignedManifest, sign_manifest, verify_manifest
 from swarm.checkpoint.gossip import GossipConfig, ManifestGossip
-from swarm.identity import Identity
 from tests.helpers import wait_until
 
 NUM_PEERS = 8
@@ -112,3 +112,21 @@ def test_a_manifest_is_never_pushed_to_the_group_that_sealed_it(swarm_of_gossips
     finally:
         for g in gossips:
             g.holders = lambda data: ()
+
+
+def test_a_member_accepts_its_own_seal_before_it_has_seen_its_co_signers_records():
+    """Sybil guard: a manifest counts only signers with live records in the run, except on a seal this
+    peer signed itself (it averaged with that group and checked each co-signature), so a member whose
+    record cache is older than its partner's record still keeps, announces and serves its own seal."""
+    from swarm.checkpoint.sync import CheckpointManager
+
+    me, partner, stranger = Identity.generate(), Identity.generate(), Identity.generate()
+    manager = CheckpointManager.__new__(CheckpointManager)  # _verify only: no DHT needed
+    manager.identity, manager.run_id, manager.task, manager.config_digest = me, RUN, "charlm", "a" * 64
+    manager.run_peers = lambda: set()  # neither co-signer's record has been read yet
+    ours = sealed_manifest(4, [me, partner])
+    assert manager._verify(ours)[1] == 4
+    with pytest.raises(ValueError, match="unknown signers"):  # the same for a group this peer was not in
+        manager._verify(sealed_manifest(4, [partner, stranger]))
+    manager.run_peers = lambda: {partner.peer_id, stranger.peer_id}
+    assert manager._verify(sealed_manifest(4, [partner, stranger]))[1] == 4

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from swarm.identity import Identity, IdentityError, PeerBinding, canonical_json, verify
+from bootstrap.identity import Identity, IdentityError, PeerBinding, canonical_json, verify
 
 
 def test_create_then_reload_gives_the_same_key(tmp_path):
@@ -108,7 +108,7 @@ def test_peer_id_is_the_libp2p_id_of_the_key(tmp_path):
 def test_a_key_in_use_by_a_live_peer_is_refused(tmp_path):
     path = tmp_path / "identity.key"
     Identity.load_or_create(path).lock()  # held by this (test) process until it exits
-    code = f"from swarm.identity import Identity; Identity.load_or_create({str(path)!r}).lock()"
+    code = f"from bootstrap.identity import Identity; Identity.load_or_create({str(path)!r}).lock()"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "in use by another running peer" in out.stderr

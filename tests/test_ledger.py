@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import python_cmd, spawn, terminate, wait_until
 
-from swarm.identity import Identity
+from bootstrap.identity import Identity
 from swarm.ledger import (
     GENESIS,
     LEDGER_KIND,
@@ -261,7 +261,7 @@ def test_appends_are_fast_enough(tmp_path, owner):
 
 _CHILD = """
 import sys
-from swarm.identity import Identity
+from bootstrap.identity import Identity
 from swarm.ledger import Ledger
 ledger = Ledger(sys.argv[1], identity=Identity.load_or_create(sys.argv[2]), run=sys.argv[3])
 while True:

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bootstrap.identity import BINDING_KIND, Identity, verify
 from swarm.checkpoint import (
     MANIFEST_KIND,
     MAX_MANIFEST_BYTES,
@@ -29,7 +30,6 @@ from swarm.checkpoint import (
     verify_lineage,
     verify_manifest,
 )
-from swarm.identity import BINDING_KIND, Identity, verify
 
 RUN = "run-a"
 

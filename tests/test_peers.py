@@ -15,6 +15,8 @@ import pytest
 from hivemind.utils.serializer import MSGPackSerializer
 
 from bootstrap import stop_dht, visible_maddrs
+from bootstrap.identity import Identity
+from bootstrap.network import start_swarm_dht
 from peers import (
     MAX_RECORD_BYTES,
     PEERS_KEY,
@@ -34,8 +36,6 @@ from peers import (
     summarize_runs,
 )
 from peers.testing import NO_REQUIREMENTS, make_record, record_builder
-from swarm.identity import Identity
-from swarm.network import start_swarm_dht
 from swarm.tasks import get_task
 from tests.helpers import python_cmd, spawn, terminate, wait_until
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.identity import Identity
+from bootstrap.identity import Identity
 from swarm.ledger.chain import Ledger, default_ledger_path, find_ledgers, read_entries, verify_ledger
 from swarm.ledger.receipts import Receipt, sign_receipt
 from swarm.report import PNG_NAMES, VANISHED, build_parser, main, write_report

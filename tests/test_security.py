@@ -54,14 +54,15 @@ import torch
 from safetensors.torch import save as safetensors_save
 
 from bootstrap import stop_dht
+from bootstrap.identity import BINDING_KIND, Identity, IdentityError, PeerBinding, _create_key_file
+from bootstrap.network import start_swarm_dht
+from bootstrap.records import RECORD_KIND, RecordRejected, parse_record, sign_record
 from peers import PEERS_KEY, ResourceGraph, dht_record_rejections
-from peers.records import RECORD_KIND, RecordRejected, parse_record, sign_record
 from peers.testing import make_record
 from swarm.checkpoint import CheckpointStore, Manifest, ShardInfo, SignedManifest, TensorInfo
 from swarm.checkpoint.__main__ import main as checkpoint_cli
 from swarm.checkpoint.manifest import MANIFEST_KIND, ManifestRejected, sign_manifest, verify_manifest
 from swarm.checkpoint.sync import _ReceiptSwap
-from swarm.identity import BINDING_KIND, Identity, IdentityError, PeerBinding, _create_key_file
 from swarm.ledger import (
     LEDGER_KIND,
     RECEIPT_KIND,
@@ -72,7 +73,6 @@ from swarm.ledger import (
     verify_ledger,
     verify_receipt,
 )
-from swarm.network import start_swarm_dht
 from swarm.status import STATUS_KIND, PeerStatus, StatusRejected, parse_status
 from swarm.trainer import _gathered_problem
 from tests.helpers import wait_until

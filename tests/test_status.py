@@ -22,13 +22,13 @@ import pytest
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from bootstrap import stop_dht
+from bootstrap.identity import Identity
+from bootstrap.network import start_swarm_dht
 from peers import PEERS_KEY, Advertiser, sign_record
 from peers.testing import make_record, record_builder
 from swarm._private.cli import dataclass_flags
 from swarm.checkpoint.gossip import index_key
 from swarm.checkpoint.manifest import Manifest, SignedManifest, sign_manifest
-from swarm.identity import Identity
-from swarm.network import start_swarm_dht
 from swarm.status import (
     MAX_EVENTS,
     MAX_STATUS_BYTES,

@@ -6,7 +6,7 @@ writes, re-hashing on every read, pruning) and the manifest that describes one t
 quorum/replay/lineage checks). Nothing here touches the network: shard exchange and gossip build on
 this API (`put_manifest` then `put_shard_bytes` for downloads; `read_shard` to serve).
 
-Depends on `swarm.identity` (signing, canonical JSON, peer IDs), `safetensors` and `torch`.
+Depends on `bootstrap.identity` (signing, canonical JSON, peer IDs), `safetensors` and `torch`.
 Never loads pickle.
 Exports: CheckpointStore, ShardRejected, PruneResult, TensorInfo, ShardInfo, Manifest,
 SignedManifest, ManifestRejected, sign_manifest, verify_manifest, verify_lineage,

@@ -68,10 +68,10 @@ def verify_in_swarm(initial_peers: list[str], run: str, console: Console) -> int
     """Verify the newest sealed manifest announced in the run's DHT index: signatures, quorum of
     signers holding live records in the run. Exit 0, or 1 with the reason."""
     from bootstrap import parse_initial_peers, stop_dht
+    from bootstrap.identity import Identity
+    from bootstrap.network import start_swarm_dht
     from peers.graph import ResourceGraph
     from swarm.checkpoint.gossip import index_key
-    from swarm.identity import Identity
-    from swarm.network import start_swarm_dht
 
     dht = start_swarm_dht(Identity.generate(), initial_peers=parse_initial_peers(initial_peers), client_mode=True,
                           host_maddrs=("/ip4/127.0.0.1/tcp/0",))

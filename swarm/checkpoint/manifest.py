@@ -6,7 +6,7 @@ bytes) and the group of peers that produced it. Its :meth:`Manifest.payload` is 
 the manifest's name in the store and the ``parent`` link of the next manifest.
 
 Signatures use kind ``swarm/manifest`` with the manifest's run id bound in (see
-:mod:`swarm.identity`), so a manifest signature never verifies as another kind of object or for
+:mod:`bootstrap.identity`), so a manifest signature never verifies as another kind of object or for
 another run. The signer's public key is recovered from its Ed25519 peer ID, so a signature needs
 no key distribution beyond the peer IDs themselves.
 
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from swarm.identity import Identity, canonical_json, public_key_from_peer_id, verify
+from bootstrap.identity import Identity, canonical_json, public_key_from_peer_id, verify
 from swarm.ledger.receipts import ReceiptRejected, SignedReceipt, verify_receipt
 
 logger = logging.getLogger(__name__)

@@ -27,6 +27,7 @@ import hivemind
 import torch
 from hivemind.utils.timed_storage import get_dht_time
 
+from bootstrap.identity import Identity
 from swarm.checkpoint.exchange import ShardExchange
 from swarm.checkpoint.gossip import ManifestGossip
 from swarm.checkpoint.manifest import (
@@ -38,7 +39,6 @@ from swarm.checkpoint.manifest import (
     verify_manifest,
 )
 from swarm.checkpoint.store import CheckpointStore
-from swarm.identity import Identity
 from swarm.ledger.receipts import ReceiptRejected, SignedReceipt, verify_receipt
 
 ANNOUNCERS = 1
@@ -119,6 +119,8 @@ class CheckpointManager:
             raise ValueError(f"another model: {manifest.task} digest {manifest.config_digest[:12]}")
         signers = SignedManifest.from_bytes(data).signatures
         known = self.run_peers() | {self.identity.peer_id}
+        if self.identity.peer_id in signers:  # our own seal: we averaged with its group moments ago and
+            known |= set(manifest.participants)  # checked each co-signer's signature, records seen or not
         live = sum(1 for peer in signers if peer in known)
         if live < default_quorum(len(manifest.participants)):
             raise ValueError(f"unknown signers: {live} of {len(signers)} signers hold live records in the run")

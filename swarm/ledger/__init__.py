@@ -4,7 +4,7 @@ Owns the ledger file format and its checks (`chain`: one SQLite file per peer an
 signed by the owner, :func:`verify_ledger`) and participation receipts (`receipts`: what a peer
 signs about its part in a round, strict parsing, per-peer contributions, and the cross-check of a
 receipt's ledger head against its signer's ledger). `python -m swarm.ledger verify|receipts|show`
-inspects ledgers. Depends only on `swarm.identity` (signatures, peer IDs) and the standard library.
+inspects ledgers. Depends only on `bootstrap.identity` (signatures, peer IDs) and the standard library.
 Exports: Ledger, LedgerEntry, LedgerError, LedgerVerdict, verify_ledger, read_entries, find_ledgers,
 default_ledger_path, Receipt, SignedReceipt, ReceiptRejected, sign_receipt, verify_receipt,
 Contribution, contributions, receipt_key, verified_receipts, cross_check, and the constants below.

@@ -4,7 +4,7 @@ Each entry holds its sequence number (1, 2, 3, ...), its time in integer millise
 owner's peer ID, the run, a JSON body (stored as exact text) and ``prev``, the digest of the entry
 before it (:data:`GENESIS` for the first). Its own ``digest`` is the SHA-256 of those stored fields
 (:func:`entry_digest`), signed by the owner with kind :data:`LEDGER_KIND` and the run bound in (see
-:mod:`swarm.identity`). The owner's public key is recovered from its peer ID, so anyone holding the
+:mod:`bootstrap.identity`). The owner's public key is recovered from its peer ID, so anyone holding the
 file can check, trusting neither the file nor whoever handed it over (:func:`verify_ledger`), that
 no entry was edited, inserted, deleted from the middle or reordered, and that the owner signed each.
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from swarm.identity import Identity, public_key_from_peer_id, verify
+from bootstrap.identity import Identity, public_key_from_peer_id, verify
 
 LEDGER_KIND = "swarm/ledger"
 """Signature domain of ledger entries (``identity.sign(kind=LEDGER_KIND, run_id=run, payload=digest)``)."""

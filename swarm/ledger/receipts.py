@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from swarm.identity import Identity, canonical_json, public_key_from_peer_id, verify
+from bootstrap.identity import Identity, canonical_json, public_key_from_peer_id, verify
 from swarm.ledger.chain import GENESIS, LedgerEntry, LedgerVerdict
 
 logger = logging.getLogger(__name__)

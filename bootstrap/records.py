@@ -31,7 +31,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.serializer import MSGPackSerializer
 
-from swarm.identity import Identity, canonical_json, peer_id_from_public_key, verify
+from bootstrap.identity import Identity, canonical_json, peer_id_from_public_key, verify
 
 logger = logging.getLogger(__name__)
 

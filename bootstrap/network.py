@@ -1,5 +1,5 @@
 """Start the DHT of a Swarm process: its libp2p identity is the peer's Ed25519 key, and every
-capability record it stores or reads is checked by :class:`peers.records.PeerRecordValidator`."""
+capability record it stores or reads is checked by :class:`bootstrap.records.PeerRecordValidator`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from hivemind import DHT
 
 from bootstrap import start_dht
-from peers.records import PeerRecordValidator
-from swarm.identity import Identity
+from bootstrap.identity import Identity
+from bootstrap.records import PeerRecordValidator
 
 
 def start_swarm_dht(identity: Identity, *, initial_peers: Sequence[str] = (),
