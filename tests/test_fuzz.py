@@ -1084,7 +1084,7 @@ def test_live_averaging_handler_survives_garbage_and_still_averages(live_dhts, c
 
 def test_the_mutators_do_mutate():
     """A fuzzer that fed only valid input would pass anything: the mutations reach the nasty tokens."""
-    quiet = settings(database=None, max_examples=500)
+    quiet = settings(database=None, max_examples=500, derandomize=True)  # a random search missed one token in a clean run
     assert find(mutated_bytes(b"abcdef"), lambda d: d != b"abcdef", settings=quiet) != b"abcdef"
     assert b"1" * 5000 in find(mutated_json({"a": [1]}), lambda d: b"1" * 5000 in d, settings=quiet)
     assert find(mutated_json({"a": [1]}), lambda d: b"[" * 1200 in d, settings=quiet)
