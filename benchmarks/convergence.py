@@ -59,7 +59,7 @@ from rich.table import Table
 from benchmarks import netlab
 from benchmarks._common import rising, save_result
 from swarm.events import read_events
-from swarm.recipe import DEFAULT_SYNC_EVERY
+from swarm.recipe import DEFAULT_SYNC_EVERY, INNER_WARMUP_STEPS  # swarm.peer's warm-up, given to every arm
 
 RESULTS = Path(__file__).parent / "results" / "convergence.json"
 ARMS = ("solo", "dp", "ours", "hivemind")
@@ -252,17 +252,10 @@ def _run_procs(lab: netlab.Lab, specs: dict[str, tuple[int, list[str], Path]], *
                    tx_before=tx_before, tx_after=tx_after, peer_hosts=peer_hosts)
 
 
-def _inner_warmup_steps() -> int:
-    """swarm.peer's inner learning-rate warm-up, given to every arm: one inner optimizer for all."""
-    from swarm.recipe import INNER_WARMUP_STEPS
-
-    return INNER_WARMUP_STEPS
-
-
 def _worker_argv(role: str, config: ConvergenceConfig, *extra: str) -> list[str]:
     return _python("benchmarks._hivemind_trainer", role, "--task", config.task, "--preset", config.preset,
                    "--seed", str(config.seed), "--eval-batches", str(config.eval_batches), "--lr", str(LR),
-                   "--weight-decay", str(WEIGHT_DECAY), "--lr-warmup-steps", str(_inner_warmup_steps()), *extra)
+                   "--weight-decay", str(WEIGHT_DECAY), "--lr-warmup-steps", str(INNER_WARMUP_STEPS), *extra)
 
 
 def run_solo(lab: netlab.Lab, config: ConvergenceConfig, plan: Plan, work: Path, console: Console) -> _ArmRun:
@@ -613,7 +606,7 @@ def run(config: ConvergenceConfig, console: Console, *, command: str) -> dict[st
         "command": command, "config": dataclasses.asdict(config), "setting": setting,
         "plan": {**dataclasses.asdict(plan), "samples": plan.samples},
         "num_params": num_params, "lr": LR, "weight_decay": WEIGHT_DECAY,
-        "inner_warmup_steps": _inner_warmup_steps(),
+        "inner_warmup_steps": INNER_WARMUP_STEPS,
         "reference": {"fp32_every_step_bytes_per_sample": fp32_every_step_bytes_per_sample(
             num_peers=config.peers, num_params=num_params, batch_size=plan.batch_size),
             "formula": "2(N-1)/N * 4 bytes * num_params / batch_size (per peer-step)"},

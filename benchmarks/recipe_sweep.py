@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import math
 import multiprocessing
 import os
 import sys
@@ -83,9 +84,10 @@ def grid(name: str, *, warmup: int) -> list[Recipe]:
 
     rows = [Recipe(name="dp", dp=True, inner_warmup=warmup), Recipe(name="dp-nowarmup", dp=True)]
     if name == "quick":
+        outer = outer_settings(DEFAULT_H)
         return [*rows, Recipe(name="plain H15", sync_every=15),
-                Recipe(name="defaults", sync_every=DEFAULT_H, inner_warmup=warmup,
-                       outer_lr=outer_settings(DEFAULT_H).lr, outer_momentum=outer_settings(DEFAULT_H).momentum)]
+                Recipe(name="defaults", sync_every=DEFAULT_H, inner_warmup=warmup, outer_lr=outer.lr,
+                       outer_momentum=outer.momentum)]
     for h in (15, 30, 50, 100):
         rows += [
             Recipe(name=f"H{h} plain", sync_every=h),
@@ -141,12 +143,22 @@ def _evaluate(task: Any, model: Any) -> float:
     return float(task.evaluate(model))
 
 
+def decay_factor(step: int, *, warmup_steps: int, total_steps: int, final: float = 0.1) -> float:
+    """The ``+ decay`` rows' inner learning-rate factor (measured, not a default: it hurt every swarm row):
+    cosine decay after the warm-up, 1 at ``warmup_steps``, ``final`` at ``total_steps`` (1-based ``step``;
+    1 throughout when ``total_steps`` is 0, an open-ended run)."""
+    if total_steps <= 0 or step <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 def simulate(recipe: Recipe, *, task_name: str, preset: str, samples: int, peers: int,
              eval_every_samples: int) -> dict[str, Any]:
     """Train one recipe in this process; returns its curve and figures."""
     import torch
 
-    from swarm.recipe import decay_factor, warmup_factor
+    from swarm.recipe import warmup_factor
     from swarm.tasks import get_task
 
     torch.set_num_threads(1)

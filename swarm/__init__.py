@@ -8,7 +8,8 @@ ledgers and participation receipts; `swarm.status`: the live board; `swarm.repor
 `swarm.metrics`: Prometheus) and the one-command demo (`python -m swarm.demo`).
 
 Composes the other packages: `bootstrap` (the ground floor: DHT start-up, identity and signatures,
-capability records, process lifetime), `peers` (probes, advertiser, resource graph) and `averaging` (groups, robust all-reduce), over hivemind's DHT and P2P.
+capability records, process lifetime), `peers` (probes, advertiser, resource graph) and `averaging`
+(groups, robust all-reduce), over hivemind's DHT and P2P.
 Exports: Trainer, TrainerConfig, RoundResult, Identity (imported lazily: `import swarm` stays cheap).
 """
 

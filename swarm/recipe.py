@@ -18,7 +18,6 @@ parallelism at equal samples, on two kinds of model (charlm, a transformer; teac
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -61,15 +60,6 @@ def outer_settings(sync_every: int) -> OuterSettings:
 def warmup_factor(step: int, warmup_steps: int) -> float:
     """The factor on the inner learning rate for local step ``step`` (1-based): ``min(1, step / warmup)``."""
     return min(1.0, step / warmup_steps) if warmup_steps > 0 else 1.0
-
-
-def decay_factor(step: int, *, warmup_steps: int, total_steps: int, final: float = 0.1) -> float:
-    """Cosine decay of the inner learning rate after the warm-up: 1 at ``warmup_steps``, ``final`` at
-    ``total_steps`` (1-based ``step``; 1 throughout when ``total_steps`` is 0, an open-ended run)."""
-    if total_steps <= 0 or step <= warmup_steps:
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def step_with_lr_factor(optimizer: torch.optim.Optimizer, factor: float) -> None:

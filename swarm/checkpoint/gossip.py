@@ -84,7 +84,7 @@ class ManifestGossip:
         self.on_new = on_new or (lambda data, digest, step: None)
         self.announce = announce or (lambda data, digest: True)
         """Whether this peer writes a new manifest into the run's DHT index (default: always). Every
-        copy in the index costs each reader its bytes, so a group lets two of its members write it."""
+        copy in the index costs each reader its bytes, so a group lets only some of its members write it."""
         self.holders = holders or (lambda data: ())
         """Peers that hold a manifest already and are never pushed it (the group that sealed it)."""
         self.config = config or GossipConfig()
@@ -140,23 +140,11 @@ class ManifestGossip:
                 return False  # old news: do not forward, so the epidemic dies out
             self.newest = (step, digest, data)
         self.on_new(data, digest, step)
-        announce = self._announce(data, digest, step) if self._should_announce(data, digest) else asyncio.sleep(0)
-        await asyncio.gather(announce, self._push(data, exclude={source, *self._holders(data)}))
+        announces = _ask("announce", self.announce, data, digest, default=True)
+        announce = self._announce(data, digest, step) if announces else asyncio.sleep(0)
+        holders = _ask("holders", self.holders, data, default=())
+        await asyncio.gather(announce, self._push(data, exclude={source, *holders}))
         return True
-
-    def _should_announce(self, data: bytes, digest: str) -> bool:
-        try:
-            return bool(self.announce(data, digest))
-        except Exception as e:  # a failing policy must not stop the epidemic: announce, as by default
-            logger.debug(f"announce policy failed: {e!r}")
-            return True
-
-    def _holders(self, data: bytes) -> Collection[str]:
-        try:
-            return self.holders(data)
-        except Exception as e:  # a failing policy must not stop the epidemic: push to anyone
-            logger.debug(f"holders policy failed: {e!r}")
-            return ()
 
     async def _announce(self, data: bytes, digest: str, step: int) -> None:
         with contextlib.suppress(Exception):  # the index is a convenience; gossip does not depend on it
@@ -239,6 +227,16 @@ class ManifestGossip:
             if best is None or step > best[0]:
                 best = (step, data)
         return None if best is None else best[1]
+
+
+def _ask(name: str, policy: Callable[..., Any], *args: Any, default: Any) -> Any:
+    """A caller's policy's answer; ``default`` (as with no policy) if it fails: a failing policy must not
+    stop the epidemic."""
+    try:
+        return policy(*args)
+    except Exception as e:
+        logger.debug(f"{name} policy failed: {e!r}")
+        return default
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
