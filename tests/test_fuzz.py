@@ -811,6 +811,7 @@ def _bare_gossip() -> ManifestGossip:
     gossip.rejected, gossip.received, gossip.forwarded, gossip.newest = Counter(), 0, 0, None
     gossip._lock, gossip.peer_id = threading.Lock(), OWNER.peer_id
     gossip._forwarding = set()
+    gossip.announce, gossip.holders = (lambda data, digest: True), (lambda data: ())  # __init__'s defaults
     return gossip
 
 
