@@ -12,7 +12,7 @@ Policy (see averaging.group for the protocol):
     survivors and retries within the round's deadline; every outcome is in a RoundRecord.
 
 Owns: AveragingConfig, RoundRecord, GroupAverager, the codecs (fp32, fp16, bitsandbytes int8) and the
-aggregators. Uses hivemind's DHT and P2P streams (via peers.bandwidth.open_p2p_replica), torch and
+aggregators. Uses the ground floor (bootstrap: framing, the network runtime), hivemind's DHT, torch and
 bitsandbytes; knows nothing of the peer process.
 """
 

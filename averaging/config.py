@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -24,19 +25,21 @@ class AveragingConfig:
     """A sender waits this long for a reducer's averaged slice; a silent reducer fails the attempt."""
     agreement_timeout_s: float = 5.0
     """Reducers wait this long for each other's lists of received parts."""
-    round_timeout_s: float = 60.0
-    """Deadline of the whole round (matchmaking, all-reduce and retries)."""
+    round_timeout_s: float = 30.0
+    """Deadline of a whole round (matchmaking, all-reduce, retries); a trainer with no group by then applies
+    its own update alone."""
     max_attempts: int = 3
     """All-reduce attempts per round (a failed slice re-forms the group from the survivors)."""
-    codec: str = "fp32"
+    codec: Literal["fp32", "fp16", "int8"] = "int8"
     """Wire format of averaged tensors: fp32, fp16 or int8 (bitsandbytes blockwise 8-bit)."""
-    aggregator: str = "centered_clip"
+    aggregator: Literal["centered_clip", "trimmed_mean", "mean"] = "centered_clip"
     """Robust rule applied to each slice: centered_clip, trimmed_mean or mean."""
-    max_weight: float = 1e6
+    max_weight: float = 1e9
     """A contribution claiming a larger weight (or a non-finite or non-positive one) is rejected."""
-    max_weight_ratio: float | None = None
-    """Cap each accepted weight at this many times the median accepted weight of the slice, so that one
-    sender's huge (but allowed) claim cannot outweigh the rest; None: no cap."""
+    max_weight_ratio: float | None = 2.0
+    """Cap each accepted weight (a trainer's: its samples since its last round) at this many times the
+    median accepted weight of the slice, so that one sender's huge (but allowed) claim cannot outweigh
+    the rest (0 or None: no cap)."""
 
     def __post_init__(self) -> None:
         if self.min_group_size < 2:
@@ -49,7 +52,10 @@ class AveragingConfig:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         if self.round_timeout_s <= self.matchmaking_time_s + self.join_timeout_s:
-            raise ValueError(f"round_timeout_s must exceed matchmaking and joining, got {self.round_timeout_s!r}")
+            raise ValueError(f"round_timeout_s ({self.round_timeout_s!r}) must exceed matchmaking_time_s + join_timeout_s "
+                             f"({self.matchmaking_time_s!r} + {self.join_timeout_s!r})")
+        if self.max_weight_ratio == 0:
+            object.__setattr__(self, "max_weight_ratio", None)
         ratio = self.max_weight_ratio
         if ratio is not None and not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool)
                                       and math.isfinite(ratio) and ratio >= 1):

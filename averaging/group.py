@@ -26,10 +26,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import hashlib
-import json
 import logging
 import math
-import struct
 import threading
 import time
 from collections import Counter
@@ -45,60 +43,13 @@ from hivemind.utils.timed_storage import get_dht_time
 from averaging.aggregation import Contribution, aggregate
 from averaging.compression import get_codec, wire_bytes
 from averaging.config import AveragingConfig, RoundRecord
-from peers.p2p_service import P2PService
+from bootstrap.framing import ProtocolError, header_field, read_exactly, read_frame, write_frame
+from bootstrap.runtime import Handler
 
 logger = logging.getLogger(__name__)
 
-_LEN = struct.Struct(">I")
 _MAX_HEADER_BYTES = 64 * 1024
 _MAX_MEMBERS = 64
-
-
-class ProtocolError(Exception):
-    """A peer sent something malformed or unexpected; ``reason`` is a short countable label."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-
-
-# --------------------------------------------------------------------------------------------- framing
-async def write_message(writer: asyncio.StreamWriter, header: dict, payload: bytes = b"") -> int:
-    data = json.dumps(header, separators=(",", ":")).encode()
-    writer.write(_LEN.pack(len(data)) + data + payload)
-    await writer.drain()
-    return _LEN.size + len(data) + len(payload)
-
-
-async def read_header(reader: asyncio.StreamReader) -> dict:
-    try:
-        (length,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-        if length > _MAX_HEADER_BYTES:
-            raise ProtocolError("oversized header", f"{length} bytes")
-        header = json.loads(await reader.readexactly(length))
-    except asyncio.IncompleteReadError as e:
-        raise ProtocolError("truncated", f"stream ended after {len(e.partial)} bytes") from None
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nesting deeper than the stack
-        raise ProtocolError("malformed header", str(e)[:100]) from None
-    if not isinstance(header, dict):
-        raise ProtocolError("malformed header", "not an object")
-    return header
-
-
-async def read_payload(reader: asyncio.StreamReader, num_bytes: int) -> bytes:
-    try:
-        return await reader.readexactly(num_bytes)
-    except asyncio.IncompleteReadError as e:
-        raise ProtocolError("truncated payload", f"{len(e.partial)} of {num_bytes} bytes") from None
-
-
-def _field(header: dict, name: str, kind: type | tuple, *, low: int | None = None, high: int | None = None) -> Any:
-    value = header.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise ProtocolError("malformed header", f"{name} must be {kind}, got {type(value).__name__}")
-    if low is not None and not low <= value <= (high if high is not None else value):
-        raise ProtocolError("malformed header", f"{name}={value!r} out of range")
-    return value
 
 
 # --------------------------------------------------------------------------------------------- groups
@@ -200,8 +151,8 @@ class GroupAverager:
         self._state_added = asyncio.Event()
         self._active_serves = 0
         self._lonely = False
-        self._service = P2PService(dht, handler_name=self._handler_name, handler=self._handle_stream,
-                                   thread_name=f"swarm-averager-{prefix}", start_timeout_s=start_timeout_s)
+        self._service = Handler(dht, handler_name=self._handler_name, handler=self._handle_stream,
+                                start_timeout_s=start_timeout_s)
         self._loop, self._p2p = self._service.loop, self._service.p2p
         self.peer_id = str(self._p2p.peer_id)
 
@@ -407,8 +358,8 @@ class GroupAverager:
             async with asyncio.timeout(max(0.1, join_deadline - time.monotonic() + 1.0)):
                 _, reader, writer = await self._open(leader)
                 try:
-                    record.bytes_sent += await write_message(writer, {"op": "join", "gather": gather})
-                    reply = await read_header(reader)
+                    record.bytes_sent += await write_frame(writer, {"op": "join", "gather": gather})
+                    reply = await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)
                 finally:
                     writer.close()
         except (asyncio.TimeoutError, ProtocolError, OSError, Exception) as e:
@@ -418,9 +369,9 @@ class GroupAverager:
             record.fail(leader, "matchmaking", f"leader said {str(reply.get('status'))[:50]}")
             return None
         try:
-            members = tuple(_field(reply, "members", list))
-            gathered = _field(reply, "gathered", dict)
-            group_id = _field(reply, "group_id", str)
+            members = tuple(header_field(reply, "members", list))
+            gathered = header_field(reply, "gathered", dict)
+            group_id = header_field(reply, "group_id", str)
             if not (2 <= len(members) <= _MAX_MEMBERS and self.peer_id in members and leader in members
                     and all(isinstance(m, str) for m in members) and len(set(members)) == len(members)):
                 raise ProtocolError("bad group", "membership")
@@ -438,16 +389,16 @@ class GroupAverager:
             if lobby is None:
                 await asyncio.sleep(0.05)
         if lobby is None or lobby.final.done() or len(lobby.joined) >= self.config.target_group_size - 1:
-            await write_message(writer, {"status": "not leading"})
+            await write_frame(writer, {"status": "not leading"})
             return
         lobby.joined[peer] = header.get("gather")
         if lobby.expected <= set(lobby.joined):
             lobby.complete.set()
         group = await asyncio.wait_for(asyncio.shield(lobby.final), self.config.join_timeout_s + 1)
         if group is None or peer not in group.members:
-            await write_message(writer, {"status": "not admitted"})
+            await write_frame(writer, {"status": "not admitted"})
             return
-        await write_message(writer, {"status": "ok", "group_id": group.group_id, "members": list(group.members),
+        await write_frame(writer, {"status": "ok", "group_id": group.group_id, "members": list(group.members),
                                      "gathered": group.gathered})
 
     # ------------------------------------------------------------------------------------ all-reduce
@@ -539,9 +490,9 @@ class GroupAverager:
                 async with asyncio.timeout(max(0.05, deadline - time.monotonic())):
                     _, reader, writer = await self._open(peer)
                     try:
-                        await write_message(writer, {"op": "received", "group_id": state.group.group_id,
+                        await write_frame(writer, {"op": "received", "group_id": state.group.group_id,
                                                      "senders": sorted(received)})
-                        if (await read_header(reader)).get("status") == "ok":
+                        if (await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)).get("status") == "ok":
                             return
                     finally:
                         writer.close()
@@ -560,16 +511,16 @@ class GroupAverager:
                 await self._fault("send", peer)
                 _, reader, writer = await self._open(peer)
                 try:
-                    record.bytes_sent += await write_message(writer, {
+                    record.bytes_sent += await write_frame(writer, {
                         "op": "part", "group_id": group.group_id, "index": index, "numel": part.numel(),
                         "weight": weight, "codec": codec_name, "payload_bytes": len(payload)}, payload)
-                    reply = await read_header(reader)
+                    reply = await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)
                     if reply.get("status") != "ok":
                         raise ProtocolError("refused", str(reply.get("status"))[:100])
-                    size = _field(reply, "payload_bytes", int, low=0, high=2**31)
+                    size = header_field(reply, "payload_bytes", int, low=0, high=2**31)
                     if size != wire_bytes(codec, part.numel()):
                         raise ProtocolError("bad size", f"{size} bytes")
-                    data = await read_payload(reader, size)
+                    data = await read_exactly(reader, size)
                     record.bytes_received += size
                     return await asyncio.to_thread(codec.decode, data, numel=part.numel())
                 finally:
@@ -593,7 +544,7 @@ class GroupAverager:
             writer.close()
             return
         try:
-            header = await asyncio.wait_for(read_header(reader), self.config.sender_timeout_s)
+            header = await asyncio.wait_for(read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES), self.config.sender_timeout_s)
             op = header.get("op")
             if op == "join":
                 await self._serve_join(peer, header, writer)
@@ -605,7 +556,7 @@ class GroupAverager:
                     self._active_serves -= 1
             elif op == "received":
                 await self._serve_received(peer, header)
-                await write_message(writer, {"status": "ok"})
+                await write_frame(writer, {"status": "ok"})
                 with contextlib.suppress(asyncio.TimeoutError, ConnectionError):  # linger until the sender hangs up
                     await asyncio.wait_for(reader.read(1), 2.0)
             else:
@@ -614,7 +565,7 @@ class GroupAverager:
             self.rejected[e.reason] += 1
             logger.info(f"rejected a stream from {peer}: {e}")
             with contextlib.suppress(Exception):
-                await write_message(writer, {"status": e.reason})
+                await write_frame(writer, {"status": e.reason})
         except (asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
             logger.debug(f"stream from {peer} ended: {e!r}")
         except asyncio.CancelledError:
@@ -638,8 +589,8 @@ class GroupAverager:
         return state
 
     async def _serve_received(self, peer: str, header: dict) -> None:
-        state = await self._find_state(_field(header, "group_id", str))
-        senders = _field(header, "senders", list)
+        state = await self._find_state(header_field(header, "group_id", str))
+        senders = header_field(header, "senders", list)
         if peer not in state.group.members or not all(isinstance(s, str) for s in senders):
             raise ProtocolError("not a member", peer)
         state.received_sets[peer] = frozenset(senders) & frozenset(state.group.members)
@@ -648,10 +599,10 @@ class GroupAverager:
 
     async def _serve_part(self, peer: str, header: dict, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> None:
-        state = await self._find_state(_field(header, "group_id", str))
+        state = await self._find_state(header_field(header, "group_id", str))
         if peer not in state.group.members:
             raise ProtocolError("not a member", peer)
-        if _field(header, "index", int) != state.my_index or _field(header, "numel", int) != state.numel:
+        if header_field(header, "index", int) != state.my_index or header_field(header, "numel", int) != state.numel:
             raise ProtocolError("wrong slice", f"index {header.get('index')}, numel {header.get('numel')}")
         if header.get("codec") != state.codec:
             raise ProtocolError("wrong codec", str(header.get("codec"))[:20])
@@ -663,10 +614,10 @@ class GroupAverager:
             weight = float(weight)
         except OverflowError:  # an int beyond float range (NaN, inf and 1e30 are the aggregator's to reject)
             raise ProtocolError("malformed header", "weight out of float range") from None
-        size = _field(header, "payload_bytes", int, low=0, high=2**31)
+        size = header_field(header, "payload_bytes", int, low=0, high=2**31)
         if size != wire_bytes(codec, state.numel):
             raise ProtocolError("bad size", f"{size} bytes")
-        payload = await asyncio.wait_for(read_payload(reader, size),
+        payload = await asyncio.wait_for(read_exactly(reader, size),
                                          max(0.01, state.sender_deadline - time.monotonic()))
         try:
             part = await asyncio.to_thread(codec.decode, payload, numel=state.numel)
@@ -683,10 +634,10 @@ class GroupAverager:
         if self._dead:
             return  # a crashed peer answers nothing, not even on streams opened before it died
         if result is None:
-            await write_message(writer, {"status": "slice failed"})
+            await write_frame(writer, {"status": "slice failed"})
             return
         payload = await asyncio.to_thread(codec.encode, result.tensor.contiguous())
-        await write_message(writer, {"status": "ok", "payload_bytes": len(payload)}, payload)
+        await write_frame(writer, {"status": "ok", "payload_bytes": len(payload)}, payload)
         # closing now could reset the stream while the reply is still in flight (p2pd resets a stream
         # whose local end vanished): linger until the sender, having read it all, hangs up
         with contextlib.suppress(asyncio.TimeoutError, ConnectionError):

@@ -129,11 +129,13 @@ class _Ours(_Peer):
         self.dht = _start_dht(args, deadline)
         if args.victim is None:
             config = AveragingConfig(matchmaking_time_s=args.matchmaking_s, aggregator="mean", codec=args.codec,
+                                     max_weight_ratio=None, max_weight=1e6,
                                      min_group_size=args.world, target_group_size=args.world,
                                      sender_timeout_s=args.sender_timeout_s,
                                      reducer_timeout_s=2 * args.sender_timeout_s, round_timeout_s=args.timeout_s)
         else:  # the old benchmark's figure: a dead sender costs about the sender timeout
             config = AveragingConfig(matchmaking_time_s=args.matchmaking_s, aggregator="mean", codec=args.codec,
+                                     max_weight_ratio=None, max_weight=1e6,
                                      min_group_size=2, target_group_size=args.world, sender_timeout_s=5.0,
                                      reducer_timeout_s=10.0, agreement_timeout_s=2.0, round_timeout_s=60.0)
         self.averager = GroupAverager(self.dht, prefix="avgbench", config=config)

@@ -151,7 +151,7 @@ def trainer_weight_cap() -> float | None:
     """The trainer's default cap on a weight, as a multiple of its group's median; None: it has none."""
     from swarm.trainer import TrainerConfig
 
-    return getattr(TrainerConfig(run="probe"), "max_weight_ratio", None) or None
+    return TrainerConfig(run="probe").averaging.max_weight_ratio or None
 
 
 def arms_of(config: ByzantineConfig) -> list[Arm]:
@@ -360,7 +360,7 @@ def run_arm(arm: Arm, *, config: ByzantineConfig, dhts: list, task: Any,
     from swarm.trainer import Trainer, TrainerConfig
 
     started = time.monotonic()
-    trainer_config = TrainerConfig(
+    trainer_config = TrainerConfig.create(
         run=f"byz-{uuid.uuid4().hex[:12]}", sync_every=config.sync_every, aggregator=arm.aggregator,
         target_group_size=config.peers, sender_timeout_s=config.sender_timeout_s, load_state=False,
         checkpoint_every=0, ledger_dir="", advertise=False, bandwidth_probe_period_s=0,
@@ -500,7 +500,7 @@ def run(config: ByzantineConfig, console: Console) -> dict[str, Any]:
         initial = visible_maddrs(dhts[0])
         dhts += [start_dht(initial, host_maddrs=loopback, nat_port_map=False) for _ in range(config.peers - 1)]
         # the int8 codec loads bitsandbytes on first use (seconds here): not inside the first arm's first round
-        codec = get_codec(TrainerConfig(run="warm-up").codec)
+        codec = get_codec(TrainerConfig(run="warm-up").averaging.codec)
         codec.decode(codec.encode(torch.zeros(16)), numel=16)
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console, transient=True) as progress:

@@ -263,7 +263,7 @@ class _Arm:
             "--shard-index", str(slot), "--num-shards", str(cfg.slots), "--seed", "0",
             "--sync-every", str(cfg.sync_every), "--target-group-size", str(cfg.peers),
             "--sender-timeout-s", str(cfg.sender_timeout_s), "--matchmaking-time-s", str(cfg.matchmaking_time_s),
-            "--averaging-timeout-s", str(cfg.averaging_timeout_s),
+            "--round-timeout-s", str(cfg.averaging_timeout_s),
             "--identity-key", str(self.work / f"peer{slot}.key"), "--events", str(self.work / f"{name}.jsonl"),
             "--torch-threads", "1", "--no-progress", "--eval-batches", str(cfg.eval_batches),
             "--checkpoint-dir", str(self.work / "checkpoints"), "--ledger-dir", str(self.work / "ledgers"),
@@ -788,7 +788,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lab", default=defaults.lab, choices=("auto", "netns", "loopback"))
     parser.add_argument("--preset", default=defaults.preset)
     parser.add_argument("--sync-every", type=int, default=defaults.sync_every)
-    parser.add_argument("--averaging-timeout-s", type=float, default=defaults.averaging_timeout_s)
+    parser.add_argument("--round-timeout-s", type=float, default=defaults.averaging_timeout_s)
     parser.add_argument("--max-rss-growth-mib", type=float, default=defaults.max_rss_growth_mib)
     parser.add_argument("--min-progress-ratio", type=float, default=defaults.min_progress_ratio)
     parser.add_argument("--keep-logs", action="store_true")

@@ -305,7 +305,7 @@ def run_ours(lab: netlab.Lab, config: ConvergenceConfig, plan: Plan, work: Path,
 def run_hivemind(lab: netlab.Lab, config: ConvergenceConfig, plan: Plan, work: Path, console: Console) -> _ArmRun:
     from swarm.trainer import TrainerConfig
 
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainerConfig)}
+    defaults = TrainerConfig(run="defaults").averaging
     specs = {}
     for i in range(config.peers):
         host = lab.hosts[1 + i]
@@ -316,10 +316,10 @@ def run_hivemind(lab: netlab.Lab, config: ConvergenceConfig, plan: Plan, work: P
             "--eval-every", str(config.sync_every), "--peers", str(config.peers), "--sync-every", str(config.sync_every), "--log", str(events),
             "--run-id", "convergence", "--ready-dir", str(work / "hivemind-ready"),
             # the same timeouts as our peers use (TrainerConfig's defaults)
-            "--matchmaking-time-s", str(defaults["matchmaking_time_s"]),
-            "--averaging-timeout-s", str(defaults["averaging_timeout_s"]),
-            "--sender-timeout-s", str(defaults["sender_timeout_s"]),
-            "--reducer-timeout-s", str(defaults["reducer_timeout_s"]))
+            "--matchmaking-time-s", str(defaults.matchmaking_time_s),
+            "--averaging-timeout-s", str(defaults.round_timeout_s),
+            "--sender-timeout-s", str(defaults.sender_timeout_s),
+            "--reducer-timeout-s", str(defaults.reducer_timeout_s))
         specs[f"peer{i}"] = (1 + i, argv, events)
     dht = _python("benchmarks._hivemind_trainer", "dht", "--host-maddrs", lab.hosts[0].maddr(0))
     return _run_procs(lab, specs, work=work, what="hivemind", config=config, console=console,

@@ -34,7 +34,6 @@ its own event loop and its own replica of the DHT's `P2P`.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import math
@@ -43,14 +42,15 @@ import statistics
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
-from hivemind.utils.multiaddr import Multiaddr
+
+from bootstrap.runtime import Served
 
 __all__ = [
     "PROTOCOL",
@@ -59,7 +59,6 @@ __all__ = [
     "ProbeError",
     "ProbeResult",
     "ProbeServer",
-    "open_p2p_replica",
     "probe_peer",
 ]
 
@@ -194,7 +193,7 @@ async def _send(writer: asyncio.StreamWriter, length: int) -> None:
 
 
 class ProbeServer:
-    """Serves `swarm.probe.v1` on a `P2P` (e.g. from `open_p2p_replica`) in the running event loop.
+    """Serves `swarm.probe.v1` on a `P2P` (e.g. `bootstrap.runtime`'s) in the running event loop.
 
     `rejected` counts refused or aborted streams by reason: busy, unknown_op, too_large,
     truncated_header, short_read, timeout, too_many_requests, disconnected, internal_error.
@@ -440,48 +439,11 @@ async def probe_peer(p2p: P2P, peer_id: PeerID | str, config: ProbeConfig | None
         ) from None
 
 
-async def _daemon_listen_maddr(_dht: hivemind.DHT, node: hivemind.DHTNode) -> str:
-    return str(node.p2p.daemon_listen_maddr)
-
-
-async def open_p2p_replica(dht: hivemind.DHT, *, timeout_s: float = _RPC_TIMEOUT_S) -> P2P:
-    """A new `P2P` on `dht`'s daemon, bound to the running event loop and owned by the caller.
-
-    Unlike `DHT.replicate_p2p`, which caches one replica per process (bound to the event loop that
-    made it, and dead once that loop closes), every call returns a fresh one. Shut it down with
-    `await p2p.shutdown()`. Raises `TimeoutError` if the DHT process does not answer in time.
-    """
-    future = dht.run_coroutine(_daemon_listen_maddr, return_future=True)
-    try:
-        maddr = await asyncio.wait_for(future, timeout_s)
-    except asyncio.TimeoutError:
-        future.cancel()
-        raise TimeoutError(f"the DHT process did not answer within {timeout_s:.1f} s") from None
-    return await asyncio.wait_for(P2P.replicate(Multiaddr(maddr)), timeout_s)
-
-
 # --- synchronous facade -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class _Runtime:
-    loop: asyncio.AbstractEventLoop
-    stop: asyncio.Event
-    p2p: P2P
-    server: ProbeServer
-
-
-def _run_loop(main: Coroutine[Any, Any, None]) -> None:
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main)
-    else:
-        uvloop.run(main)
-
-
 class BandwidthProber:
-    """Probes peers and serves probes from a background thread with its own event loop (uvloop).
+    """Probes peers and serves probes on the DHT's network runtime (`bootstrap.runtime`).
 
     Thread-safe; `probe` calls are serialised so that probes do not share the link. Use as a
     context manager or call `close()`. One prober per DHT: a second one on the same daemon takes
@@ -497,67 +459,17 @@ class BandwidthProber:
         self._results: deque[ProbeResult] = deque(maxlen=_SUMMARY_WINDOW)
         self._lock = threading.Lock()
         self._probe_lock = threading.Lock()
-        self._closed = False
-        self._ready: concurrent.futures.Future[_Runtime] = concurrent.futures.Future()
-        self._runtime: _Runtime | None = None
-        self._thread = threading.Thread(
-            target=self._run, args=(dht,), name="swarm-bandwidth-prober", daemon=True
-        )
-        self._thread.start()
-        try:
-            self._runtime = self._ready.result(timeout=start_timeout_s)
-        except BaseException as e:
-            self._ready.cancel()  # tells a late start-up to shut itself down
-            self.close()
-            if isinstance(e, concurrent.futures.TimeoutError):
-                raise TimeoutError(
-                    f"the bandwidth prober did not start within {start_timeout_s:.1f} s"
-                ) from None
-            raise RuntimeError(f"cannot start the bandwidth prober: {_one_line(e)}") from e
+        self._served = Served(dht, lambda p2p: ProbeServer(self._config, p2p=p2p), what="the bandwidth prober",
+                              start_timeout_s=start_timeout_s)
 
     @property
     def server(self) -> ProbeServer:
         """The probe server; its counters stay readable after `close()`."""
-        assert self._runtime is not None  # the constructor raises unless it started
-        return self._runtime.server
+        return self._served.server
 
     @property
     def peer_id(self) -> str:
-        return str(self._require_runtime().p2p.peer_id)
-
-    def _require_runtime(self) -> _Runtime:
-        if self._closed or self._runtime is None:
-            raise RuntimeError("the bandwidth prober is closed")
-        return self._runtime
-
-    def _run(self, dht: hivemind.DHT) -> None:
-        try:
-            _run_loop(self._main(dht))
-        except BaseException as e:
-            if not self._ready.done():
-                with contextlib.suppress(concurrent.futures.InvalidStateError):
-                    self._ready.set_exception(e)
-            else:
-                logger.warning("bandwidth prober loop ended with an error: %s", _one_line(e))
-
-    async def _main(self, dht: hivemind.DHT) -> None:
-        p2p = await open_p2p_replica(dht)
-        try:
-            server = ProbeServer(self._config, p2p=p2p)
-            await server.start()
-            try:
-                runtime = _Runtime(
-                    loop=asyncio.get_running_loop(), stop=asyncio.Event(), p2p=p2p, server=server
-                )
-                try:
-                    self._ready.set_result(runtime)
-                except concurrent.futures.InvalidStateError:
-                    return  # the constructor gave up waiting
-                await runtime.stop.wait()
-            finally:
-                await server.stop()
-        finally:
-            await p2p.shutdown()
+        return str(self._served.p2p.peer_id)
 
     def probe(self, peer_ids: Sequence[str], *, max_peers: int = 3) -> list[ProbeResult]:
         """Probe `peer_ids` one at a time, in order, until `max_peers` probes succeeded.
@@ -569,19 +481,16 @@ class BandwidthProber:
         _check_int("max_peers", max_peers, low=1, high=1024)
         if isinstance(peer_ids, (str, bytes)):
             raise TypeError(f"peer_ids: expected a sequence of peer ids, got the single value {peer_ids!r}")
-        runtime = self._require_runtime()
-        own = str(runtime.p2p.peer_id)
+        p2p = self._served.p2p
+        own = str(p2p.peer_id)
         candidates = [peer for peer in dict.fromkeys(map(str, peer_ids)) if peer != own][: 2 * max_peers]
         bound_s = (len(candidates) + 1) * (self._config.timeout_s + _CLOSE_TIMEOUT_S)
         if not self._probe_lock.acquire(timeout=bound_s):
             raise TimeoutError(f"another probe call did not finish within {bound_s:.1f} s")
         try:
-            coro = self._probe_many(runtime.p2p, candidates, max_peers)
-            future = asyncio.run_coroutine_threadsafe(coro, runtime.loop)
             try:
-                results, failures = future.result(timeout=bound_s)
-            except concurrent.futures.TimeoutError:
-                future.cancel()
+                results, failures = self._served.call(self._probe_many(p2p, candidates, max_peers), timeout_s=bound_s)
+            except TimeoutError:
                 raise TimeoutError(f"probing {len(candidates)} peers took over {bound_s:.1f} s") from None
         finally:
             self._probe_lock.release()
@@ -621,17 +530,8 @@ class BandwidthProber:
         }
 
     def close(self, *, timeout_s: float = 10.0) -> None:
-        """Unregister the handler, stop the loop and join the thread (up to `timeout_s`); idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        if self._runtime is not None:
-            with contextlib.suppress(RuntimeError):  # the loop is already closed
-                self._runtime.loop.call_soon_threadsafe(self._runtime.stop.set)
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            logger.warning("the bandwidth prober thread did not stop within %.1f s", timeout_s)
+        """Unregister the handler and cut off its streams; idempotent."""
+        self._served.close(timeout_s=timeout_s)
 
     def __enter__(self) -> BandwidthProber:
         return self

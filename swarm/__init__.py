@@ -1,7 +1,9 @@
 """Swarm: peer-to-peer training on an open network, with no central coordinator.
 
 Owns the contributing peer process (`python -m swarm.peer`), the trainer API for users' own
-scripts (`swarm.Trainer`; `swarm.Identity` is `bootstrap.identity.Identity`), the built-in task
+scripts (`swarm.Trainer`, a composition root over its parts: the nested `swarm.config.TrainerConfig`,
+the DiLoCo outer optimizer `swarm.outer`, the round's pure bookkeeping `swarm.rounds`, presence in the
+run `swarm.presence`; `swarm.Identity` is `bootstrap.identity.Identity`), the built-in task
 registry (`swarm.tasks`), sealed checkpoints (`swarm.checkpoint`: store, signed manifests, gossip,
 verified shard exchange, state sync), the evidence of a run (`swarm.ledger`: hash-chained signed
 ledgers and participation receipts; `swarm.status`: the live board; `swarm.report`: the HTML report;
@@ -9,7 +11,7 @@ ledgers and participation receipts; `swarm.status`: the live board; `swarm.repor
 
 Composes the other packages: `bootstrap` (the ground floor: DHT start-up, identity and signatures,
 capability records, process lifetime), `peers` (probes, advertiser, resource graph) and `averaging`
-(groups, robust all-reduce), over hivemind's DHT and P2P.
+(groups, robust all-reduce), over hivemind's DHT and the ground floor's one network runtime per process.
 Exports: Trainer, TrainerConfig, RoundResult, Identity (imported lazily: `import swarm` stays cheap).
 """
 
@@ -19,11 +21,11 @@ from typing import Any
 
 from bootstrap.version import SWARM_VERSION
 
-__all__ = ["Identity", "RoundResult", "TaskInfo", "Trainer", "TrainerConfig"]
+__all__ = ["Identity", "RoundResult", "RunMismatch", "TaskInfo", "Trainer", "TrainerConfig"]
 __version__ = SWARM_VERSION
 
-_LAZY = {"Trainer": "swarm.trainer", "TrainerConfig": "swarm.trainer", "RoundResult": "swarm.trainer", "TaskInfo": "swarm.trainer",
-         "Identity": "bootstrap.identity"}
+_LAZY = {"Trainer": "swarm.trainer", "TrainerConfig": "swarm.config", "RoundResult": "swarm.rounds",
+         "TaskInfo": "swarm.config", "RunMismatch": "swarm.config", "Identity": "bootstrap.identity"}
 
 
 def __getattr__(name: str) -> Any:

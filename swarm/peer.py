@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run", default=None, help=field_docs(TrainerConfig)["run"] + (
         " Without --run, the peer lists the open runs of the network and joins the best-fitting one."))
     add_dataclass_arguments(parser, TrainerConfig, skip=("run",))
+    parser.add_argument("--averaging-timeout-s", dest="round_timeout_s", type=float, help=argparse.SUPPRESS)  # renamed
     add_dataclass_arguments(parser, PeerConfig)
     parser.add_argument("--log-level", default="INFO", help="Python logging level (default: %(default)s)")
     return parser

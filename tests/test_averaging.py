@@ -42,7 +42,7 @@ def make_group(dhts):
     made = []
 
     def make(**config):
-        cfg = AveragingConfig(**{"matchmaking_time_s": 1.0, "sender_timeout_s": 4.0, "reducer_timeout_s": 8.0,
+        cfg = AveragingConfig(**{"codec": "fp32", "max_weight_ratio": None, "matchmaking_time_s": 1.0, "sender_timeout_s": 4.0, "reducer_timeout_s": 8.0,
                                  "agreement_timeout_s": 2.0, "round_timeout_s": 30.0, **config})
         prefix = f"test{next(_prefixes)}"
         averagers = [GroupAverager(dht, prefix=prefix, config=cfg) for dht in dhts]

@@ -20,12 +20,12 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
 from bootstrap.node import start_dht, stop_dht, visible_maddrs
+from bootstrap.runtime import open_p2p_replica
 from peers.bandwidth import (
     PROTOCOL,
     BandwidthProber,
     ProbeConfig,
     ProbeError,
-    open_p2p_replica,
     probe_peer,
 )
 

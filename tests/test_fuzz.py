@@ -21,8 +21,8 @@ Every property asserts the same three things:
 | ledgers | ``read_entries`` / ``verify_ledger`` / ``Ledger(...)`` on mutated SQLite files and rows | - |
 | identity keys | ``Identity.load_or_create`` on mutated key files and modes | - |
 | averaging codecs | ``Codec.decode`` on mutated messages | - |
-| averaging handler | ``averaging.group.read_header``, ``GroupAverager._handle_stream`` (in memory) | yes |
-| group metadata | ``swarm.trainer._gathered_problem``, ``Trainer._agree_on_base``, ``Trainer._seal_request`` | - |
+| averaging handler | ``bootstrap.framing.read_frame``, ``GroupAverager._handle_stream`` (in memory) | yes |
+| group metadata | ``swarm.rounds`` (gathered_problem, base_agreement_group, next_round, seal_fields) | - |
 | manifest gossip | ``ManifestGossip._serve`` (in memory) | yes |
 | shard exchange | ``ShardServer._handle``, client ``_Session.request`` (in memory) | yes |
 | bandwidth probe | ``ProbeServer._handle``, client ``_probe`` (in memory) | test_bandwidth |
@@ -67,13 +67,16 @@ from nacl.signing import SigningKey
 from safetensors.torch import save as safetensors_save
 
 from averaging.compression import get_codec
-from averaging.config import AveragingConfig
-from averaging.group import Group, GroupAverager, ProtocolError, _ReduceState, read_header
+from averaging.config import AveragingConfig, RoundRecord
+from averaging.group import Group, GroupAverager, _ReduceState
 from bootstrap import start_dht, stop_dht, visible_maddrs
+from bootstrap.framing import ProtocolError, read_frame
 from bootstrap.identity import Identity, IdentityError, PeerBinding, canonical_json, verify
 from bootstrap.records import PEERS_KEY, PeerRecordValidator, RecordRejected, parse_record, sign_record
-from peers.bandwidth import ProbeConfig, ProbeError, ProbeServer, _probe, open_p2p_replica
+from bootstrap.runtime import open_p2p_replica
+from peers.bandwidth import ProbeConfig, ProbeError, ProbeServer, _probe
 from peers.testing import make_record
+from swarm import rounds
 from swarm.checkpoint._private import parse_header
 from swarm.checkpoint.exchange import (
     PROTOCOL as SHARDS_PROTOCOL,
@@ -101,7 +104,6 @@ from swarm.checkpoint.store import CheckpointStore, ShardRejected
 from swarm.ledger.chain import GENESIS, Ledger, LedgerError, read_entries, verify_ledger
 from swarm.ledger.receipts import Receipt, ReceiptRejected, sign_receipt, verify_receipt
 from swarm.status import LastGroup, PeerStatus, StatusEvent, StatusRejected, parse_status, sign_status
-from swarm.trainer import Trainer, _gathered_problem
 from tests.helpers import wait_until
 
 FUZZ_SEED = int(os.environ.get("SWARM_FUZZ_SEED", "20260808"))
@@ -681,7 +683,7 @@ def test_codec_decode_of_mutated_messages_only_raises_value_error(name, data):
 AVG_NUMEL = 64
 AVG_GROUP = "a1" * 16
 _AVG_REASONS = {"truncated", "oversized header", "malformed header", "unknown op", "unknown group", "not a member",
-                "wrong slice", "wrong codec", "bad size", "truncated payload", "undecodable part", "late part",
+                "wrong slice", "wrong codec", "bad size", "undecodable part", "late part",
                 "duplicate part"}
 
 
@@ -754,7 +756,7 @@ def test_averaging_handler_rejects_every_bad_stream_with_one_counted_reason(stre
 @fuzz(100, data=st.one_of(st.binary(max_size=64), mutated_bytes(frame(json.dumps(_valid_part("fp32")[0]).encode()))))
 def test_averaging_read_header_raises_only_protocol_errors(data):
     async def read() -> dict:
-        return await read_header(reader_of(data))
+        return await read_frame(reader_of(data), max_header_bytes=64 * 1024)
 
     try:
         header = run_bounded(read, HANG_MARGIN_S)
@@ -774,25 +776,22 @@ _GATHER = {"round": 3, "samples": 64, "binding": _BINDING, "base": "ab" * 32, "t
 @example(gathered={**_GATHER, "sealed": [99, "not a digest"]})
 @example(gathered={**_GATHER, "t": 2**64})
 def test_group_metadata_checks_never_raise(gathered):
-    problem = _gathered_problem(OTHER.peer_id, gathered)
+    problem = rounds.gathered_problem(OTHER.peer_id, gathered)
     assert problem is None or isinstance(problem, str)
     if problem is None:  # accepted only with a valid binding of this very peer
         binding = PeerBinding.from_dict(gathered["binding"])
         assert binding.peer_id == OTHER.peer_id and binding.is_valid()
     # what the trainer derives from every member's metadata once a round is done must not raise either
-    calls: list[Any] = []
-    fake = SimpleNamespace(group_averager=SimpleNamespace(
-        average_in_group=lambda *a, **k: calls.append(a) or (None, SimpleNamespace(failures=[]))),
-        config=SimpleNamespace(averaging_timeout_s=1.0), round=3, peer_id=OWNER.peer_id)
     group = Group(group_id="g", members=(OTHER.peer_id, OWNER.peer_id),
                   gathered={OTHER.peer_id: gathered, OWNER.peer_id: _GATHER})
-    record = SimpleNamespace(included=[OTHER.peer_id, OWNER.peer_id])
-    assert Trainer._agree_on_base(fake, group, record, torch.zeros(4)) is None
-    assert len(calls) <= 1
+    record = RoundRecord(round=3, included=[OTHER.peer_id, OWNER.peer_id])
+    agree = rounds.base_agreement_group(group, record, OWNER.peer_id)
+    assert agree is None or agree.members == group.members
+    assert isinstance(rounds.next_round(3, group.gathered), int)
     # every member builds the same manifest from everyone's metadata: one member's bad values must not make
     # that manifest invalid (it would stop the whole group from sealing, and from swapping receipts)
-    seal = Trainer._seal_request(SimpleNamespace(_state_dict=dict, round=3), group, 2.5)
-    Manifest(run_id=RUN, step=seal.step, round=seal.step, task="charlm", config_digest="ef" * 32, parent=seal.parent,
+    seal = rounds.seal_fields(group, 2.5)
+    Manifest(run_id=RUN, step=3, round=3, task="charlm", config_digest="ef" * 32, parent=seal.parent,
              shards=(), participants=tuple(sorted(seal.participants)), metrics=seal.metrics,
              created_at=seal.created_at, contributions=seal.contributions)
 
@@ -1017,8 +1016,8 @@ def test_live_shard_server_survives_garbage_and_still_serves(live_dhts):
     exchange = ShardExchange(live_dhts[0], MemoryShardSource({_EX_DIGEST: _EX_DATA}), config)
     rejected = exchange.server.rejected
     cases = [
-        (b"\xff\xff\xff\xff" + b"garbage", False, ("malformed",)),  # a header length over the limit
-        (frame(b"[" * 1200 + b"]" * 1200), False, ("malformed",)),
+        (b"\xff\xff\xff\xff" + b"garbage", False, ("oversized header",)),  # a header length over the limit
+        (frame(b"[" * 1200 + b"]" * 1200), False, ("malformed header",)),
         (frame(b'{"digest": 7}'), False, ("bad digest",)),
         (frame(json.dumps({**_EX_REQUEST, "offset": 10**300}).encode()), False, ("bad range",)),
         ((100).to_bytes(4, "big") + b"{" * 10, True, ("truncated", "disconnected")),
@@ -1041,7 +1040,8 @@ def test_live_shard_server_survives_garbage_and_still_serves(live_dhts):
 @pytest.mark.timeout(90)
 def test_live_averaging_handler_survives_garbage_and_still_averages(live_dhts, caplog):
     config = AveragingConfig(matchmaking_time_s=1.0, join_timeout_s=2.0, sender_timeout_s=1.0, reducer_timeout_s=3.0,
-                             agreement_timeout_s=0.5, round_timeout_s=20.0, target_group_size=2, aggregator="mean")
+                             agreement_timeout_s=0.5, round_timeout_s=20.0, target_group_size=2, aggregator="mean",
+                             codec="fp32")
     prefix = f"fuzz{uuid.uuid4().hex[:8]}"
     averagers = [GroupAverager(dht, prefix=prefix, config=config) for dht in live_dhts]
     target, handler = averagers[0], f"swarm.avg.v1.{prefix}"

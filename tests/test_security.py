@@ -73,8 +73,8 @@ from swarm.ledger import (
     verify_ledger,
     verify_receipt,
 )
+from swarm.rounds import gathered_problem as _gathered_problem
 from swarm.status import STATUS_KIND, PeerStatus, StatusRejected, parse_status
-from swarm.trainer import _gathered_problem
 from tests.helpers import wait_until
 
 RUN, OTHER_RUN = "sec-run", "sec-other-run"

@@ -27,7 +27,7 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
 from bootstrap import start_dht, stop_dht, visible_maddrs
-from peers.bandwidth import open_p2p_replica
+from bootstrap.runtime import open_p2p_replica
 from swarm.checkpoint.exchange import (
     PARTIAL_SOURCE,
     PROTOCOL,
@@ -382,7 +382,7 @@ def test_server_rejects_bad_requests_and_keeps_serving(dhts, make_exchange) -> N
 
     run_with_replica(dhts[3], scenario)
     assert server.server.rejected == {
-        "bad digest": 2, "bad range": 2, "too long": 1, "not found": 1, "malformed": 1,
+        "bad digest": 2, "bad range": 2, "too long": 1, "not found": 1, "malformed header": 1,
     }
     assert server.server.num_chunks_served == 1
 

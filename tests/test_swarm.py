@@ -29,7 +29,7 @@ def _peer_cmd(tmp_path: Path, initial_peers: list[str], index: int, *, outer_lr:
         "--events", str(tmp_path / f"peer{index}.jsonl"), "--dump-dir", str(tmp_path / f"dump{index}"),
         "--torch-threads", "1", "--no-progress", "--sync-every", str(SYNC_EVERY), "--max-rounds", str(NUM_ROUNDS),
         "--target-group-size", str(NUM_PEERS), "--min-group-size", str(NUM_PEERS),
-        "--outer-lr", str(outer_lr), "--outer-momentum", str(outer_momentum), "--averaging-timeout-s", "60",
+        "--outer-lr", str(outer_lr), "--outer-momentum", str(outer_momentum), "--round-timeout-s", "60",
         "--codec", "fp32", "--aggregator", "mean",
     )
 

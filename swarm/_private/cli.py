@@ -48,18 +48,31 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
-    """Add one flag per field of ``cls`` (except ``skip``); defaults come from the dataclass."""
+def _is_part(field: dataclasses.Field) -> bool:
+    """A nested config dataclass (its fields become flags of their own)."""
+    return field.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(field.default_factory)
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = (),
+                            defaults: Any = None) -> None:
+    """Add one flag per field of ``cls`` (except ``skip``), and of each nested config part (its own group);
+    defaults come from the dataclass, or from ``defaults`` (an instance, for a part)."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     group = parser.add_argument_group(cls.__name__)
     for field in dataclasses.fields(cls):
         if field.name in skip:
             continue
+        if _is_part(field):
+            add_dataclass_arguments(parser, field.default_factory, skip=skip, defaults=field.default_factory())
+            continue
         tp, optional = _unwrap_optional(hints[field.name])
         kwargs: dict[str, Any] = {"dest": field.name, "help": docs.get(field.name, "")}
         required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
-        if required:
+        if defaults is not None:
+            kwargs["default"] = getattr(defaults, field.name)
+            kwargs["help"] += " (default: %(default)s)"
+        elif required:
             kwargs["required"] = True
         else:
             kwargs["default"] = field.default if field.default is not dataclasses.MISSING else field.default_factory()
@@ -69,6 +82,9 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, skip:
         elif typing.get_origin(tp) is tuple:
             (item_type, *_) = typing.get_args(tp)
             kwargs.update(nargs="*" if not required else "+", type=item_type, metavar=field.name.upper())
+        elif typing.get_origin(tp) is typing.Literal:
+            kwargs.update(type=str, choices=typing.get_args(tp), metavar=field.name.upper())
+            kwargs["help"] += " (one of: %(choices)s)"
         else:
             kwargs.update(type=tp, metavar=field.name.upper())
             if optional and "default" not in kwargs:
@@ -77,11 +93,13 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, skip:
 
 
 def dataclass_from_args(cls: type[T], namespace: argparse.Namespace, **overrides: Any) -> T:
-    """Build ``cls`` from parsed flags; ``overrides`` win. Tuples stay tuples."""
+    """Build ``cls`` (and its nested parts) from parsed flags; ``overrides`` win. Tuples stay tuples."""
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         if field.name in overrides:
             values[field.name] = overrides[field.name]
+        elif _is_part(field):
+            values[field.name] = dataclass_from_args(field.default_factory, namespace, **overrides)
         elif hasattr(namespace, field.name):
             value = getattr(namespace, field.name)
             values[field.name] = tuple(value) if isinstance(value, list) else value
@@ -89,4 +107,10 @@ def dataclass_from_args(cls: type[T], namespace: argparse.Namespace, **overrides
 
 
 def dataclass_flags(cls: type, *, skip: tuple[str, ...] = ()) -> list[str]:
-    return [flag_name(f.name) for f in dataclasses.fields(cls) if f.name not in skip]
+    flags = []
+    for field in dataclasses.fields(cls):
+        if _is_part(field):
+            flags += dataclass_flags(field.default_factory, skip=skip)
+        elif field.name not in skip:
+            flags.append(flag_name(field.name))
+    return flags

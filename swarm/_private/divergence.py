@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,14 @@ class Rising:
 
     def to_dict(self) -> dict[str, float | int]:
         return {"rounds": self.rounds, "from": self.start, "to": self.now, "rise": self.rise, "round": self.round}
+
+    def message(self, *, sync_every: int, outer: Any) -> str:
+        """The loud warning: what rose, the outer settings (``outer``: lr, momentum), what usually cures it."""
+        return (f"round {self.round}: the validation loss sealed by the groups rose {self.rounds} rounds in a row, "
+                f"{self.start:.4f} -> {self.now:.4f} (+{100 * self.rise:.1f}%): training is diverging. "
+                f"Outer settings: sync_every={sync_every}, outer_lr={outer.lr}, outer_momentum={outer.momentum}; "
+                f"a lower outer_lr or outer_momentum (README: choosing sync_every and the outer optimizer) or a "
+                f"lower inner learning rate usually cures it")
 
 
 class DivergenceGuard:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from swarm.ledger import Ledger
+from swarm.rounds import Replacements, group_summary
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,9 @@ class Evidence:
         self.listeners: list[Listener] = []
         """Called with (kind, body) after each record, e.g. to mirror it into an event log."""
         self._rejections: dict[tuple[str, str], int] = {}
+        self.last_group: dict | None = None
+        """The status board's summary of this peer's last group (``swarm.rounds.group_summary``)."""
+        self._replacements = Replacements()
 
     def record(self, kind: str, body: dict, *, t: float | None = None) -> None:
         """Append to the ledger, note it on the status board, move the metrics, tell the listeners.
@@ -92,6 +96,30 @@ class Evidence:
                 listener(kind, body)
             except Exception as e:
                 logger.warning(f"evidence listener failed on {kind!r}: {e!r}")
+
+    def round(self, entry: dict, *, group: Any | None, record: Any | None, peer_id: str) -> None:
+        """A finished round: its ledger entry (``swarm.rounds.round_entry``), one entry per failure seen,
+        the status board's last group, and who replaced whom; then the board publishes soon (the
+        training thread never waits on the DHT for it)."""
+        self.record("round", entry)
+        for failure in record.failures if record is not None else []:
+            self.record("failure", {"round": entry["round"], **failure})
+        if record is not None and group is not None:
+            self.last_group = group_summary(group, record, entry["duration_s"])
+            replaced = self._replacements.observe(round_=entry["round"], peer_id=peer_id, group=group,
+                                                  failures=record.failures)
+            if replaced is not None:
+                self.record("peer_replaced", replaced)
+        if self.status is not None:
+            self.status.publish_soon()
+
+    def checkpoint_event(self, kind: str, body: dict) -> None:
+        """What the checkpoint manager reports; a round's verified receipts become one entry each."""
+        if kind == "receipts":
+            for receipt in body["receipts"]:
+                self.record("receipt", receipt)
+        else:
+            self.record(kind, body)
 
     def rejections(self, what: str, counts: Mapping[str, int], *, round_: int) -> None:
         """Record the increase of a cumulative rejection counter (by reason) since the last call."""
@@ -133,3 +161,33 @@ class Evidence:
                 except Exception as e:
                     logger.warning(f"could not close {type(part).__name__}: {e!r}")
         self.status = self.metrics = self.ledger = None
+
+
+def open_evidence(identity: Any, *, run: str, task: str, ledger_dir: str, metrics: Any) -> Evidence:
+    """Evidence with the peer's ledger (DIR/RUN/PEER_ID.sqlite under ``ledger_dir``; empty: none) and its
+    Prometheus endpoint (``metrics``: a MetricsConfig; port 0: none). Raises ValueError naming the file
+    when the ledger cannot be opened."""
+    from swarm.ledger import Ledger, LedgerError, default_ledger_path
+
+    ledger = None
+    if ledger_dir:
+        path = default_ledger_path(ledger_dir, run=run, peer_id=identity.peer_id)
+        try:
+            ledger = Ledger(path, identity=identity, run=run)
+        except LedgerError as e:
+            raise ValueError(f"cannot open the ledger {path}: {e}; move the file away or pass another "
+                             f"--ledger-dir") from None
+    if not metrics.metrics_port:
+        return Evidence(ledger=ledger)
+    from swarm.metrics import PeerMetrics  # prometheus-client is imported only when metrics are on
+
+    served = PeerMetrics(peer_id=identity.peer_id, run=run, task=task)
+    try:
+        served.serve(port=metrics.metrics_port, host=metrics.metrics_host)
+    except BaseException:
+        served.close()
+        if ledger is not None:
+            ledger.close()
+        raise
+    logger.info(f"Prometheus metrics on http://{metrics.metrics_host}:{metrics.metrics_port}/metrics")
+    return Evidence(ledger=ledger, metrics=served)

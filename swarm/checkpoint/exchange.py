@@ -40,20 +40,16 @@ synchronous process: it owns a thread with its own event loop (uvloop) and P2P r
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 import math
 import os
 import re
-import struct
-import threading
 import time
 from collections import Counter
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -62,7 +58,8 @@ import hivemind
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
-from peers.bandwidth import open_p2p_replica
+from bootstrap.framing import ProtocolError, read_exactly, read_frame, write_frame
+from bootstrap.runtime import Served
 
 __all__ = [
     "PARTIAL_SOURCE",
@@ -88,7 +85,6 @@ PARTIAL_SOURCE = "partial"
 SHARD_SUFFIX = ".safetensors"
 
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
-_LEN = struct.Struct(">I")
 _MAX_HEADER_BYTES = 4096
 _MIB = 1024 * 1024
 _MAX_CHUNK_BYTES = 256 * _MIB
@@ -267,44 +263,7 @@ class ChunkReply:
     reason: str = ""
 
 
-# --- framing ------------------------------------------------------------------------------------
-
-
-class _ProtocolError(Exception):
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-
-
-async def _write_frame(writer: asyncio.StreamWriter, header: dict[str, Any], payload: bytes = b"") -> None:
-    data = json.dumps(header, separators=(",", ":")).encode()
-    writer.write(_LEN.pack(len(data)) + data)
-    if payload:
-        writer.write(payload)  # not concatenated: a chunk can be megabytes
-    await writer.drain()
-
-
-async def _read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
-    """The next JSON header, or None if the stream ended cleanly before it."""
-    try:
-        prefix = await reader.readexactly(_LEN.size)
-    except asyncio.IncompleteReadError as e:
-        if not e.partial:
-            return None
-        raise _ProtocolError("truncated", f"{len(e.partial)} of {_LEN.size} length bytes") from None
-    (length,) = _LEN.unpack(prefix)
-    if length > _MAX_HEADER_BYTES:
-        raise _ProtocolError("malformed", f"header of {length} bytes, over {_MAX_HEADER_BYTES}")
-    try:
-        header = json.loads(await reader.readexactly(length))
-    except asyncio.IncompleteReadError as e:
-        raise _ProtocolError("truncated", f"{len(e.partial)} of {length} header bytes") from None
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nesting deeper than Python's stack
-        raise _ProtocolError("malformed", f"header is not JSON ({_one_line(e)[:80]})") from None
-    if not isinstance(header, dict):
-        raise _ProtocolError("malformed", f"header is a {type(header).__name__}, not an object")
-    return header
+# --- streams ------------------------------------------------------------------------------------
 
 
 async def _close(writer: asyncio.StreamWriter) -> None:
@@ -330,13 +289,13 @@ async def _linger(reader: asyncio.StreamReader) -> None:
 def _parse_request(header: dict[str, Any], chunk_bytes: int) -> tuple[str, int, int]:
     digest, offset, length = header.get("digest"), header.get("offset"), header.get("length")
     if not _is_digest(digest):
-        raise _ProtocolError("bad digest", f"digest {str(digest)[:80]!r} is not 64 lowercase hex digits")
+        raise ProtocolError("bad digest", f"digest {str(digest)[:80]!r} is not 64 lowercase hex digits")
     if not _is_int(offset) or not 0 <= offset <= _MAX_SHARD_BYTES:
-        raise _ProtocolError("bad range", f"offset {str(offset)[:40]!r}")
+        raise ProtocolError("bad range", f"offset {str(offset)[:40]!r}")
     if not _is_int(length) or length < 1:
-        raise _ProtocolError("bad range", f"length {str(length)[:40]!r}")
+        raise ProtocolError("bad range", f"length {str(length)[:40]!r}")
     if length > chunk_bytes:
-        raise _ProtocolError("too long", f"length {length} over chunk_bytes {chunk_bytes}")
+        raise ProtocolError("too long", f"length {length} over chunk_bytes {chunk_bytes}")
     return digest, offset, length
 
 
@@ -349,7 +308,7 @@ def _read_source(source: ShardSource, digest: str, offset: int, length: int) -> 
 
 
 class ShardServer:
-    """Serves `swarm.shards.v1` from `source` on a `P2P` (e.g. from `open_p2p_replica`).
+    """Serves `swarm.shards.v1` from `source` on a `P2P` (e.g. `bootstrap.runtime`'s).
 
     `rejected` counts refusals by reason: busy, not found, bad digest, bad range, too long,
     malformed, truncated, source error, timeout, disconnected, internal error. `num_chunks_served`
@@ -407,7 +366,7 @@ class ShardServer:
                 await self._serve(peer, reader, writer)
             finally:
                 self._active.discard(task)
-        except _ProtocolError as e:
+        except ProtocolError as e:
             self._reject(peer, e.reason, e.detail)
             await self._refuse(reader, writer, {"status": STATUS_BAD_REQUEST, "reason": str(e)[:200]})
         except (TimeoutError, asyncio.TimeoutError):
@@ -427,14 +386,14 @@ class ShardServer:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: dict[str, Any]
     ) -> None:
         with contextlib.suppress(Exception):  # the client may be gone; it was refused either way
-            await asyncio.wait_for(_write_frame(writer, reply), _CLOSE_TIMEOUT_S)
+            await asyncio.wait_for(write_frame(writer, reply), _CLOSE_TIMEOUT_S)
             await _linger(reader)
 
     async def _serve(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         timeout_s = self._config.timeout_s
         while True:
             # waiting here for the next request is also the linger after the last reply
-            header = await asyncio.wait_for(_read_frame(reader), timeout_s)
+            header = await asyncio.wait_for(read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES, eof_ok=True), timeout_s)
             if header is None:
                 return
             digest, offset, length = _parse_request(header, self._config.chunk_bytes)
@@ -442,20 +401,20 @@ class ShardServer:
                 size, data = await asyncio.to_thread(_read_source, self._source, digest, offset, length)
             except Exception as e:  # a source is the store's code: its errors must not end serving
                 self._reject(peer, "source error", f"{digest[:12]}: {_one_line(e)}")
-                await asyncio.wait_for(_write_frame(writer, {"status": STATUS_NOT_FOUND}), timeout_s)
+                await asyncio.wait_for(write_frame(writer, {"status": STATUS_NOT_FOUND}), timeout_s)
                 continue
             if size is None:
                 self._reject(peer, "not found", digest[:12])
-                await asyncio.wait_for(_write_frame(writer, {"status": STATUS_NOT_FOUND}), timeout_s)
+                await asyncio.wait_for(write_frame(writer, {"status": STATUS_NOT_FOUND}), timeout_s)
                 continue
             if offset + length > size:
-                raise _ProtocolError("bad range", f"{offset}+{length} past the end of a shard of {size} bytes")
+                raise ProtocolError("bad range", f"{offset}+{length} past the end of a shard of {size} bytes")
             if len(data) != length:
                 self._reject(peer, "source error", f"{digest[:12]}: read {len(data)} of {length} bytes")
-                await asyncio.wait_for(_write_frame(writer, {"status": STATUS_NOT_FOUND}), timeout_s)
+                await asyncio.wait_for(write_frame(writer, {"status": STATUS_NOT_FOUND}), timeout_s)
                 continue
             reply = {"status": STATUS_OK, "size": size, "length": length}
-            await asyncio.wait_for(_write_frame(writer, reply, data), timeout_s)
+            await asyncio.wait_for(write_frame(writer, reply, data), timeout_s)
             self.num_chunks_served += 1
             self.bytes_served += length
 
@@ -499,29 +458,26 @@ class _Session:
             return await asyncio.wait_for(self._request(digest, offset, length), timeout_s)
         except (TimeoutError, asyncio.TimeoutError):
             raise _AttemptFailed("timeout", f"no reply to a chunk request within {timeout_s:.1f} s") from None
-        except _ProtocolError as e:
+        except ProtocolError as e:
             reason = "disconnected" if e.reason == "truncated" else "malformed"
             raise _AttemptFailed(reason, str(e)) from None
         except (ConnectionError, OSError) as e:
             raise _AttemptFailed("disconnected", _one_line(e)) from None
 
     async def _request(self, digest: str, offset: int, length: int) -> ChunkReply:
-        await _write_frame(self.writer, {"digest": digest, "offset": offset, "length": length})
-        header = await _read_frame(self.reader)
+        await write_frame(self.writer, {"digest": digest, "offset": offset, "length": length})
+        header = await read_frame(self.reader, max_header_bytes=_MAX_HEADER_BYTES, eof_ok=True)
         if header is None:
-            raise _ProtocolError("truncated", "the donor hung up without a reply")
+            raise ProtocolError("truncated", "the donor hung up without a reply")
         status = header.get("status")
         if not isinstance(status, str) or status not in _STATUSES:
-            raise _ProtocolError("malformed", f"status {str(status)[:40]!r}")
+            raise ProtocolError("malformed", f"status {str(status)[:40]!r}")
         if status != STATUS_OK:
             return ChunkReply(status=status, reason=str(header.get("reason", ""))[:200])
         size, num_bytes = header.get("size"), header.get("length")
         if not _is_int(size) or num_bytes != length:
-            raise _ProtocolError("malformed", f"ok reply with size {size!r}, length {num_bytes!r} for {length}")
-        try:
-            data = await self.reader.readexactly(length)
-        except asyncio.IncompleteReadError as e:
-            raise _ProtocolError("truncated", f"{len(e.partial)} of {length} payload bytes") from None
+            raise ProtocolError("malformed", f"ok reply with size {size!r}, length {num_bytes!r} for {length}")
+        data = await read_exactly(self.reader, length)
         return ChunkReply(status=status, size=size, data=data)
 
     async def close(self) -> None:
@@ -831,25 +787,8 @@ async def fetch_shards(
 # --- synchronous facade -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class _Runtime:
-    loop: asyncio.AbstractEventLoop
-    stop: asyncio.Event
-    p2p: P2P
-    server: ShardServer
-
-
-def _run_loop(main: Coroutine[Any, Any, None]) -> None:
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main)
-    else:
-        uvloop.run(main)
-
-
 class ShardExchange:
-    """Serves `source` and fetches shards from a background thread with its own event loop (uvloop).
+    """Serves `source` and fetches shards on the DHT's network runtime (`bootstrap.runtime`).
 
     Thread-safe; fetches may run concurrently. One exchange per DHT: a second one on the same daemon
     takes over the `swarm.shards.v1` handler. Use as a context manager or call `close()`.
@@ -867,20 +806,8 @@ class ShardExchange:
             raise TypeError(f"source: expected a ShardSource (has, size, read_range), got {type(source).__name__}")
         self._config = config if config is not None else ExchangeConfig()
         self._source = source
-        self._lock = threading.Lock()
-        self._closed = False
-        self._ready: concurrent.futures.Future[_Runtime] = concurrent.futures.Future()
-        self._runtime: _Runtime | None = None
-        self._thread = threading.Thread(target=self._run, args=(dht,), name="swarm-shard-exchange", daemon=True)
-        self._thread.start()
-        try:
-            self._runtime = self._ready.result(timeout=start_timeout_s)
-        except BaseException as e:
-            self._ready.cancel()  # tells a late start-up to shut itself down
-            self.close()
-            if isinstance(e, concurrent.futures.TimeoutError):
-                raise TimeoutError(f"the shard exchange did not start within {start_timeout_s:.1f} s") from None
-            raise RuntimeError(f"cannot start the shard exchange: {_one_line(e)}") from e
+        self._served = Served(dht, lambda p2p: ShardServer(source, self._config, p2p=p2p), what="the shard exchange",
+                              start_timeout_s=start_timeout_s)
 
     @property
     def config(self) -> ExchangeConfig:
@@ -889,44 +816,11 @@ class ShardExchange:
     @property
     def server(self) -> ShardServer:
         """The shard server; its counters stay readable after `close()`."""
-        assert self._runtime is not None  # the constructor raises unless it started
-        return self._runtime.server
+        return self._served.server
 
     @property
     def peer_id(self) -> str:
-        return str(self._require_runtime().p2p.peer_id)
-
-    def _require_runtime(self) -> _Runtime:
-        if self._closed or self._runtime is None:
-            raise RuntimeError("the shard exchange is closed")
-        return self._runtime
-
-    def _run(self, dht: hivemind.DHT) -> None:
-        try:
-            _run_loop(self._main(dht))
-        except BaseException as e:
-            if not self._ready.done():
-                with contextlib.suppress(concurrent.futures.InvalidStateError):
-                    self._ready.set_exception(e)
-            else:
-                logger.warning("shard exchange loop ended with an error: %s", _one_line(e))
-
-    async def _main(self, dht: hivemind.DHT) -> None:
-        p2p = await open_p2p_replica(dht)
-        try:
-            server = ShardServer(self._source, self._config, p2p=p2p)
-            await server.start()
-            try:
-                runtime = _Runtime(loop=asyncio.get_running_loop(), stop=asyncio.Event(), p2p=p2p, server=server)
-                try:
-                    self._ready.set_result(runtime)
-                except concurrent.futures.InvalidStateError:
-                    return  # the constructor gave up waiting
-                await runtime.stop.wait()
-            finally:
-                await server.stop()
-        finally:
-            await p2p.shutdown()
+        return str(self._served.p2p.peer_id)
 
     def fetch(
         self,
@@ -941,7 +835,7 @@ class ShardExchange:
         Returns ({digest: bytes}, report). Raises `FetchError` (its `report` attached) when a shard
         cannot be had, `ValueError`/`TypeError` for malformed arguments, `RuntimeError` once closed.
         """
-        runtime = self._require_runtime()
+        p2p = self._served.p2p
         config = self._config
         if timeout_s is not None:
             _check_seconds("timeout_s", timeout_s)
@@ -949,29 +843,18 @@ class ShardExchange:
         _check_wanted(wanted, partial)  # raise argument errors in the caller's thread
         _validated_donors(donors, "")
         report = FetchReport()
-        coro = fetch_shards(runtime.p2p, wanted, donors, config, partial=partial, report=report)
-        future = asyncio.run_coroutine_threadsafe(coro, runtime.loop)
+        coro = fetch_shards(p2p, wanted, donors, config, partial=partial, report=report)
         try:
-            shards = future.result(timeout=config.fetch_timeout_s + _RPC_TIMEOUT_S)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
+            shards = self._served.call(coro, timeout_s=config.fetch_timeout_s + _RPC_TIMEOUT_S)
+        except TimeoutError:
             raise FetchError(
                 f"the fetch did not end within {config.fetch_timeout_s:.1f} s", reason="timeout", report=report
             ) from None
         return shards, report
 
     def close(self, *, timeout_s: float = 10.0) -> None:
-        """Unregister the handler, stop the loop and join the thread (up to `timeout_s`); idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        if self._runtime is not None:
-            with contextlib.suppress(RuntimeError):  # the loop is already closed
-                self._runtime.loop.call_soon_threadsafe(self._runtime.stop.set)
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            logger.warning("the shard exchange thread did not stop within %.1f s", timeout_s)
+        """Unregister the handler and cut off its streams; idempotent."""
+        self._served.close(timeout_s=timeout_s)
 
     def __enter__(self) -> ShardExchange:
         return self

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import struct
 import threading
 import time
 from collections import Counter
@@ -28,11 +27,11 @@ import hivemind
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
-from peers.p2p_service import P2PService
+from bootstrap.framing import ProtocolError, read_blob, write_blob
+from bootstrap.runtime import Handler
 
 logger = logging.getLogger(__name__)
 
-_LEN = struct.Struct(">I")
 MAX_MANIFEST_BYTES = 1 << 20
 _FROM_INDEX = "DHT index"
 
@@ -97,11 +96,9 @@ class ManifestGossip:
         """Anti-entropy reads of the DHT index made so far (the others were skipped: pushes arrived)."""
         self._last_push = -float("inf")
         self._lock = threading.Lock()
-        self._service = P2PService(dht, handler_name=f"swarm.gossip.v1.{run_id}", handler=self._serve,
-                                   thread_name=f"swarm-gossip-{run_id}", background=self._pull_periodically,
-                                   start_timeout_s=start_timeout_s)
-        self._loop, self._p2p = self._service.loop, self._service.p2p
-        self._handler = self._service.handler_name
+        self._service = Handler(dht, handler_name=f"swarm.gossip.v1.{run_id}", handler=self._serve,
+                                background=self._pull_periodically, start_timeout_s=start_timeout_s)
+        self._p2p = self._service.p2p
         self.peer_id = str(self._p2p.peer_id)
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -111,12 +108,12 @@ class ManifestGossip:
     # ------------------------------------------------------------------------------------ api
     def publish(self, data: bytes, *, timeout_s: float = 30.0) -> bool:
         """Offer a manifest (e.g. one this peer just sealed); True if it was new and valid."""
-        future = asyncio.run_coroutine_threadsafe(self._accept(data, source=None), self._loop)
+        future = self._service.submit(self._accept(data, source=None))
         return future.result(timeout=timeout_s)
 
     def fetch_newest_from_index(self, *, timeout_s: float = 30.0) -> bytes | None:
         """The newest valid manifest announced in the run's DHT index (for a peer that was away)."""
-        future = asyncio.run_coroutine_threadsafe(self._from_index(), self._loop)
+        future = self._service.submit(self._from_index())
         return future.result(timeout=timeout_s)
 
     # ------------------------------------------------------------------------------------ internals
@@ -161,10 +158,9 @@ class ManifestGossip:
         try:
             async with asyncio.timeout(self.config.push_timeout_s):
                 _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer),
-                                                                               self._handler)
+                                                                               self._service.handler_name)
                 try:
-                    writer.write(_LEN.pack(len(data)) + data)
-                    await writer.drain()
+                    await write_blob(writer, data)
                     await reader.read(1)  # the receiver hangs up once it has read everything
                 finally:
                     writer.close()
@@ -176,13 +172,12 @@ class ManifestGossip:
         source = str(info.peer_id)
         try:
             async with asyncio.timeout(self.config.push_timeout_s):
-                (length,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-                if length > MAX_MANIFEST_BYTES:
-                    self.rejected["oversized"] += 1
-                    return
-                data = await reader.readexactly(length)
+                data = await read_blob(reader, max_bytes=MAX_MANIFEST_BYTES)
             self.received += 1
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, struct.error):
+        except ProtocolError as e:
+            self.rejected[e.reason] += 1
+            return
+        except (asyncio.TimeoutError, ConnectionError):
             self.rejected["truncated"] += 1
             return
         except asyncio.CancelledError:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import hivemind
 import torch
@@ -260,6 +261,29 @@ class CheckpointManager:
                 last_error = e
                 logger.info(f"could not download sealed step {newest.step}: {e!r}; asking for the newest again")
         raise RuntimeError(f"no sealed checkpoint could be downloaded in {attempts} attempts: {last_error!r}")
+
+    def resume(self, outer: Any, *, timeout_s: float, newer_than: int | None = None) -> tuple[Manifest | None, str | None]:
+        """Load the run's newest sealed state into ``outer`` (a `swarm.outer.DiLoCo`) if it fits it.
+
+        Returns (manifest, None) once loaded, (None, problem) when one was refused or could not be had
+        (logged), and (None, None) when there is none (with ``newer_than``: none sealed after that round)."""
+        try:
+            loaded = self.load_newest(timeout_s=timeout_s, newer_than=newer_than)
+        except Exception as e:  # a bad or unreachable checkpoint: say why; the caller trains on
+            logger.warning(f"could not load the newest sealed checkpoint: {e!r}")
+            return None, "sealed checkpoint"
+        if loaded is None:
+            return None, None
+        manifest, state = loaded
+        problem = outer.state_dict_problem(state)
+        if newer_than is not None and manifest.round <= newer_than:
+            problem = f"sealed at round {manifest.round}, not after this peer's round {newer_than}"
+        if problem is not None:
+            logger.warning(f"rejected the sealed checkpoint: {problem}")
+            return None, f"sealed checkpoint: {problem}"
+        outer.load_state_dict(state, round_=manifest.round)
+        logger.info(f"resumed from sealed checkpoint {manifest.digest()[:12]} at round {manifest.round}")
+        return manifest, None
 
     def _download(self, manifest: Manifest, *, timeout_s: float) -> dict[str, torch.Tensor]:
         missing = self.store.missing_shards(manifest)

@@ -1,0 +1,272 @@
+"""One network runtime per process and DHT: a single event loop (uvloop) in one thread, over a single
+P2P replica of the DHT's daemon, hosting every stream handler (averaging, gossip, shard exchange,
+bandwidth probes) and every client call of the components built on that DHT.
+
+Components share it by reference count: `NetworkRuntime.acquire(dht)` returns the DHT's runtime,
+starting it on first use; `release()` stops the loop and shuts the replica down after the last user
+let go. `Handler` registers one stream handler (and an optional background task) on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Generic, Protocol, TypeVar
+
+import hivemind
+from hivemind.p2p import P2P
+from hivemind.utils.multiaddr import Multiaddr
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+StreamHandler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+_RPC_TIMEOUT_S = 30.0
+
+
+async def _daemon_listen_maddr(_dht: hivemind.DHT, node: hivemind.DHTNode) -> str:
+    return str(node.p2p.daemon_listen_maddr)
+
+
+async def open_p2p_replica(dht: hivemind.DHT, *, timeout_s: float = _RPC_TIMEOUT_S) -> P2P:
+    """A new `P2P` on `dht`'s daemon, bound to the running event loop and owned by the caller.
+
+    Unlike `DHT.replicate_p2p`, which caches one replica per process (bound to the event loop that
+    made it, and dead once that loop closes), every call returns a fresh one. Shut it down with
+    `await p2p.shutdown()`. Raises `TimeoutError` if the DHT process does not answer in time.
+    """
+    future = dht.run_coroutine(_daemon_listen_maddr, return_future=True)
+    try:
+        maddr = await asyncio.wait_for(future, timeout_s)
+    except asyncio.TimeoutError:
+        future.cancel()
+        raise TimeoutError(f"the DHT process did not answer within {timeout_s:.1f} s") from None
+    return await asyncio.wait_for(P2P.replicate(Multiaddr(maddr)), timeout_s)
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(f"{type(error).__name__}: {error}".split())
+
+
+class NetworkRuntime:
+    """The event loop and P2P replica every component on one DHT shares (see the module docstring).
+
+    ``loop`` and ``p2p`` are for coroutines run with `submit` or `call`; both are thread-safe.
+    """
+
+    _lock = threading.Lock()
+    _by_dht: dict[int, NetworkRuntime] = {}
+    """Live runtimes by id() of their DHT; each holds its DHT (``_dht``), so no id is reused meanwhile."""
+
+    def __init__(self, dht: hivemind.DHT, *, start_timeout_s: float) -> None:
+        self._dht, self._dht_key = dht, id(dht)
+        self._users = 0
+        self._stop_requested = False
+        self._ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(dht,), name="swarm-network", daemon=True)
+        self._thread.start()
+        try:
+            self.loop, self.p2p, self._stop = self._ready.result(timeout=start_timeout_s)
+        except BaseException as e:
+            self._ready.cancel()  # tells a late start-up to shut itself down
+            if isinstance(e, concurrent.futures.TimeoutError):
+                raise TimeoutError(f"the network runtime did not start within {start_timeout_s:.1f} s") from None
+            raise RuntimeError(f"cannot start the network runtime: {_one_line(e)}") from e
+        self.peer_id = str(self.p2p.peer_id)
+
+    @classmethod
+    def acquire(cls, dht: hivemind.DHT, *, start_timeout_s: float = 30.0) -> NetworkRuntime:
+        """The runtime of `dht` in this process (started now if it is the first user); `release()` it."""
+        with cls._lock:
+            runtime = cls._by_dht.get(id(dht))
+            if runtime is None or runtime._dht is not dht or not runtime.alive:
+                runtime = cls(dht, start_timeout_s=start_timeout_s)
+                cls._by_dht[id(dht)] = runtime
+            runtime._users += 1
+            return runtime
+
+    @classmethod
+    def count(cls) -> int:
+        """Runtimes alive in this process (one per DHT in use; tests count them)."""
+        with cls._lock:
+            return sum(1 for runtime in cls._by_dht.values() if runtime.alive)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop_requested
+
+    def _run(self, dht: hivemind.DHT) -> None:
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvloop is a dependency
+            runner: Callable[[Coroutine[Any, Any, None]], None] = asyncio.run
+        else:
+            runner = uvloop.run
+        try:
+            runner(self._main(dht))
+        except BaseException as e:
+            if not self._ready.done():
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    self._ready.set_exception(e)
+            else:
+                logger.warning("the network runtime's loop ended with an error: %s", _one_line(e))
+
+    async def _main(self, dht: hivemind.DHT) -> None:
+        p2p = await open_p2p_replica(dht)
+        try:
+            stop = asyncio.Event()
+            try:
+                self._ready.set_result((asyncio.get_running_loop(), p2p, stop))
+            except concurrent.futures.InvalidStateError:
+                return  # the caller gave up waiting
+            await stop.wait()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5.0)
+        finally:
+            with contextlib.suppress(Exception):
+                await p2p.shutdown()
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run `coroutine` on the runtime's loop; returns a concurrent future."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def call(self, coroutine: Coroutine[Any, Any, T], *, timeout_s: float) -> T:
+        """Run `coroutine` on the loop and wait up to `timeout_s` for it (then cancel it, raise TimeoutError)."""
+        future = self.submit(coroutine)
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"no result within {timeout_s:.1f} s") from None
+
+    def release(self, *, timeout_s: float = 10.0) -> None:
+        """One user let go; the last one stops the loop and shuts the replica down (waits up to `timeout_s`)."""
+        with self._lock:
+            self._users -= 1
+            if self._users > 0:
+                return
+            self._stop_requested = True
+            if NetworkRuntime._by_dht.get(self._dht_key) is self:
+                del NetworkRuntime._by_dht[self._dht_key]
+        with contextlib.suppress(RuntimeError):  # the loop is already closed
+            self.loop.call_soon_threadsafe(self._stop.set)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.warning("the network runtime did not stop within %.1f s", timeout_s)
+
+
+class Handler:
+    """Serves `handler` under `handler_name` on the DHT's runtime until `close()`; `background(stop)`,
+    if given, runs beside it and is cancelled at close. ``loop`` and ``p2p`` are the runtime's."""
+
+    def __init__(self, dht: hivemind.DHT, *, handler_name: str, handler: StreamHandler,
+                 background: Callable[[asyncio.Event], Awaitable[None]] | None = None,
+                 start_timeout_s: float = 30.0):
+        self.handler_name = handler_name
+        self.runtime = NetworkRuntime.acquire(dht, start_timeout_s=start_timeout_s)
+        self.loop, self.p2p = self.runtime.loop, self.runtime.p2p
+        self._closed = False
+        try:
+            self._stop, self._task = self.runtime.call(self._start(handler, background), timeout_s=start_timeout_s)
+        except BaseException:
+            self.runtime.release()
+            raise
+
+    async def _start(self, handler: StreamHandler, background: Any) -> tuple[asyncio.Event, asyncio.Task | None]:
+        await self.p2p.add_binary_stream_handler(self.handler_name, handler)
+        stop = asyncio.Event()
+        return stop, (asyncio.create_task(background(stop)) if background is not None else None)
+
+    async def _stop_serving(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        with contextlib.suppress(Exception):
+            await self.p2p.remove_binary_stream_handler(self.handler_name)
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run `coroutine` on the runtime's loop; returns a concurrent future."""
+        return self.runtime.submit(coroutine)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop serving and let the runtime go. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self.runtime.call(self._stop_serving(), timeout_s=timeout_s / 2)
+        self.runtime.release(timeout_s=timeout_s)
+
+
+class Server(Protocol):
+    """A protocol server on a `P2P`: registers its handler in `start` and cuts its streams off in `stop`."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+S = TypeVar("S", bound=Server)
+
+
+class Served(Generic[S]):
+    """A `Server` made by ``make(p2p)`` and started on the DHT's runtime; `call` runs the owner's
+    coroutines beside it, `close` stops it (idempotent). ``what`` names it in errors."""
+
+    def __init__(self, dht: hivemind.DHT, make: Callable[[P2P], S], *, what: str, start_timeout_s: float = 30.0):
+        self.what = what
+        self._lock = threading.Lock()
+        self._closed = False
+        try:
+            self.runtime = NetworkRuntime.acquire(dht, start_timeout_s=start_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"{what} did not start within {start_timeout_s:.1f} s") from None
+        except RuntimeError as e:
+            raise RuntimeError(f"cannot start {what}: {e}") from e
+        try:
+            self.server: S = make(self.runtime.p2p)
+            self.runtime.call(self.server.start(), timeout_s=start_timeout_s)
+        except BaseException as e:
+            self.runtime.release()
+            if isinstance(e, TimeoutError):
+                raise TimeoutError(f"{what} did not start within {start_timeout_s:.1f} s") from None
+            raise RuntimeError(f"cannot start {what}: {_one_line(e)}") from e
+
+    @property
+    def p2p(self) -> P2P:
+        self.check_open()
+        return self.runtime.p2p
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.what} is closed")
+
+    def call(self, coroutine: Coroutine[Any, Any, T], *, timeout_s: float) -> T:
+        """Run ``coroutine`` on the runtime and wait up to ``timeout_s`` (TimeoutError, then cancelled)."""
+        if self._closed:
+            coroutine.close()
+            raise RuntimeError(f"{self.what} is closed")
+        return self.runtime.call(coroutine, timeout_s=timeout_s)
+
+    def close(self, *, timeout_s: float = 10.0) -> None:
+        """Stop the server (its streams are cut off) and let the runtime go; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self.runtime.call(self.server.stop(), timeout_s=timeout_s / 2)
+        except Exception as e:
+            logger.warning("%s did not stop cleanly: %s", self.what, _one_line(e))
+        self.runtime.release(timeout_s=timeout_s)

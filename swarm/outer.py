@@ -1,0 +1,120 @@
+"""The DiLoCo outer optimizer: the global copy of a model's parameters and the outer step on it.
+
+Like torchft's ``DiLoCo`` over an injected manager, it knows nothing of the network: the trainer
+asks it for the round's pseudo-gradient, hands the averaged one back to `step`, and keeps its
+`state_dict` in sealed checkpoints.
+
+    delta  = global_params - local_params                 (this peer's pseudo-gradient, flat fp32)
+    global = outer_optimizer(global, grad=averaged delta) (Nesterov SGD; lr 1, momentum 0: averaging)
+    local  = global                                       (copied into the model)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from swarm.recipe import OuterSettings
+
+
+@dataclass(frozen=True, slots=True)
+class PseudoGradient:
+    """One round's input: this peer's pseudo-gradient and the global state it was taken against."""
+
+    delta: torch.Tensor
+    """global - local parameters, flat fp32."""
+    state: torch.Tensor
+    """The global parameters then the outer momentum, flat fp32 (what members agree on)."""
+    digest: str
+    """A short digest of ``state``: members holding different global state see different digests."""
+
+
+class DiLoCo:
+    """The outer optimizer over ``params`` (a model's trainable parameters, in order, named ``names``).
+
+    Thread-safe: the training thread steps it while a checkpoint is sealed or loaded from another.
+    """
+
+    def __init__(self, names: Sequence[str], params: Sequence[torch.Tensor], settings: OuterSettings) -> None:
+        self.names, self.params, self.settings = tuple(names), tuple(params), settings
+        self.round = 0
+        """The run's round counter: rounds applied to the global state (or the sealed state's round)."""
+        self._lock = threading.Lock()
+        self._global = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
+        self._optimizer = torch.optim.SGD(self._global, lr=settings.lr, momentum=settings.momentum,
+                                          nesterov=settings.momentum > 0)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self._global)
+
+    def _momentum(self, param: torch.Tensor) -> torch.Tensor:
+        buf = self._optimizer.state.get(param, {}).get("momentum_buffer")
+        return buf if buf is not None else torch.zeros_like(param)
+
+    def pseudo_gradient(self, local: Sequence[torch.Tensor]) -> PseudoGradient:
+        """This round's pseudo-gradient of ``local`` (the model's parameters now, on the CPU in fp32)."""
+        with self._lock:
+            base = torch.cat([b.reshape(-1) for b in self._global])
+            momentum = torch.cat([self._momentum(b).reshape(-1) for b in self._global])
+        delta = base - torch.cat([t.reshape(-1) for t in local])
+        digest = hashlib.sha256(base.numpy().tobytes() + momentum.numpy().tobytes()).hexdigest()[:32]
+        return PseudoGradient(delta=delta, state=torch.cat([base, momentum]), digest=digest)
+
+    def step(self, delta: torch.Tensor, *, next_round: int, new_state: torch.Tensor | None = None) -> None:
+        """global <- outer_optimizer(global, grad=delta), then copy it into the model.
+
+        ``new_state`` (parameters then momentum, flat; the group's averaged state) first replaces the
+        global state."""
+        with self._lock:
+            offset, total = 0, delta.numel()
+            for param in self._global:
+                numel = param.numel()
+                if new_state is not None:
+                    param.copy_(new_state[offset:offset + numel].view_as(param))
+                    if self.settings.momentum > 0:
+                        momentum = new_state[total + offset:total + offset + numel]
+                        self._optimizer.state[param]["momentum_buffer"] = momentum.view_as(param).clone()
+                param.grad = delta[offset:offset + numel].view_as(param).clone()
+                offset += numel
+            self._optimizer.step()
+            self._optimizer.zero_grad(set_to_none=True)
+            self._copy_to_model()
+            self.round = next_round
+
+    def _copy_to_model(self) -> None:
+        with torch.no_grad():
+            for param, base in zip(self.params, self._global):
+                param.copy_(base)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """``param/NAME`` and ``momentum/NAME`` for every parameter (copies): what a checkpoint seals."""
+        with self._lock:
+            state = {f"param/{name}": p.detach().clone() for name, p in zip(self.names, self._global)}
+            state.update({f"momentum/{name}": self._momentum(p).clone() for name, p in zip(self.names, self._global)})
+        return state
+
+    def state_dict_problem(self, state: dict[str, torch.Tensor]) -> str | None:
+        """Why ``state`` (untrusted: from a checkpoint) cannot be loaded into this optimizer, or None."""
+        expected = {f"{kind}/{n}": p for n, p in zip(self.names, self._global) for kind in ("param", "momentum")}
+        if set(state) != set(expected):
+            return "tensor names differ from this model's"
+        for name, want in expected.items():
+            got = state[name]
+            if got.shape != want.shape or got.dtype != want.dtype or not torch.isfinite(got).all():
+                return f"{name}: shape/dtype/values do not fit"
+        return None
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], *, round_: int) -> None:
+        """Install a checked ``state`` (see `state_dict_problem`) as the global state at ``round_``."""
+        with self._lock:
+            for name, base in zip(self.names, self._global):
+                base.copy_(state[f"param/{name}"])
+                if self.settings.momentum > 0:
+                    self._optimizer.state[base]["momentum_buffer"] = state[f"momentum/{name}"].clone()
+            self._copy_to_model()
+            self.round = round_
