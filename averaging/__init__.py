@@ -23,7 +23,19 @@ from averaging.faults import Crashed, FaultInjector
 from averaging.group import Group, GroupAverager, draw_groups
 
 __all__ = [
-    "AGGREGATOR_NAMES", "CODEC_NAMES", "AggregationResult", "AveragingConfig", "Contribution", "Crashed",
-    "FaultInjector", "Group", "GroupAverager", "RoundRecord", "aggregate", "draw_groups", "get_aggregator",
-    "get_codec", "wire_bytes",
+    "AGGREGATOR_NAMES",
+    "CODEC_NAMES",
+    "AggregationResult",
+    "AveragingConfig",
+    "Contribution",
+    "Crashed",
+    "FaultInjector",
+    "Group",
+    "GroupAverager",
+    "RoundRecord",
+    "aggregate",
+    "draw_groups",
+    "get_aggregator",
+    "get_codec",
+    "wire_bytes",
 ]

@@ -101,9 +101,7 @@ def _tensor_problem(tensor: object, *, numel: int) -> str | None:
     finite = torch.isfinite(tensor)
     if not bool(finite.all()):
         index = int((~finite).nonzero()[0])
-        return (
-            f"tensor has {int((~finite).sum())} non-finite values (index {index} is {float(tensor[index])})"
-        )
+        return f"tensor has {int((~finite).sum())} non-finite values (index {index} is {float(tensor[index])})"
     return None
 
 
@@ -300,15 +298,11 @@ def aggregate(
             rejected[sender] = reason
     accepted = [contribution for contribution in contributions if _sender_key(contribution) not in rejected]
     if not accepted:
-        raise ValueError(
-            f"no valid contribution to aggregate out of {len(contributions)}; rejected: {rejected}"
-        )
+        raise ValueError(f"no valid contribution to aggregate out of {len(contributions)}; rejected: {rejected}")
     if max_weight_ratio is not None:
         accepted = _cap_weights(accepted, ratio=max_weight_ratio)
     result = aggregator(accepted)
-    return AggregationResult(
-        tensor=result.tensor, included=result.included, rejected=rejected | result.rejected
-    )
+    return AggregationResult(tensor=result.tensor, included=result.included, rejected=rejected | result.rejected)
 
 
 # --- helpers ------------------------------------------------------------------------------------

@@ -171,8 +171,7 @@ class Int8Codec(Codec):
         if bad.any():
             block = int(np.argmax(bad))
             raise ValueError(
-                f"int8 message: absmax of block {block} is {float(absmax[block])!r}; "
-                "it must be finite and non-negative"
+                f"int8 message: absmax of block {block} is {float(absmax[block])!r}; it must be finite and non-negative"
             )
         codes = np.frombuffer(view, dtype=np.uint8, count=numel, offset=_INT8_HEADER.size + 4 * num_blocks)
         return _bnb_functional().dequantize_blockwise(
@@ -263,9 +262,7 @@ def _check_message(codec: Codec, data: bytes, *, numel: int) -> memoryview:
         raise ValueError(f"{codec.name} message: expected contiguous bytes: {error}") from None
     expected = codec.wire_bytes(numel)
     if view.nbytes != expected:
-        raise ValueError(
-            f"{codec.name} message: {view.nbytes} bytes, expected exactly {expected} for {numel} elements"
-        )
+        raise ValueError(f"{codec.name} message: {view.nbytes} bytes, expected exactly {expected} for {numel} elements")
     return view
 
 

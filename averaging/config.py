@@ -46,19 +46,29 @@ class AveragingConfig:
             raise ValueError(f"min_group_size must be >= 2, got {self.min_group_size!r}")
         if self.target_group_size < self.min_group_size:
             raise ValueError(f"target_group_size must be >= min_group_size, got {self.target_group_size!r}")
-        for name in ("matchmaking_time_s", "join_timeout_s", "sender_timeout_s", "reducer_timeout_s",
-                     "agreement_timeout_s", "round_timeout_s", "max_weight"):
+        for name in (
+            "matchmaking_time_s",
+            "join_timeout_s",
+            "sender_timeout_s",
+            "reducer_timeout_s",
+            "agreement_timeout_s",
+            "round_timeout_s",
+            "max_weight",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         if self.round_timeout_s <= self.matchmaking_time_s + self.join_timeout_s:
-            raise ValueError(f"round_timeout_s ({self.round_timeout_s!r}) must exceed matchmaking_time_s + join_timeout_s "
-                             f"({self.matchmaking_time_s!r} + {self.join_timeout_s!r})")
+            raise ValueError(
+                f"round_timeout_s ({self.round_timeout_s!r}) must exceed matchmaking_time_s + join_timeout_s "
+                f"({self.matchmaking_time_s!r} + {self.join_timeout_s!r})"
+            )
         if self.max_weight_ratio == 0:
             object.__setattr__(self, "max_weight_ratio", None)
         ratio = self.max_weight_ratio
-        if ratio is not None and not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool)
-                                      and math.isfinite(ratio) and ratio >= 1):
+        if ratio is not None and not (
+            isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and math.isfinite(ratio) and ratio >= 1
+        ):
             raise ValueError(f"max_weight_ratio must be None or a finite number >= 1, got {ratio!r}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts!r}")

@@ -15,8 +15,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from bootstrap.errors import SwarmError
 
-class Crashed(Exception):
+
+class Crashed(SwarmError):
     """Raised inside a crashed peer's step; the peer is gone from the others' point of view."""
 
 
@@ -50,4 +52,5 @@ class FaultInjector:
             else:
                 await averager.crash()
                 raise Crashed(f"{name} crashed in round {round_} during {phase}")
+
         averager.fault_hook = hook

@@ -134,9 +134,16 @@ class GroupAverager:
     within the round's deadline (the caller then keeps its own values).
     """
 
-    def __init__(self, dht: hivemind.DHT, *, prefix: str, config: AveragingConfig | None = None,
-                 bandwidth_mbps: Callable[[], float | None] | None = None, region: str | None = None,
-                 start_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        *,
+        prefix: str,
+        config: AveragingConfig | None = None,
+        bandwidth_mbps: Callable[[], float | None] | None = None,
+        region: str | None = None,
+        start_timeout_s: float = 30.0,
+    ):
         self.dht, self.prefix, self.region = dht, prefix, (region or "")[:64]
         self.config = config or AveragingConfig()
         self._bandwidth_mbps = bandwidth_mbps or (lambda: None)
@@ -151,8 +158,9 @@ class GroupAverager:
         self._state_added = asyncio.Event()
         self._active_serves = 0
         self._lonely = False
-        self._service = Handler(dht, handler_name=self._handler_name, handler=self._handle_stream,
-                                start_timeout_s=start_timeout_s)
+        self._service = Handler(
+            dht, handler_name=self._handler_name, handler=self._handle_stream, start_timeout_s=start_timeout_s
+        )
         self._loop, self._p2p = self._service.loop, self._service.p2p
         self.peer_id = str(self._p2p.peer_id)
 
@@ -188,8 +196,9 @@ class GroupAverager:
                 await outcome
 
     # ------------------------------------------------------------------------------------ step
-    def step(self, tensor: torch.Tensor, *, weight: float, gather: Any = None,
-             timeout_s: float | None = None) -> tuple[torch.Tensor | None, RoundRecord, Group | None]:
+    def step(
+        self, tensor: torch.Tensor, *, weight: float, gather: Any = None, timeout_s: float | None = None
+    ) -> tuple[torch.Tensor | None, RoundRecord, Group | None]:
         """Average ``tensor`` (1-D float32) with a group; see the class docstring."""
         if tensor.dim() != 1 or tensor.dtype != torch.float32:
             raise ValueError(f"expected a 1-D float32 tensor, got {tuple(tensor.shape)} {tensor.dtype}")
@@ -201,7 +210,8 @@ class GroupAverager:
             record = RoundRecord(round=self._rounds)
             future = asyncio.run_coroutine_threadsafe(
                 self._step(tensor.detach().cpu().contiguous(), weight, gather, record, time.monotonic() + timeout_s),
-                self._loop)
+                self._loop,
+            )
             self._current = future
             try:
                 result, group = future.result(timeout=timeout_s + 10)
@@ -224,8 +234,9 @@ class GroupAverager:
         if current is not None:
             current.cancel()
 
-    def average_in_group(self, group: Group, tensor: torch.Tensor, *, weight: float, codec: str,
-                         timeout_s: float | None = None) -> tuple[torch.Tensor | None, RoundRecord]:
+    def average_in_group(
+        self, group: Group, tensor: torch.Tensor, *, weight: float, codec: str, timeout_s: float | None = None
+    ) -> tuple[torch.Tensor | None, RoundRecord]:
         """A second all-reduce among the members of an already formed ``group`` (no matchmaking).
 
         Every member must call it with the same group and codec; used, e.g., to average a second
@@ -236,8 +247,11 @@ class GroupAverager:
         with self._step_lock:
             record = RoundRecord(round=self._rounds)
             future = asyncio.run_coroutine_threadsafe(
-                self._allreduce(sub, tensor.detach().cpu().contiguous(), weight, record,
-                                time.monotonic() + timeout_s, codec), self._loop)
+                self._allreduce(
+                    sub, tensor.detach().cpu().contiguous(), weight, record, time.monotonic() + timeout_s, codec
+                ),
+                self._loop,
+            )
             try:
                 result, _lost = future.result(timeout=timeout_s + 10)
             except concurrent.futures.TimeoutError:
@@ -246,8 +260,9 @@ class GroupAverager:
             record.outcome = "failed" if result is None else "ok"
             return result, record
 
-    async def _step(self, tensor: torch.Tensor, weight: float, gather: Any, record: RoundRecord,
-                    deadline: float) -> tuple[torch.Tensor | None, Group | None]:
+    async def _step(
+        self, tensor: torch.Tensor, weight: float, gather: Any, record: RoundRecord, deadline: float
+    ) -> tuple[torch.Tensor | None, Group | None]:
         started = time.monotonic()
         group: Group | None = None
         try:
@@ -271,25 +286,37 @@ class GroupAverager:
                 survivors = tuple(m for m in group.members if m not in lost)
                 if len(survivors) < self.config.min_group_size:
                     break
-                group = Group(group_id=_derive_id(group.group_id, survivors), members=survivors,
-                              gathered={m: group.gathered.get(m) for m in survivors})
+                group = Group(
+                    group_id=_derive_id(group.group_id, survivors),
+                    members=survivors,
+                    gathered={m: group.gathered.get(m) for m in survivors},
+                )
             if result is not None:
-                record.outcome = ("retried" if record.attempts > 1 else
-                                  "ok" if set(record.included) == set(group.members) else "partial")
+                record.outcome = (
+                    "retried"
+                    if record.attempts > 1
+                    else "ok"
+                    if set(record.included) == set(group.members)
+                    else "partial"
+                )
             return result, group
         finally:
             record.phase_s["total"] = time.monotonic() - started
 
     # ------------------------------------------------------------------------------------ matchmaking
-    async def _form_group(self, gather: Any, record: RoundRecord, deadline: float,
-                          suspects: set[str]) -> Group | None:
+    async def _form_group(self, gather: Any, record: RoundRecord, deadline: float, suspects: set[str]) -> Group | None:
         cfg = self.config
         key = f"{self.prefix}.mm"
         looking_since = time.time()
         my_class = (self.region, bandwidth_class(self._bandwidth_mbps()))
         expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s
-        await self.dht.store(key, {"t": looking_since, "c": my_class[1], "r": self.region},
-                             expiration_time=expiration, subkey=self.peer_id, return_future=True)
+        await self.dht.store(
+            key,
+            {"t": looking_since, "c": my_class[1], "r": self.region},
+            expiration_time=expiration,
+            subkey=self.peer_id,
+            return_future=True,
+        )
         # the gathering window; it closes early once exactly a full group is looking and that view is
         # stable (what hivemind's leader does when its group fills up); more peers wait the whole
         # window, so that everyone draws the groups from the same list
@@ -305,8 +332,7 @@ class GroupAverager:
                 break
             previous = set(candidates)
         self._lonely = len(candidates) <= 1
-        chunk = next(c for c in draw_groups(candidates, cfg.target_group_size, cfg.min_group_size)
-                     if self.peer_id in c)
+        chunk = next(c for c in draw_groups(candidates, cfg.target_group_size, cfg.min_group_size) if self.peer_id in c)
         if len(chunk) < cfg.min_group_size:
             return None
         await self._fault("matchmaking", self.peer_id)
@@ -322,9 +348,14 @@ class GroupAverager:
         if found is not None and isinstance(found.value, dict):
             for subkey, item in found.value.items():
                 value = getattr(item, "value", None)
-                if (isinstance(subkey, str) and subkey not in suspects and isinstance(value, dict)
-                        and isinstance(value.get("c"), int) and isinstance(value.get("r", ""), str)
-                        and len(candidates) < 4 * _MAX_MEMBERS):
+                if (
+                    isinstance(subkey, str)
+                    and subkey not in suspects
+                    and isinstance(value, dict)
+                    and isinstance(value.get("c"), int)
+                    and isinstance(value.get("r", ""), str)
+                    and len(candidates) < 4 * _MAX_MEMBERS
+                ):
                     candidates.setdefault(subkey, (value.get("r", "")[:64], value["c"]))
         return candidates
 
@@ -344,8 +375,9 @@ class GroupAverager:
                 return None
             members = tuple(sorted([self.peer_id, *followers]))
             gathered = {self.peer_id: gather, **{m: lobby.joined[m] for m in followers}}
-            group = Group(group_id=_derive_id(self.peer_id + str(time.time()), members), members=members,
-                          gathered=gathered)
+            group = Group(
+                group_id=_derive_id(self.peer_id + str(time.time()), members), members=members, gathered=gathered
+            )
             lobby.final.set_result(group)
             return group
         finally:
@@ -372,8 +404,13 @@ class GroupAverager:
             members = tuple(header_field(reply, "members", list))
             gathered = header_field(reply, "gathered", dict)
             group_id = header_field(reply, "group_id", str)
-            if not (2 <= len(members) <= _MAX_MEMBERS and self.peer_id in members and leader in members
-                    and all(isinstance(m, str) for m in members) and len(set(members)) == len(members)):
+            if not (
+                2 <= len(members) <= _MAX_MEMBERS
+                and self.peer_id in members
+                and leader in members
+                and all(isinstance(m, str) for m in members)
+                and len(set(members)) == len(members)
+            ):
                 raise ProtocolError("bad group", "membership")
         except ProtocolError as e:
             self.rejected[e.reason] += 1
@@ -398,12 +435,21 @@ class GroupAverager:
         if group is None or peer not in group.members:
             await write_frame(writer, {"status": "not admitted"})
             return
-        await write_frame(writer, {"status": "ok", "group_id": group.group_id, "members": list(group.members),
-                                     "gathered": group.gathered})
+        await write_frame(
+            writer,
+            {"status": "ok", "group_id": group.group_id, "members": list(group.members), "gathered": group.gathered},
+        )
 
     # ------------------------------------------------------------------------------------ all-reduce
-    async def _allreduce(self, group: Group, tensor: torch.Tensor, weight: float, record: RoundRecord,
-                         deadline: float, codec: str | None = None) -> tuple[torch.Tensor | None, set[str]]:
+    async def _allreduce(
+        self,
+        group: Group,
+        tensor: torch.Tensor,
+        weight: float,
+        record: RoundRecord,
+        deadline: float,
+        codec: str | None = None,
+    ) -> tuple[torch.Tensor | None, set[str]]:
         """One attempt; returns (result, lost) where lost names reducers whose slice never came back."""
         cfg = self.config
         started = time.monotonic()
@@ -412,18 +458,36 @@ class GroupAverager:
         my_index = group.members.index(self.peer_id)
         lo, hi = bounds[my_index]
         codec = codec or cfg.codec
-        state = _ReduceState(group=group, my_index=my_index, numel=hi - lo, weight=weight, codec=codec,
-                             sender_deadline=min(deadline, started + cfg.sender_timeout_s))
+        state = _ReduceState(
+            group=group,
+            my_index=my_index,
+            numel=hi - lo,
+            weight=weight,
+            codec=codec,
+            sender_deadline=min(deadline, started + cfg.sender_timeout_s),
+        )
         state.parts[self.peer_id] = Contribution(sender=self.peer_id, tensor=tensor[lo:hi].clone(), weight=weight)
         self._states[group.group_id] = state
         self._state_added.set()
         self._state_added = asyncio.Event()
         try:
             reduce_task = asyncio.create_task(self._reduce(state, record))
-            send_tasks = {peer: asyncio.create_task(self._send_part(peer, group, i, tensor[a:b], weight, record,
-                                                                     min(deadline, started + cfg.reducer_timeout_s),
-                                                                     codec))
-                          for i, (peer, (a, b)) in enumerate(zip(group.members, bounds)) if peer != self.peer_id}
+            send_tasks = {
+                peer: asyncio.create_task(
+                    self._send_part(
+                        peer,
+                        group,
+                        i,
+                        tensor[a:b],
+                        weight,
+                        record,
+                        min(deadline, started + cfg.reducer_timeout_s),
+                        codec,
+                    )
+                )
+                for i, (peer, (a, b)) in enumerate(zip(group.members, bounds))
+                if peer != self.peer_id
+            }
             own = await reduce_task
             slices: dict[str, torch.Tensor | None] = {self.peer_id: own}
             for peer, task in send_tasks.items():
@@ -458,15 +522,22 @@ class GroupAverager:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(state.all_sets.wait(), max(0.0, agreement_deadline - time.monotonic()))
         survivors = frozenset.intersection(*state.received_sets.values())
-        logger.debug(f"{self.peer_id[-6:]} group {state.group.group_id[:6]}: received sets "
-                     f"{ {k[-6:]: sorted(x[-6:] for x in v) for k, v in state.received_sets.items()} }")
+        logger.debug(
+            f"{self.peer_id[-6:]} group {state.group.group_id[:6]}: received sets "
+            f"{ {k[-6:]: sorted(x[-6:] for x in v) for k, v in state.received_sets.items()} }"
+        )
         record.phase_s["agreement"] = time.monotonic() - started
         await self._fault("reduce", self.peer_id)
         contributions = [state.parts[s] for s in sorted(survivors)]
         try:
-            result = await asyncio.to_thread(aggregate, contributions, numel=state.numel,
-                                             aggregator=self.config.aggregator, max_weight=self.config.max_weight,
-                                             max_weight_ratio=self.config.max_weight_ratio)
+            result = await asyncio.to_thread(
+                aggregate,
+                contributions,
+                numel=state.numel,
+                aggregator=self.config.aggregator,
+                max_weight=self.config.max_weight,
+                max_weight_ratio=self.config.max_weight_ratio,
+            )
         except ValueError as e:
             record.fail(self.peer_id, "reduce", f"nothing to aggregate: {e}")
             state.result.set_result(None)
@@ -479,7 +550,9 @@ class GroupAverager:
         # keep exactly the bytes the others receive: with a lossy codec the reducer's own copy of its
         # slice must be the decoded one too, or the members' results (and checkpoints) would differ
         codec = get_codec(state.codec)
-        return await asyncio.to_thread(lambda: codec.decode(codec.encode(result.tensor.contiguous()), numel=state.numel))
+        return await asyncio.to_thread(
+            lambda: codec.decode(codec.encode(result.tensor.contiguous()), numel=state.numel)
+        )
 
     async def _send_received_set(self, peer: str, state: _ReduceState, received: frozenset) -> None:
         """Tell ``peer`` which senders' parts this reducer took; retried until acknowledged, within the
@@ -490,8 +563,9 @@ class GroupAverager:
                 async with asyncio.timeout(max(0.05, deadline - time.monotonic())):
                     _, reader, writer = await self._open(peer)
                     try:
-                        await write_frame(writer, {"op": "received", "group_id": state.group.group_id,
-                                                     "senders": sorted(received)})
+                        await write_frame(
+                            writer, {"op": "received", "group_id": state.group.group_id, "senders": sorted(received)}
+                        )
                         if (await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)).get("status") == "ok":
                             return
                     finally:
@@ -502,8 +576,17 @@ class GroupAverager:
                 logger.debug(f"received-set to {peer[-6:]} failed: {e!r}")
             await asyncio.sleep(0.05)  # a short pause before retrying a failed stream, not a synchronisation
 
-    async def _send_part(self, peer: str, group: Group, index: int, part: torch.Tensor, weight: float,
-                         record: RoundRecord, reply_deadline: float, codec_name: str) -> torch.Tensor | None:
+    async def _send_part(
+        self,
+        peer: str,
+        group: Group,
+        index: int,
+        part: torch.Tensor,
+        weight: float,
+        record: RoundRecord,
+        reply_deadline: float,
+        codec_name: str,
+    ) -> torch.Tensor | None:
         codec = get_codec(codec_name)
         payload = await asyncio.to_thread(codec.encode, part.contiguous())  # CPU work off the event loop
         try:
@@ -511,9 +594,19 @@ class GroupAverager:
                 await self._fault("send", peer)
                 _, reader, writer = await self._open(peer)
                 try:
-                    record.bytes_sent += await write_frame(writer, {
-                        "op": "part", "group_id": group.group_id, "index": index, "numel": part.numel(),
-                        "weight": weight, "codec": codec_name, "payload_bytes": len(payload)}, payload)
+                    record.bytes_sent += await write_frame(
+                        writer,
+                        {
+                            "op": "part",
+                            "group_id": group.group_id,
+                            "index": index,
+                            "numel": part.numel(),
+                            "weight": weight,
+                            "codec": codec_name,
+                            "payload_bytes": len(payload),
+                        },
+                        payload,
+                    )
                     reply = await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)
                     if reply.get("status") != "ok":
                         raise ProtocolError("refused", str(reply.get("status"))[:100])
@@ -544,7 +637,9 @@ class GroupAverager:
             writer.close()
             return
         try:
-            header = await asyncio.wait_for(read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES), self.config.sender_timeout_s)
+            header = await asyncio.wait_for(
+                read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES), self.config.sender_timeout_s
+            )
             op = header.get("op")
             if op == "join":
                 await self._serve_join(peer, header, writer)
@@ -597,8 +692,9 @@ class GroupAverager:
         if set(state.received_sets) >= set(state.group.members):
             state.all_sets.set()
 
-    async def _serve_part(self, peer: str, header: dict, reader: asyncio.StreamReader,
-                          writer: asyncio.StreamWriter) -> None:
+    async def _serve_part(
+        self, peer: str, header: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         state = await self._find_state(header_field(header, "group_id", str))
         if peer not in state.group.members:
             raise ProtocolError("not a member", peer)
@@ -617,8 +713,9 @@ class GroupAverager:
         size = header_field(header, "payload_bytes", int, low=0, high=2**31)
         if size != wire_bytes(codec, state.numel):
             raise ProtocolError("bad size", f"{size} bytes")
-        payload = await asyncio.wait_for(read_exactly(reader, size),
-                                         max(0.01, state.sender_deadline - time.monotonic()))
+        payload = await asyncio.wait_for(
+            read_exactly(reader, size), max(0.01, state.sender_deadline - time.monotonic())
+        )
         try:
             part = await asyncio.to_thread(codec.decode, payload, numel=state.numel)
         except ValueError as e:

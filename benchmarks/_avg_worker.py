@@ -63,8 +63,11 @@ def sample_indices(numel: int) -> torch.Tensor:
 
 def checksum(result: torch.Tensor) -> dict[str, Any]:
     flat = result.detach().reshape(-1).float().contiguous()
-    return {"sum": float(flat.double().sum()), "samples": flat[sample_indices(flat.numel())].tolist(),
-            "digest": hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]}
+    return {
+        "sum": float(flat.double().sum()),
+        "samples": flat[sample_indices(flat.numel())].tolist(),
+        "digest": hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16],
+    }
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -118,8 +121,9 @@ def _start_dht(args: argparse.Namespace, deadline: float):
         write_json(rendezvous, {"maddrs": visible_maddrs(dht)})
         return dht
     maddrs = wait_json(rendezvous, deadline)["maddrs"]
-    return start_dht(maddrs, host_maddrs=host, nat_port_map=False,
-                     connect_timeout_s=max(1.0, deadline - time.monotonic()))
+    return start_dht(
+        maddrs, host_maddrs=host, nat_port_map=False, connect_timeout_s=max(1.0, deadline - time.monotonic())
+    )
 
 
 class _Ours(_Peer):
@@ -128,16 +132,32 @@ class _Ours(_Peer):
 
         self.dht = _start_dht(args, deadline)
         if args.victim is None:
-            config = AveragingConfig(matchmaking_time_s=args.matchmaking_s, aggregator="mean", codec=args.codec,
-                                     max_weight_ratio=None, max_weight=1e6,
-                                     min_group_size=args.world, target_group_size=args.world,
-                                     sender_timeout_s=args.sender_timeout_s,
-                                     reducer_timeout_s=2 * args.sender_timeout_s, round_timeout_s=args.timeout_s)
+            config = AveragingConfig(
+                matchmaking_time_s=args.matchmaking_s,
+                aggregator="mean",
+                codec=args.codec,
+                max_weight_ratio=None,
+                max_weight=1e6,
+                min_group_size=args.world,
+                target_group_size=args.world,
+                sender_timeout_s=args.sender_timeout_s,
+                reducer_timeout_s=2 * args.sender_timeout_s,
+                round_timeout_s=args.timeout_s,
+            )
         else:  # the old benchmark's figure: a dead sender costs about the sender timeout
-            config = AveragingConfig(matchmaking_time_s=args.matchmaking_s, aggregator="mean", codec=args.codec,
-                                     max_weight_ratio=None, max_weight=1e6,
-                                     min_group_size=2, target_group_size=args.world, sender_timeout_s=5.0,
-                                     reducer_timeout_s=10.0, agreement_timeout_s=2.0, round_timeout_s=60.0)
+            config = AveragingConfig(
+                matchmaking_time_s=args.matchmaking_s,
+                aggregator="mean",
+                codec=args.codec,
+                max_weight_ratio=None,
+                max_weight=1e6,
+                min_group_size=2,
+                target_group_size=args.world,
+                sender_timeout_s=5.0,
+                reducer_timeout_s=10.0,
+                agreement_timeout_s=2.0,
+                round_timeout_s=60.0,
+            )
         self.averager = GroupAverager(self.dht, prefix="avgbench", config=config)
         # the first int8 encode imports bitsandbytes (seconds of CPU, on the averager's event loop, where
         # it stalls joins and streams): a one-off start-up cost, paid here rather than in a round
@@ -148,9 +168,15 @@ class _Ours(_Peer):
 
     def round(self, tensor):
         out, record, _ = self.averager.step(tensor, weight=1.0)
-        return out, {"outcome": record.outcome, "bytes_sent": record.bytes_sent,
-                     "bytes_received": record.bytes_received, "phase_s": record.phase_s,
-                     "members": len(record.members), "included": len(record.included), "failures": record.failures}
+        return out, {
+            "outcome": record.outcome,
+            "bytes_sent": record.bytes_sent,
+            "bytes_received": record.bytes_received,
+            "phase_s": record.phase_s,
+            "members": len(record.members),
+            "included": len(record.included),
+            "failures": record.failures,
+        }
 
     def close(self):
         from bootstrap import stop_dht
@@ -167,6 +193,7 @@ def _killer(death_file: Path, round_to_die: int):
             await asyncio.sleep(0.3)
             write_json(death_file, {"wall": time.time()})
             os.kill(os.getpid(), signal.SIGKILL)
+
     return hook
 
 
@@ -179,11 +206,19 @@ class _Hivemind(_Peer):
         # HIVEMIND.md: its timeouts default to None (a silent peer stalls forever); request_timeout must be
         # below min_matchmaking_time
         self.averager = DecentralizedAverager(
-            [torch.zeros(args.numel)], self.dht, start=True, prefix="avgbench", target_group_size=args.world,
-            min_group_size=args.world, min_matchmaking_time=args.matchmaking_s,
-            request_timeout=min(3.0, args.matchmaking_s / 2), allreduce_timeout=t,
-            next_chunk_timeout=args.sender_timeout_s, sender_timeout=args.sender_timeout_s,
-            reducer_timeout=2 * args.sender_timeout_s)
+            [torch.zeros(args.numel)],
+            self.dht,
+            start=True,
+            prefix="avgbench",
+            target_group_size=args.world,
+            min_group_size=args.world,
+            min_matchmaking_time=args.matchmaking_s,
+            request_timeout=min(3.0, args.matchmaking_s / 2),
+            allreduce_timeout=t,
+            next_chunk_timeout=args.sender_timeout_s,
+            sender_timeout=args.sender_timeout_s,
+            reducer_timeout=2 * args.sender_timeout_s,
+        )
         self.timeout_s = t
 
     def round(self, tensor):
@@ -221,8 +256,9 @@ class _Gloo(_Peer):
         else:
             port = wait_json(rendezvous, deadline)["port"]
             store = dist.TCPStore(args.ip_rank0, port, args.world, is_master=False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world,
-                                timeout=timedelta(seconds=args.timeout_s))
+        dist.init_process_group(
+            "gloo", store=store, rank=args.rank, world_size=args.world, timeout=timedelta(seconds=args.timeout_s)
+        )
         self.dist, self.world = dist, args.world
         self.buffer = torch.empty(args.numel)
 
@@ -249,10 +285,15 @@ def _repeat(peer: _Peer, tensor: torch.Tensor, args: argparse.Namespace, repeat:
     end_wall = time.time()
     cpu_after = cpu_seconds_by_name()
     info.setdefault("began_wall", start_wall)
-    info.update(rank=args.rank, repeat=repeat, start_wall=start_wall, end_wall=end_wall,
-                round_s=end_wall - info["began_wall"],
-                cpu_s={k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items()},
-                checksum=checksum(result) if result is not None else None)
+    info.update(
+        rank=args.rank,
+        repeat=repeat,
+        start_wall=start_wall,
+        end_wall=end_wall,
+        round_s=end_wall - info["began_wall"],
+        cpu_s={k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items()},
+        checksum=checksum(result) if result is not None else None,
+    )
     write_json(out / f"result-{repeat}-{args.rank}.json", info)
 
 
@@ -270,10 +311,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=120.0, help="bound on every wait and on one round")
     parser.add_argument("--matchmaking-s", type=float, default=2.0)
-    parser.add_argument("--sender-timeout-s", type=float, default=30.0,
-                        help="ours' sender_timeout_s; hivemind's sender_timeout and next_chunk_timeout (reducer: 2x)")
-    parser.add_argument("--victim", type=int, default=None,
-                        help="this rank SIGKILLs itself at its first send of the last repeat")
+    parser.add_argument(
+        "--sender-timeout-s",
+        type=float,
+        default=30.0,
+        help="ours' sender_timeout_s; hivemind's sender_timeout and next_chunk_timeout (reducer: 2x)",
+    )
+    parser.add_argument(
+        "--victim", type=int, default=None, help="this rank SIGKILLs itself at its first send of the last repeat"
+    )
     args = parser.parse_args(argv)
     args.ip_rank0 = args.ip_rank0 or args.ip
     return args

@@ -23,11 +23,17 @@ def run_metadata(name: str, argv: list[str] | None, **extra: Any) -> dict[str, A
     import hivemind
     import torch
 
-    return {"benchmark": name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "hivemind": hivemind.__version__, **extra,
-            "command": shlex.join([sys.executable, "-m", f"benchmarks.{name}",
-                                   *(sys.argv[1:] if argv is None else argv)])}
+    return {
+        "benchmark": name,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "hivemind": hivemind.__version__,
+        **extra,
+        "command": shlex.join([sys.executable, "-m", f"benchmarks.{name}", *(sys.argv[1:] if argv is None else argv)]),
+    }
 
 
 def make_lab(kind: str, *, rate_mbit: float, num_hosts: int, console: Any) -> tuple[Any, str | None]:
@@ -49,6 +55,7 @@ def make_lab(kind: str, *, rate_mbit: float, num_hosts: int, console: Any) -> tu
 @contextmanager
 def signals_unwind() -> Iterator[None]:
     """SIGTERM unwinds like Ctrl+C, so every finally block (and the lab's close) runs."""
+
     def handler(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
@@ -70,14 +77,29 @@ def save_result(path: str | Path, result: Any) -> Path:
 _INITIAL_PEERS = re.compile(r"--initial-peers\s+(/\S+(?:\s+/\S+)*)")
 
 
-def start_bootstrap_node(lab: Any, host: int, *, work: Path, port: int = 0, env: dict[str, str] | None = None,
-                         timeout_s: float) -> tuple[Any, list[str] | None]:
+def start_bootstrap_node(
+    lab: Any, host: int, *, work: Path, port: int = 0, env: dict[str, str] | None = None, timeout_s: float
+) -> tuple[Any, list[str] | None]:
     """Start ``python -m bootstrap`` on lab host ``host`` (its log and identity in ``work``) and wait for the
     ``--initial-peers`` line it prints: ``(process, maddrs)``, maddrs None if it exited or printed none
     within ``timeout_s`` (the log is ``work/bootstrap.log``)."""
     log = work / "bootstrap.log"
-    proc = lab.spawn(host, [sys.executable, "-m", "bootstrap", "--host-maddrs", lab.hosts[host].maddr(port),
-                            "--identity", str(work / "bootstrap.id"), "--refresh-period-s", "300"], log=log, env=env)
+    proc = lab.spawn(
+        host,
+        [
+            sys.executable,
+            "-m",
+            "bootstrap",
+            "--host-maddrs",
+            lab.hosts[host].maddr(port),
+            "--identity",
+            str(work / "bootstrap.id"),
+            "--refresh-period-s",
+            "300",
+        ],
+        log=log,
+        env=env,
+    )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         match = _INITIAL_PEERS.search(log.read_text(errors="replace")) if log.exists() else None
@@ -99,4 +121,3 @@ def rising(curve: list[tuple[float, float]], *, tolerance: float = 0.02) -> bool
             return True
         best = min(best, loss)
     return False
-

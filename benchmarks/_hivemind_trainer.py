@@ -78,14 +78,17 @@ class _AveragingCounter(logging.Handler):
         message = record.getMessage()
         with self._counts_lock:
             if message.startswith(AVERAGED_LINE):
-                self.ok.append(int(message[len(AVERAGED_LINE):].split()[0]))
+                self.ok.append(int(message[len(AVERAGED_LINE) :].split()[0]))
             elif message.startswith(FAILED_LINE):
                 self.failed += 1
 
     def snapshot(self) -> dict[str, Any]:
         with self._counts_lock:
-            return {"averaged": len(self.ok), "failed": self.failed,
-                    "mean_group": sum(self.ok) / len(self.ok) if self.ok else None}
+            return {
+                "averaged": len(self.ok),
+                "failed": self.failed,
+                "mean_group": sum(self.ok) / len(self.ok) if self.ok else None,
+            }
 
 
 _MAIN_PID = os.getpid()
@@ -103,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks._hivemind_trainer", description=__doc__.splitlines()[0])
     parser.add_argument("role", choices=("dht", "solo", "hivemind", "dp"))
     parser.add_argument("--task", default="charlm", help="task of swarm.tasks (charlm, teacher)")
-    parser.add_argument("--lr-warmup-steps", type=int, default=0,
-                        help="linear warm-up of the learning rate over this many local steps")
+    parser.add_argument(
+        "--lr-warmup-steps", type=int, default=0, help="linear warm-up of the learning rate over this many local steps"
+    )
     parser.add_argument("--ip", default="127.0.0.1", help="dp: the address of rank 0's TCPStore")
     parser.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"])
     parser.add_argument("--initial-peers", nargs="*", default=[])
@@ -126,9 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--averaging-timeout-s", type=float, default=30.0)
     parser.add_argument("--sender-timeout-s", type=float, default=10.0)
     parser.add_argument("--reducer-timeout-s", type=float, default=20.0)
-    parser.add_argument("--ready-dir", default=None,
-                        help="hivemind: once the optimizer is built, mark this peer ready here and wait until "
-                             "--peers peers are, so no peer trains epochs alone while the others still start up")
+    parser.add_argument(
+        "--ready-dir",
+        default=None,
+        help="hivemind: once the optimizer is built, mark this peer ready here and wait until "
+        "--peers peers are, so no peer trains epochs alone while the others still start up",
+    )
     parser.add_argument("--ready-timeout-s", type=float, default=300.0)
     return parser
 
@@ -155,13 +162,23 @@ def make_hivemind_optimizer(model: torch.nn.Module, dht: Any, args: argparse.Nam
 
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     return Optimizer(
-        dht=dht, run_id=args.run_id, target_batch_size=args.peers * batch_size * args.sync_every,
-        batch_size_per_step=batch_size, optimizer=inner, use_local_updates=True,
-        matchmaking_time=args.matchmaking_time_s, averaging_timeout=args.averaging_timeout_s,
-        allreduce_timeout=args.averaging_timeout_s, next_chunk_timeout=args.sender_timeout_s,
-        averager_opts={"request_timeout": min(1.0, args.matchmaking_time_s / 2), "target_group_size": args.peers,
-                       "min_group_size": 2, "sender_timeout": args.sender_timeout_s,
-                       "reducer_timeout": args.reducer_timeout_s},
+        dht=dht,
+        run_id=args.run_id,
+        target_batch_size=args.peers * batch_size * args.sync_every,
+        batch_size_per_step=batch_size,
+        optimizer=inner,
+        use_local_updates=True,
+        matchmaking_time=args.matchmaking_time_s,
+        averaging_timeout=args.averaging_timeout_s,
+        allreduce_timeout=args.averaging_timeout_s,
+        next_chunk_timeout=args.sender_timeout_s,
+        averager_opts={
+            "request_timeout": min(1.0, args.matchmaking_time_s / 2),
+            "target_group_size": args.peers,
+            "min_group_size": 2,
+            "sender_timeout": args.sender_timeout_s,
+            "reducer_timeout": args.reducer_timeout_s,
+        },
         verbose=True,  # status lines at INFO: counted by _AveragingCounter
     )
 
@@ -173,8 +190,9 @@ def wait_for_peers(ready_dir: Path, *, index: int, num_peers: int, timeout_s: fl
     deadline = time.monotonic() + timeout_s
     while len(list(ready_dir.glob("*.ready"))) < num_peers:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"only {len(list(ready_dir.glob('*.ready')))} of {num_peers} peers were ready "
-                               f"within {timeout_s:.0f} s")
+            raise TimeoutError(
+                f"only {len(list(ready_dir.glob('*.ready')))} of {num_peers} peers were ready within {timeout_s:.0f} s"
+            )
         time.sleep(0.05)
 
 
@@ -198,8 +216,9 @@ def start_gloo(args: argparse.Namespace) -> Any:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no rendezvous from rank 0 within {args.ready_timeout_s:.0f} s")
             time.sleep(0.05)
-        store = dist.TCPStore(args.ip, json.loads(rendezvous.read_text())["port"], args.peers, is_master=False,
-                              timeout=timeout)
+        store = dist.TCPStore(
+            args.ip, json.loads(rendezvous.read_text())["port"], args.peers, is_master=False, timeout=timeout
+        )
     dist.init_process_group("gloo", store=store, rank=args.shard_index, world_size=args.peers, timeout=timeout)
     return dist
 
@@ -234,16 +253,30 @@ def train(args: argparse.Namespace, log: _Log, *, dht: Any = None, dist: Any = N
 
     def evaluate(step: int) -> None:
         extra = {"epoch": optimizer.local_epoch, **counter.snapshot()} if dht is not None else {}
-        log.emit("val", step=step, samples=step * batch_size,
-                 val_loss=task.evaluate(model, max_batches=args.eval_batches), **extra)
+        log.emit(
+            "val",
+            step=step,
+            samples=step * batch_size,
+            val_loss=task.evaluate(model, max_batches=args.eval_batches),
+            **extra,
+        )
 
     started, step = time.monotonic(), 0
     try:
         if dht is not None and args.ready_dir and args.role == "hivemind":
-            wait_for_peers(Path(args.ready_dir), index=args.shard_index, num_peers=args.peers,
-                           timeout_s=args.ready_timeout_s)
-        log.emit("start", pid=os.getpid(), role=args.role, params=num_params(model), batch_size=batch_size,
-                 shard=args.shard_index, num_shards=args.num_shards, steps=args.steps)
+            wait_for_peers(
+                Path(args.ready_dir), index=args.shard_index, num_peers=args.peers, timeout_s=args.ready_timeout_s
+            )
+        log.emit(
+            "start",
+            pid=os.getpid(),
+            role=args.role,
+            params=num_params(model),
+            batch_size=batch_size,
+            shard=args.shard_index,
+            num_shards=args.num_shards,
+            steps=args.steps,
+        )
         evaluate(0)
         started = time.monotonic()
         for step in range(1, args.steps + 1):
@@ -255,8 +288,9 @@ def train(args: argparse.Namespace, log: _Log, *, dht: Any = None, dist: Any = N
             if step % args.eval_every == 0 or step == args.steps:
                 evaluate(step)
     finally:
-        log.emit("done", step=step, train_s=time.monotonic() - started,
-                 **(counter.snapshot() if dht is not None else {}))
+        log.emit(
+            "done", step=step, train_s=time.monotonic() - started, **(counter.snapshot() if dht is not None else {})
+        )
         if dht is not None:
             optimizer.shutdown()
 

@@ -163,8 +163,13 @@ def check(results: list[dict], ref: Reference) -> dict[str, Any]:
         worst_sum = max(worst_sum, abs(result["checksum"]["sum"] - ref.sum) / ref.sum_tol)
     outcomes = Counter(str(r.get("outcome")) for r in results)
     ok = worst <= 1.0 and worst_sum <= 1.0 and set(outcomes) <= {"ok", "retried", "partial"}
-    return {"ok": ok, "max_err_over_tol": worst, "sum_err_over_tol": worst_sum, "outcomes": dict(outcomes),
-            "identical_across_ranks": len({r["checksum"]["digest"] for r in results}) == 1}
+    return {
+        "ok": ok,
+        "max_err_over_tol": worst,
+        "sum_err_over_tol": worst_sum,
+        "outcomes": dict(outcomes),
+        "identical_across_ranks": len({r["checksum"]["digest"] for r in results}) == 1,
+    }
 
 
 # --------------------------------------------------------------------------------------------- runs
@@ -186,12 +191,37 @@ class _Run:
         self.procs: list[subprocess.Popen] = []
 
     def _argv(self, rank: int) -> list[str]:
-        argv = [sys.executable, "-m", "benchmarks._avg_worker", "--mode", self.mode, "--rank", str(rank),
-                "--world", str(self.num_peers), "--numel", str(self.numel), "--ip", self.lab.hosts[rank].ip,
-                "--ip-rank0", self.lab.hosts[0].ip, "--dir", str(self.run_dir), "--codec", self.codec,
-                "--repeats", str(self.repeats), "--seed", str(SEED), "--timeout-s", f"{self.budget_s:.0f}",
-                "--matchmaking-s", str(MATCHMAKING_S),
-                "--sender-timeout-s", f"{_sender_timeout_s(self.num_peers, self.numel, self.lab.rate_mbit):.1f}"]
+        argv = [
+            sys.executable,
+            "-m",
+            "benchmarks._avg_worker",
+            "--mode",
+            self.mode,
+            "--rank",
+            str(rank),
+            "--world",
+            str(self.num_peers),
+            "--numel",
+            str(self.numel),
+            "--ip",
+            self.lab.hosts[rank].ip,
+            "--ip-rank0",
+            self.lab.hosts[0].ip,
+            "--dir",
+            str(self.run_dir),
+            "--codec",
+            self.codec,
+            "--repeats",
+            str(self.repeats),
+            "--seed",
+            str(SEED),
+            "--timeout-s",
+            f"{self.budget_s:.0f}",
+            "--matchmaking-s",
+            str(MATCHMAKING_S),
+            "--sender-timeout-s",
+            f"{_sender_timeout_s(self.num_peers, self.numel, self.lab.rate_mbit):.1f}",
+        ]
         return argv + (["--victim", str(self.victim)] if self.victim is not None else [])
 
     def _wait(self, rank: int, name: str, deadline: float) -> Any:
@@ -202,15 +232,19 @@ class _Run:
             for r, proc in enumerate(self.procs):
                 done = proc.poll() is not None and r != self.victim
                 if done and (proc.returncode != 0 or r == rank and not path.exists()):
-                    raise RunFailed(f"worker {r} exited with {proc.returncode}:\n"
-                                    f"{_log_tail(self.run_dir / f'worker{r}.log')}")
+                    raise RunFailed(
+                        f"worker {r} exited with {proc.returncode}:\n{_log_tail(self.run_dir / f'worker{r}.log')}"
+                    )
+
         return wait_json(path, deadline, alive=alive)
 
     def start(self) -> None:
         self.run_dir.mkdir(parents=True)
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        self.procs = [self.lab.spawn(rank, self._argv(rank), log=self.run_dir / f"worker{rank}.log", env=env)
-                      for rank in range(self.num_peers)]
+        self.procs = [
+            self.lab.spawn(rank, self._argv(rank), log=self.run_dir / f"worker{rank}.log", env=env)
+            for rank in range(self.num_peers)
+        ]
 
     def repeat(self, repeat: int) -> dict[str, Any]:
         """Release every worker at one wall-clock time; return their results and the hosts' counters."""
@@ -225,8 +259,11 @@ class _Run:
         ranks = [r for r in range(self.num_peers) if r != self.victim or repeat < self.repeats - 1]
         results = [self._wait(r, f"result-{repeat}-{r}.json", deadline) for r in ranks]
         after = _counters(self.lab, self.num_peers)
-        counters = None if before is None else [{k: a[k] - b[k] for k in ("tx_bytes", "rx_bytes")}
-                                                for a, b in zip(after, before)]
+        counters = (
+            None
+            if before is None
+            else [{k: a[k] - b[k] for k in ("tx_bytes", "rx_bytes")} for a, b in zip(after, before)]
+        )
         round_s = max(r["end_wall"] for r in results) - min(r["began_wall"] for r in results)
         return {"round_s": round_s, "start_wall": start_wall, "workers": results, "counters": counters}
 
@@ -242,8 +279,9 @@ class _Run:
             self.lab.stop(proc, grace_s=15)  # SIGTERM its process group if anything is left, then SIGKILL
 
 
-def run_method(lab: Lab, num_peers: int, numel: int, method: str, repeats: int, warmup: int,
-               run_dir: Path) -> dict[str, Any]:
+def run_method(
+    lab: Lab, num_peers: int, numel: int, method: str, repeats: int, warmup: int, run_dir: Path
+) -> dict[str, Any]:
     """`warmup` untimed rounds then `repeats` timed ones of one method; raw results plus the result
     check of every round (warm-up included) against the reference mean."""
     mode, _, codec = method.partition("-")
@@ -263,9 +301,15 @@ def run_method(lab: Lab, num_peers: int, numel: int, method: str, repeats: int, 
         r["check"] = check(r["workers"], ref)
         _drop_samples(r)
     ok = error is None and all(r["check"]["ok"] for r in raw)
-    return {"warmup": raw[:warmup], "repeats": raw[warmup:], "error": error,
-            "check": {"ok": ok, "max_err_over_tol": max((r["check"].get("max_err_over_tol", 0) for r in raw),
-                                                        default=None)}}
+    return {
+        "warmup": raw[:warmup],
+        "repeats": raw[warmup:],
+        "error": error,
+        "check": {
+            "ok": ok,
+            "max_err_over_tol": max((r["check"].get("max_err_over_tol", 0) for r in raw), default=None),
+        },
+    }
 
 
 def _drop_samples(raw_repeat: dict[str, Any]) -> None:
@@ -290,34 +334,58 @@ def sender_death(lab: Lab, num_peers: int, numel: int, run_dir: Path) -> dict[st
         run.stop()
     survivors = tuple(range(num_peers - 1))
     num_slices = max(r.get("members", num_peers) for r in raw["workers"])
-    result = {"peers": num_peers, "numel": numel, "sender_timeout_s": 5.0,
-              "death_to_round_end_s": max(r["end_wall"] for r in raw["workers"]) - death["wall"],
-              "death_after_start_s": death["wall"] - raw["start_wall"], "error": None,
-              "warmup_outcomes": dict(Counter(str(w.get("outcome")) for w in warmup["workers"])),
-              "check": check(raw["workers"], reference(numel, survivors, num_slices, "int8")), "raw": raw}
+    result = {
+        "peers": num_peers,
+        "numel": numel,
+        "sender_timeout_s": 5.0,
+        "death_to_round_end_s": max(r["end_wall"] for r in raw["workers"]) - death["wall"],
+        "death_after_start_s": death["wall"] - raw["start_wall"],
+        "error": None,
+        "warmup_outcomes": dict(Counter(str(w.get("outcome")) for w in warmup["workers"])),
+        "check": check(raw["workers"], reference(numel, survivors, num_slices, "int8")),
+        "raw": raw,
+    }
     _drop_samples(raw)
     return result
 
 
 # --------------------------------------------------------------------------------------------- summary
-def summarize(setting: str, rate_mbit: float | None, num_peers: int, numel: int, method: str,
-              run: dict[str, Any]) -> dict[str, Any]:
+def summarize(
+    setting: str, rate_mbit: float | None, num_peers: int, numel: int, method: str, run: dict[str, Any]
+) -> dict[str, Any]:
     codec = method.partition("-")[2] or "fp32"
     times = [r["round_s"] for r in run["repeats"]]
     tx = [sum(c["tx_bytes"] for c in r["counters"]) / num_peers for r in run["repeats"] if r["counters"]]
     rx = [sum(c["rx_bytes"] for c in r["counters"]) / num_peers for r in run["repeats"] if r["counters"]]
-    app = [statistics.mean(w["bytes_sent"] for w in r["workers"]) for r in run["repeats"]
-           if all("bytes_sent" in w for w in r["workers"])]
+    app = [
+        statistics.mean(w["bytes_sent"] for w in r["workers"])
+        for r in run["repeats"]
+        if all("bytes_sent" in w for w in r["workers"])
+    ]
     floor = floor_s(num_peers, 4 * numel, rate_mbit)
-    return {"setting": setting, "rate_mbit": rate_mbit, "peers": num_peers, "numel": numel,
-            "payload_bytes": 4 * numel, "method": method, "codec": codec, "round_s": times,
-            "median_s": statistics.median(times) if times and not run["error"] else None,
-            "min_s": min(times) if times and not run["error"] else None,
-            "floor_s": floor, "floor_wire_s": floor_s(num_peers, wire_bytes(get_codec(codec), numel), rate_mbit),
-            "tx_bytes_per_peer": tx or None, "rx_bytes_per_peer": rx or None, "app_bytes_sent_per_peer": app or None,
-            "check_ok": run["check"]["ok"], "error": run["error"], "check": run["check"],
-            "warmup_round_s": [r["round_s"] for r in run["warmup"]], "repeats": run["repeats"],
-            "warmup": run["warmup"]}
+    return {
+        "setting": setting,
+        "rate_mbit": rate_mbit,
+        "peers": num_peers,
+        "numel": numel,
+        "payload_bytes": 4 * numel,
+        "method": method,
+        "codec": codec,
+        "round_s": times,
+        "median_s": statistics.median(times) if times and not run["error"] else None,
+        "min_s": min(times) if times and not run["error"] else None,
+        "floor_s": floor,
+        "floor_wire_s": floor_s(num_peers, wire_bytes(get_codec(codec), numel), rate_mbit),
+        "tx_bytes_per_peer": tx or None,
+        "rx_bytes_per_peer": rx or None,
+        "app_bytes_sent_per_peer": app or None,
+        "check_ok": run["check"]["ok"],
+        "error": run["error"],
+        "check": run["check"],
+        "warmup_round_s": [r["round_s"] for r in run["warmup"]],
+        "repeats": run["repeats"],
+        "warmup": run["warmup"],
+    }
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -345,16 +413,40 @@ def _mb_sent(row: dict[str, Any]) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> Table:
-    out = Table(title="averaging round, one process per peer, matchmaking included "
-                      "(floor: fp32 payload; * = bytes counted by our averager, not the wire)")
-    for column in ("setting", "peers", "params", "method", "median s", "min s", "floor s", "/floor",
-                   "ours/hivemind", "ours/gloo", "MB sent/peer", "result check"):
+    out = Table(
+        title="averaging round, one process per peer, matchmaking included "
+        "(floor: fp32 payload; * = bytes counted by our averager, not the wire)"
+    )
+    for column in (
+        "setting",
+        "peers",
+        "params",
+        "method",
+        "median s",
+        "min s",
+        "floor s",
+        "/floor",
+        "ours/hivemind",
+        "ours/gloo",
+        "MB sent/peer",
+        "result check",
+    ):
         out.add_column(column, justify="right")
     for r in rows:
-        out.add_row(r["setting"], str(r["peers"]), f"{r['numel'] / 1e6:g}M", r["method"], _fmt(r["median_s"]),
-                    _fmt(r["min_s"]), _fmt(r["floor_s"]), _fmt(r["over_floor"]), _fmt(r["over_hivemind"]),
-                    _fmt(r["over_gloo"]), _mb_sent(r),
-                    "ok" if r["check_ok"] else f"FAILED{': ' + r['error'].splitlines()[0] if r['error'] else ''}")
+        out.add_row(
+            r["setting"],
+            str(r["peers"]),
+            f"{r['numel'] / 1e6:g}M",
+            r["method"],
+            _fmt(r["median_s"]),
+            _fmt(r["min_s"]),
+            _fmt(r["floor_s"]),
+            _fmt(r["over_floor"]),
+            _fmt(r["over_hivemind"]),
+            _fmt(r["over_gloo"]),
+            _mb_sent(r),
+            "ok" if r["check_ok"] else f"FAILED{': ' + r['error'].splitlines()[0] if r['error'] else ''}",
+        )
     return out
 
 
@@ -362,19 +454,34 @@ def table(rows: list[dict[str, Any]]) -> Table:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.averaging_round", description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--numel", type=int, nargs="+", default=[10_000_000, 25_000_000],
-                        help="fp32 values per peer (25M = 100 MB)")
-    parser.add_argument("--settings", nargs="+", default=["loopback", "100", "1000"],
-                        help="'loopback' or a link rate in Mbit/s (netns lab, tbf-shaped)")
+    parser.add_argument(
+        "--numel", type=int, nargs="+", default=[10_000_000, 25_000_000], help="fp32 values per peer (25M = 100 MB)"
+    )
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        default=["loopback", "100", "1000"],
+        help="'loopback' or a link rate in Mbit/s (netns lab, tbf-shaped)",
+    )
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="untimed rounds first (connections, lazy imports such as bitsandbytes'), still checked")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed rounds first (connections, lazy imports such as bitsandbytes'), still checked",
+    )
     parser.add_argument("--out", default=str(RESULTS), help="JSON output path")
-    parser.add_argument("--work-dir", default=None,
-                        help="keep the workers' logs and rendezvous files here (a new folder; default: a temp dir)")
-    parser.add_argument("--sender-death", action="store_true",
-                        help="also time a SIGKILLed sender -> the survivors' round end (ours, int8)")
+    parser.add_argument(
+        "--work-dir",
+        default=None,
+        help="keep the workers' logs and rendezvous files here (a new folder; default: a temp dir)",
+    )
+    parser.add_argument(
+        "--sender-death",
+        action="store_true",
+        help="also time a SIGKILLed sender -> the survivors' round end (ours, int8)",
+    )
     args = parser.parse_args(argv)
     for setting in args.settings:
         if setting != "loopback":
@@ -399,19 +506,29 @@ def _work_dir(path: str | None) -> Iterator[str]:
     yield path
 
 
-def _bench_setting(console: Console, lab: Lab, setting: str, args: argparse.Namespace, tmp: Path,
-                   rows: list, deaths: list) -> None:
+def _bench_setting(
+    console: Console, lab: Lab, setting: str, args: argparse.Namespace, tmp: Path, rows: list, deaths: list
+) -> None:
     for num_peers in args.peers:
         for numel in args.numel:
             for method in args.methods:
                 label = f"{_setting_label(setting)}, {num_peers} peers, {numel / 1e6:g}M params, {method}"
                 with console.status(label):
-                    run = run_method(lab, num_peers, numel, method, args.repeats, args.warmup,
-                                     tmp / f"{setting}-{num_peers}-{numel}-{method}")
+                    run = run_method(
+                        lab,
+                        num_peers,
+                        numel,
+                        method,
+                        args.repeats,
+                        args.warmup,
+                        tmp / f"{setting}-{num_peers}-{numel}-{method}",
+                    )
                 rows.append(summarize(_setting_label(setting), lab.rate_mbit, num_peers, numel, method, run))
                 times = ", ".join(f"{t:.2f}" for t in rows[-1]["round_s"])
-                console.print(f"  {label}: [{times}] s, check {'ok' if run['check']['ok'] else 'FAILED'}"
-                              + (f"\n{run['error']}" if run["error"] else ""))
+                console.print(
+                    f"  {label}: [{times}] s, check {'ok' if run['check']['ok'] else 'FAILED'}"
+                    + (f"\n{run['error']}" if run["error"] else "")
+                )
     if args.sender_death:
         num_peers, numel = max(args.peers), min(min(args.numel), 2_500_000)
         if num_peers < 3:
@@ -420,8 +537,10 @@ def _bench_setting(console: Console, lab: Lab, setting: str, args: argparse.Name
         with console.status(f"{_setting_label(setting)}: sender death, {num_peers} peers"):
             death = sender_death(lab, num_peers, numel, tmp / f"{setting}-death")
         deaths.append({"setting": _setting_label(setting), **death})
-        console.print(f"  sender death -> survivors' round end: {_fmt(death.get('death_to_round_end_s'))} s "
-                      f"(sender timeout 5 s), check {'ok' if death['check']['ok'] else 'FAILED'}")
+        console.print(
+            f"  sender death -> survivors' round end: {_fmt(death.get('death_to_round_end_s'))} s "
+            f"(sender timeout 5 s), check {'ok' if death['check']['ok'] else 'FAILED'}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -449,16 +568,37 @@ def main(argv: list[str] | None = None) -> int:
     if rows:
         console.print(table(rows))
     ok = all(r["check_ok"] for r in rows) and all(d["check"]["ok"] for d in deaths)
-    result = {"benchmark": "averaging_round", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
-              "torch": torch.__version__, "hivemind": hivemind.__version__,
-              "command": shlex.join(["python", "-m", "benchmarks.averaging_round", *(argv if argv is not None
-                                                                                      else sys.argv[1:])]),
-              "config": {"peers": args.peers, "numel": args.numel, "settings": args.settings,
-                         "methods": args.methods, "repeats": args.repeats, "warmup": args.warmup, "seed": SEED,
-                         "matchmaking_s": MATCHMAKING_S, "fp32_rel_tol": FP32_REL_TOL, "lossy_slack": LOSSY_SLACK,
-                         "worker_threads": 1, "sender_death": args.sender_death},
-              "elapsed_s": time.time() - started, "ok": ok, "rows": rows, "skipped": skipped, "sender_death": deaths}
+    result = {
+        "benchmark": "averaging_round",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "hivemind": hivemind.__version__,
+        "command": shlex.join(
+            ["python", "-m", "benchmarks.averaging_round", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "config": {
+            "peers": args.peers,
+            "numel": args.numel,
+            "settings": args.settings,
+            "methods": args.methods,
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "seed": SEED,
+            "matchmaking_s": MATCHMAKING_S,
+            "fp32_rel_tol": FP32_REL_TOL,
+            "lossy_slack": LOSSY_SLACK,
+            "worker_threads": 1,
+            "sender_death": args.sender_death,
+        },
+        "elapsed_s": time.time() - started,
+        "ok": ok,
+        "rows": rows,
+        "skipped": skipped,
+        "sender_death": deaths,
+    }
     out = save_result(args.out, result)
     console.print(f"wrote {out}" + ("" if ok else " [red](some result checks FAILED)[/red]"))
     return 0 if ok else 1

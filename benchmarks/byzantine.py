@@ -77,7 +77,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from benchmarks._common import run_metadata, signals_unwind
-from swarm._private.cli import add_dataclass_arguments, dataclass_from_args
+from bootstrap.cli import add_dataclass_arguments, dataclass_from_args
 
 RESULTS = Path(__file__).parent / "results" / "byzantine.json"
 ATTACKS = ("sign_flip_x10", "nan", "huge_weight")
@@ -159,11 +159,19 @@ def arms_of(config: ByzantineConfig) -> list[Arm]:
     on the default aggregator with the cap off: the negative control of a defence that is not the rule."""
     arms = [Arm(name="clean", attack=None, aggregator=DEFAULT_AGGREGATOR)]
     for attack in config.attacks:
-        arms += [Arm(name=f"{attack}/{aggregator}", attack=attack, aggregator=aggregator)
-                 for aggregator in config.aggregators]
+        arms += [
+            Arm(name=f"{attack}/{aggregator}", attack=attack, aggregator=aggregator)
+            for aggregator in config.aggregators
+        ]
         if attack == "huge_weight" and trainer_weight_cap() is not None:
-            arms.append(Arm(name=f"{attack}/{DEFAULT_AGGREGATOR}/no-cap", attack=attack,
-                            aggregator=DEFAULT_AGGREGATOR, uncapped=True))
+            arms.append(
+                Arm(
+                    name=f"{attack}/{DEFAULT_AGGREGATOR}/no-cap",
+                    attack=attack,
+                    aggregator=DEFAULT_AGGREGATOR,
+                    uncapped=True,
+                )
+            )
     return arms
 
 
@@ -195,7 +203,7 @@ def encode_as_is(codec: Any, t: torch.Tensor) -> bytes:
         padded = torch.zeros(num_blocks * codec.blocksize, dtype=torch.bool)
         padded[: t.numel()] = ~torch.isfinite(t)
         absmax[padded.view(num_blocks, -1).any(dim=1).numpy()] = np.nan
-        data[start:start + 4 * num_blocks] = absmax.tobytes()
+        data[start : start + 4 * num_blocks] = absmax.tobytes()
         return bytes(data)
     raise ValueError(f"no as-is encoding for codec {codec.name!r}")
 
@@ -296,8 +304,15 @@ def observe(averager: Any, peer: int, log: list[Observation], lock: threading.Lo
     def step(tensor: torch.Tensor, *, weight: float, gather: Any = None, timeout_s: float | None = None) -> Any:
         result, record, group = original(tensor, weight=weight, gather=gather, timeout_s=timeout_s)
         with lock:
-            log.append(Observation(peer=peer, sent=tensor.detach().clone(), weight=float(weight),
-                                   result=None if result is None else result.clone(), record=record))
+            log.append(
+                Observation(
+                    peer=peer,
+                    sent=tensor.detach().clone(),
+                    weight=float(weight),
+                    result=None if result is None else result.clone(),
+                    record=record,
+                )
+            )
         return result, record, group
 
     averager.step = step
@@ -335,12 +350,24 @@ def judge_rounds(log: list[Observation], *, attacker_id: str | None, peer_ids: l
         if math.isfinite(pull):  # a diverged run's own updates can be non-finite: no pull to measure
             pulls.append(pull)
         outcome["clipped" if pull < CLIPPED_PULL else "passed"] += 1
-    return {"attacked_rounds": sum(outcome.values()), **{k: outcome[k] for k in ("dropped", "clipped", "passed")},
-            "mean_pull": float(np.mean(pulls)) if pulls else None, "drop_reasons": dict(reasons)}
+    return {
+        "attacked_rounds": sum(outcome.values()),
+        **{k: outcome[k] for k in ("dropped", "clipped", "passed")},
+        "mean_pull": float(np.mean(pulls)) if pulls else None,
+        "drop_reasons": dict(reasons),
+    }
 
 
-def _train_peer(index: int, *, trainer: Any, model: torch.nn.Module, task: Any, config: ByzantineConfig,
-                barrier: threading.Barrier, on_round: Callable[[int, Any], None]) -> None:
+def _train_peer(
+    index: int,
+    *,
+    trainer: Any,
+    model: torch.nn.Module,
+    task: Any,
+    config: ByzantineConfig,
+    barrier: threading.Barrier,
+    on_round: Callable[[int, Any], None],
+) -> None:
     batches = task.train_batches(shard_index=index, num_shards=config.peers, seed=config.seed)
     for step in range(config.rounds * config.sync_every):
         batch = next(batches)
@@ -353,18 +380,25 @@ def _train_peer(index: int, *, trainer: Any, model: torch.nn.Module, task: Any, 
             on_round(index, result)
 
 
-def run_arm(arm: Arm, *, config: ByzantineConfig, dhts: list, task: Any,
-            advance: Callable[[], None]) -> dict[str, Any]:
+def run_arm(arm: Arm, *, config: ByzantineConfig, dhts: list, task: Any, advance: Callable[[], None]) -> dict[str, Any]:
     """Train one arm to the end; its val-loss curve, the attack's counts and the rounds' fate."""
     from bootstrap.identity import Identity
     from swarm.trainer import Trainer, TrainerConfig
 
     started = time.monotonic()
     trainer_config = TrainerConfig.create(
-        run=f"byz-{uuid.uuid4().hex[:12]}", sync_every=config.sync_every, aggregator=arm.aggregator,
-        target_group_size=config.peers, sender_timeout_s=config.sender_timeout_s, load_state=False,
-        checkpoint_every=0, ledger_dir="", advertise=False, bandwidth_probe_period_s=0,
-        **({"max_weight_ratio": 0} if arm.uncapped else {}))
+        run=f"byz-{uuid.uuid4().hex[:12]}",
+        sync_every=config.sync_every,
+        aggregator=arm.aggregator,
+        target_group_size=config.peers,
+        sender_timeout_s=config.sender_timeout_s,
+        load_state=False,
+        checkpoint_every=0,
+        ledger_dir="",
+        advertise=False,
+        bandwidth_probe_period_s=0,
+        **({"max_weight_ratio": 0} if arm.uncapped else {}),
+    )
     models = [task.build_model(seed=config.seed) for _ in range(config.peers)]
     trainers: list[Any] = []
     log: list[Observation] = []
@@ -399,34 +433,48 @@ def run_arm(arm: Arm, *, config: ByzantineConfig, dhts: list, task: Any,
         for trainer in trainers:
             trainer.shutdown()
     final = curve[-1][1]
-    return {"arm": arm.name, "attack": arm.attack, "aggregator": arm.aggregator, "uncapped": arm.uncapped,
-            "weight_cap": None if arm.uncapped else trainer_weight_cap(),
-            "final_val_loss": final if math.isfinite(final) else None, "final_finite": math.isfinite(final),
-            "initial_val_loss": curve[0][1], "curve": [[s, v if math.isfinite(v) else None] for s, v in curve],
-            "samples": config.rounds * samples_per_round, "rounds_evaluated": len(curve) - 1,
-            "parts_sent_poisoned": attacker.parts_sent if attacker else 0,
-            "rounds_poisoned": attacker.poisoned_rounds if attacker else 0,
-            "honest_round_outcomes": dict(outcomes), "honest_refusals": dict(honest_refusals),
-            **judged, "round_s_median": float(np.median(round_s)) if round_s else None,
-            "setup_s": setup_s, "wall_s": time.monotonic() - started}
+    return {
+        "arm": arm.name,
+        "attack": arm.attack,
+        "aggregator": arm.aggregator,
+        "uncapped": arm.uncapped,
+        "weight_cap": None if arm.uncapped else trainer_weight_cap(),
+        "final_val_loss": final if math.isfinite(final) else None,
+        "final_finite": math.isfinite(final),
+        "initial_val_loss": curve[0][1],
+        "curve": [[s, v if math.isfinite(v) else None] for s, v in curve],
+        "samples": config.rounds * samples_per_round,
+        "rounds_evaluated": len(curve) - 1,
+        "parts_sent_poisoned": attacker.parts_sent if attacker else 0,
+        "rounds_poisoned": attacker.poisoned_rounds if attacker else 0,
+        "honest_round_outcomes": dict(outcomes),
+        "honest_refusals": dict(honest_refusals),
+        **judged,
+        "round_s_median": float(np.median(round_s)) if round_s else None,
+        "setup_s": setup_s,
+        "wall_s": time.monotonic() - started,
+    }
 
 
-def _run_threads(trainers: list, models: list, *, task: Any, config: ByzantineConfig,
-                 on_round: Callable[[int, Any], None]) -> None:
+def _run_threads(
+    trainers: list, models: list, *, task: Any, config: ByzantineConfig, on_round: Callable[[int, Any], None]
+) -> None:
     """One thread per peer; the first failure aborts the barrier so that no peer waits forever."""
     barrier = threading.Barrier(len(trainers), timeout=120)
     errors: list[BaseException] = []
 
     def body(i: int) -> None:
         try:
-            _train_peer(i, trainer=trainers[i], model=models[i], task=task, config=config, barrier=barrier,
-                        on_round=on_round)
+            _train_peer(
+                i, trainer=trainers[i], model=models[i], task=task, config=config, barrier=barrier, on_round=on_round
+            )
         except BaseException as e:  # reported below, in the main thread
             errors.append(e)
             barrier.abort()
 
-    threads = [threading.Thread(target=body, args=(i,), name=f"byzantine-peer{i}", daemon=True)
-               for i in range(len(trainers))]
+    threads = [
+        threading.Thread(target=body, args=(i,), name=f"byzantine-peer{i}", daemon=True) for i in range(len(trainers))
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -447,8 +495,10 @@ def verdict(arms: list[dict[str, Any]]) -> list[str]:
     clean.update(ratio_to_clean=1.0, expected="reference")
     not_ok = sum(n for outcome, n in clean["honest_round_outcomes"].items() if outcome != "ok")
     if not_ok:  # a dropped or retried member makes the reference a different run: say so, compare anyway
-        problems.append(f"clean: {not_ok} of {sum(clean['honest_round_outcomes'].values())} peer-rounds were not ok "
-                        f"({clean['honest_refusals']}); is the machine overloaded? raise --sender-timeout-s")
+        problems.append(
+            f"clean: {not_ok} of {sum(clean['honest_round_outcomes'].values())} peer-rounds were not ok "
+            f"({clean['honest_refusals']}); is the machine overloaded? raise --sender-timeout-s"
+        )
     if base is None or base > (1 - MIN_CLEAN_DROP) * clean["initial_val_loss"]:
         return problems + [f"clean: the run did not learn: val loss {clean['initial_val_loss']:.3f} -> {base}"]
     for arm in arms:
@@ -506,21 +556,38 @@ def run(config: ByzantineConfig, console: Console) -> dict[str, Any]:
         with Progress(*columns, console=console, transient=True) as progress:
             for arm in arms:
                 bar = progress.add_task(f"{arm.name:>28}", total=config.rounds)
-                results.append(run_arm(arm, config=config, dhts=dhts, task=task,
-                                       advance=lambda bar=bar: progress.advance(bar)))
+                results.append(
+                    run_arm(arm, config=config, dhts=dhts, task=task, advance=lambda bar=bar: progress.advance(bar))
+                )
     finally:
         for dht in dhts:
             stop_dht(dht)
         torch.set_num_threads(threads)
-    return {"arms": results, "problems": verdict(results),
-            "thresholds": {"robust_tolerance": ROBUST_TOLERANCE, "control_factor": CONTROL_FACTOR,
-                           "min_clean_drop": MIN_CLEAN_DROP, "clipped_pull": CLIPPED_PULL}}
+    return {
+        "arms": results,
+        "problems": verdict(results),
+        "thresholds": {
+            "robust_tolerance": ROBUST_TOLERANCE,
+            "control_factor": CONTROL_FACTOR,
+            "min_clean_drop": MIN_CLEAN_DROP,
+            "clipped_pull": CLIPPED_PULL,
+        },
+    }
 
 
 def table(result: dict[str, Any]) -> Table:
     out = Table(title="byzantine updates: val loss after the same samples (TESTMATRIX row 9)")
-    for column in ("arm", "final val loss", "/ clean", "poisoned parts sent", "dropped / clipped / passed",
-                   "pull", "expected", "check", "wall"):
+    for column in (
+        "arm",
+        "final val loss",
+        "/ clean",
+        "poisoned parts sent",
+        "dropped / clipped / passed",
+        "pull",
+        "expected",
+        "check",
+        "wall",
+    ):
         out.add_column(column, justify="left" if column in ("arm", "expected", "check") else "right")
     failed = {problem.split(":")[0] for problem in result["problems"]}
     for arm in result["arms"]:
@@ -529,12 +596,16 @@ def table(result: dict[str, Any]) -> Table:
         expected = arm.get("expected", "info")
         check = "-" if expected.startswith("info") else "[red]FAILED[/]" if arm["arm"] in failed else "[green]ok[/]"
         out.add_row(
-            arm["arm"], "non-finite" if loss is None else f"{loss:.3f}",
+            arm["arm"],
+            "non-finite" if loss is None else f"{loss:.3f}",
             "-" if arm["attack"] is None else ("inf" if ratio is None else f"{ratio:.2f}x"),
             str(arm["parts_sent_poisoned"]) if arm["attack"] else "-",
             f"{arm['dropped']} / {arm['clipped']} / {arm['passed']}" if arm["attack"] else "-",
-            "-" if arm["mean_pull"] is None else f"{arm['mean_pull']:.2f}", arm.get("expected", "-"), check,
-            f"{arm['wall_s']:.0f} s")
+            "-" if arm["mean_pull"] is None else f"{arm['mean_pull']:.2f}",
+            arm.get("expected", "-"),
+            check,
+            f"{arm['wall_s']:.0f} s",
+        )
     return out
 
 
@@ -555,10 +626,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for arm in arms:
         points = [(s, v if v is not None else math.nan) for s, v in arm["curve"]]
         off = any(not math.isfinite(v) or v > top for _, v in points)
-        ax.plot([s for s, _ in points], [min(v, top) if math.isfinite(v) else top for _, v in points],
-                linestyle="-." if arm["uncapped"] else styles[arm["aggregator"]], color=colors[arm["attack"]], marker=".",
-                linewidth=2.5 if arm["attack"] is None else 1.5,
-                label=arm["arm"] + (" (off scale)" if off else ""))
+        ax.plot(
+            [s for s, _ in points],
+            [min(v, top) if math.isfinite(v) else top for _, v in points],
+            linestyle="-." if arm["uncapped"] else styles[arm["aggregator"]],
+            color=colors[arm["attack"]],
+            marker=".",
+            linewidth=2.5 if arm["attack"] is None else 1.5,
+            label=arm["arm"] + (" (off scale)" if off else ""),
+        )
     ax.set_ylim(top=top)
     ax.set_xlabel("samples seen by the swarm")
     ax.set_ylabel("validation loss (nats/char)")
@@ -572,8 +648,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.byzantine", description=__doc__.splitlines()[0])
     add_dataclass_arguments(parser, ByzantineConfig)
-    parser.add_argument("--out", default=str(RESULTS), help="JSON output path; the plot goes beside it (.png) "
-                                                             "(default: %(default)s)")
+    parser.add_argument(
+        "--out", default=str(RESULTS), help="JSON output path; the plot goes beside it (.png) (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
     console = Console()
     try:
@@ -589,8 +666,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; every DHT node and averager was stopped[/]")
         return 130
-    result = {**run_metadata("byzantine", argv), "config": asdict(config), **measured,
-              "wall_s": time.monotonic() - started}
+    result = {
+        **run_metadata("byzantine", argv),
+        "config": asdict(config),
+        **measured,
+        "wall_s": time.monotonic() - started,
+    }
     console.print(table(result))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -119,8 +119,15 @@ class ChaosConfig:
             raise ValueError(f"peers must be >= 3, got {self.peers!r}")
         if self.lab not in ("auto", "netns", "loopback"):
             raise ValueError(f"lab must be auto, netns or loopback, got {self.lab!r}")
-        for name in ("duration_s", "kill_every_s", "startup_timeout_s", "max_vanish_s", "matchmaking_time_s",
-                     "sender_timeout_s", "averaging_timeout_s"):
+        for name in (
+            "duration_s",
+            "kill_every_s",
+            "startup_timeout_s",
+            "max_vanish_s",
+            "matchmaking_time_s",
+            "sender_timeout_s",
+            "averaging_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("partition_s", "slow_mbit", "rate_mbit", "min_progress_ratio", "min_round_ratio"):
@@ -219,7 +226,7 @@ class _Arm:
     """One swarm on one lab: the bootstrap node, the peer slots and their incarnations, the faults."""
 
     def __init__(self, config: ChaosConfig, *, lab: Any, work: Path, run: str, chaos: bool, console: Console):
-        self.config, self.lab, self.work, self.run, self.chaos, self.console = config, lab, work, run, chaos, console
+        self.config, self.lab, self.work, self.run, self.chaos, self.console = (config, lab, work, run, chaos, console)
         self.rng = random.Random(config.seed)
         self.bootstrap: Any = None
         self.bootstrap_maddrs: list[str] = []
@@ -245,8 +252,14 @@ class _Arm:
         self.console.print(f"  [dim]{offset}[/] {what} {' '.join(f'{k}={v}' for k, v in fields.items())}")
 
     def start_bootstrap(self) -> None:
-        self.bootstrap, maddrs = start_bootstrap_node(self.lab, self.config.slots, work=self.work, port=_BASE_PORT,
-                                                      env=self._env(), timeout_s=self.config.startup_timeout_s)
+        self.bootstrap, maddrs = start_bootstrap_node(
+            self.lab,
+            self.config.slots,
+            work=self.work,
+            port=_BASE_PORT,
+            env=self._env(),
+            timeout_s=self.config.startup_timeout_s,
+        )
         if maddrs is None:
             raise ChaosFailed(f"the bootstrap node printed no --initial-peers line; see {self.work / 'bootstrap.log'}")
         self.bootstrap_maddrs = maddrs
@@ -258,19 +271,60 @@ class _Arm:
         port = _BASE_PORT + 1 + number  # a fresh port: the killed incarnation's p2pd may still hold the old one
         initial = self._initial_peers(exclude=slot)
         argv = [
-            sys.executable, "-m", "swarm.peer", "--initial-peers", *initial, "--run", self.run,
-            "--task", "charlm", "--task-preset", cfg.preset, "--host-maddrs", self.lab.hosts[slot].maddr(port),
-            "--shard-index", str(slot), "--num-shards", str(cfg.slots), "--seed", "0",
-            "--sync-every", str(cfg.sync_every), "--target-group-size", str(cfg.peers),
-            "--sender-timeout-s", str(cfg.sender_timeout_s), "--matchmaking-time-s", str(cfg.matchmaking_time_s),
-            "--round-timeout-s", str(cfg.averaging_timeout_s),
-            "--identity-key", str(self.work / f"peer{slot}.key"), "--events", str(self.work / f"{name}.jsonl"),
-            "--torch-threads", "1", "--no-progress", "--eval-batches", str(cfg.eval_batches),
-            "--checkpoint-dir", str(self.work / "checkpoints"), "--ledger-dir", str(self.work / "ledgers"),
+            sys.executable,
+            "-m",
+            "swarm.peer",
+            "--initial-peers",
+            *initial,
+            "--run",
+            self.run,
+            "--task",
+            "charlm",
+            "--task-preset",
+            cfg.preset,
+            "--host-maddrs",
+            self.lab.hosts[slot].maddr(port),
+            "--shard-index",
+            str(slot),
+            "--num-shards",
+            str(cfg.slots),
+            "--seed",
+            "0",
+            "--sync-every",
+            str(cfg.sync_every),
+            "--target-group-size",
+            str(cfg.peers),
+            "--sender-timeout-s",
+            str(cfg.sender_timeout_s),
+            "--matchmaking-time-s",
+            str(cfg.matchmaking_time_s),
+            "--round-timeout-s",
+            str(cfg.averaging_timeout_s),
+            "--identity-key",
+            str(self.work / f"peer{slot}.key"),
+            "--events",
+            str(self.work / f"{name}.jsonl"),
+            "--torch-threads",
+            "1",
+            "--no-progress",
+            "--eval-batches",
+            str(cfg.eval_batches),
+            "--checkpoint-dir",
+            str(self.work / "checkpoints"),
+            "--ledger-dir",
+            str(self.work / "ledgers"),
         ]
         log = self.work / f"{name}.log"
-        incarnation = _Incarnation(slot=slot, number=number, proc=None, started=time.time(),
-                                   events=self.work / f"{name}.jsonl", log=log, port=port, initial_peers=initial)
+        incarnation = _Incarnation(
+            slot=slot,
+            number=number,
+            proc=None,
+            started=time.time(),
+            events=self.work / f"{name}.jsonl",
+            log=log,
+            port=port,
+            initial_peers=initial,
+        )
         incarnation.proc = self.lab.spawn(slot, argv, log=log, env=self._env())
         self.incarnations.append(incarnation)
         return incarnation
@@ -304,8 +358,14 @@ class _Arm:
             if (code := inc.proc.poll()) is not None:
                 inc.killed_at = time.time()
                 lines = inc.log.read_text(errors="replace").strip().splitlines() if inc.log.exists() else []
-                self.exits.append({"peer": inc.name, "t": inc.killed_at - self.t0, "exit_code": code,
-                                   "last_line": " ".join(lines[-1].split())[:300] if lines else ""})
+                self.exits.append(
+                    {
+                        "peer": inc.name,
+                        "t": inc.killed_at - self.t0,
+                        "exit_code": code,
+                        "last_line": " ".join(lines[-1].split())[:300] if lines else "",
+                    }
+                )
                 self.note("exited on its own", peer=inc.name, code=code, restarted=self.spawn(inc.slot).name)
 
     def start(self) -> None:
@@ -316,8 +376,9 @@ class _Arm:
         while not all(i.first("first_step") for i in self.live()):
             self.check_alive()
             if time.monotonic() > deadline:
-                raise ChaosFailed(f"not every peer took a first step within {self.config.startup_timeout_s:.0f}s; "
-                                  f"see {self.work}")
+                raise ChaosFailed(
+                    f"not every peer took a first step within {self.config.startup_timeout_s:.0f}s; see {self.work}"
+                )
             time.sleep(_POLL_S)
         self.t0 = time.time()
 
@@ -332,10 +393,18 @@ class _Arm:
         vanish_s, left = _wait_gone(tree, timeout_s=2 * self.config.max_vanish_s)
         self._record_orphans(victim.name, left)
         replacement = self.spawn(victim.slot)
-        self.kills.append({"victim": victim.name, "t": victim.killed_at - self.t0, "lived_s": victim.killed_at
-                           - victim.started, "children": len(tree) - 1, "vanish_s": vanish_s, "orphans": len(left),
-                           "replacement": replacement.name, "via": "bootstrap + peers" if self.bootstrap_killed_at is None
-                           else "live peers"})
+        self.kills.append(
+            {
+                "victim": victim.name,
+                "t": victim.killed_at - self.t0,
+                "lived_s": victim.killed_at - victim.started,
+                "children": len(tree) - 1,
+                "vanish_s": vanish_s,
+                "orphans": len(left),
+                "replacement": replacement.name,
+                "via": "bootstrap + peers" if self.bootstrap_killed_at is None else "live peers",
+            }
+        )
         self.note("SIGKILL", victim=victim.name, children_gone_s=f"{vanish_s:.2f}", restarted=replacement.name)
 
     def _record_orphans(self, owner: str, left: list[psutil.Process]) -> None:
@@ -353,8 +422,15 @@ class _Arm:
         self.bootstrap.wait(timeout=10)
         vanish_s, left = _wait_gone(tree, timeout_s=2 * self.config.max_vanish_s)
         self._record_orphans("bootstrap", left)
-        self.kills.append({"victim": "bootstrap", "t": self.bootstrap_killed_at - self.t0, "children": len(tree) - 1,
-                           "vanish_s": vanish_s, "orphans": len(left)})
+        self.kills.append(
+            {
+                "victim": "bootstrap",
+                "t": self.bootstrap_killed_at - self.t0,
+                "children": len(tree) - 1,
+                "vanish_s": vanish_s,
+                "orphans": len(left),
+            }
+        )
         self.note("SIGKILL bootstrap node", children_gone_s=f"{vanish_s:.2f}")
 
     def victims(self) -> list[_Incarnation]:
@@ -364,8 +440,9 @@ class _Arm:
     def _remerged(self) -> bool:
         part = self.partition
         inc = next((i for i in self.live() if i.slot == part["slot"]), None)
-        return inc is not None and any(e["event"] == "round" and e["t"] > part["healed_at"] and (e.get("group_size") or 0) >= 2
-                   for e in inc.read())
+        return inc is not None and any(
+            e["event"] == "round" and e["t"] > part["healed_at"] and (e.get("group_size") or 0) >= 2 for e in inc.read()
+        )
 
     def drive(self) -> None:
         """The chaos arm's schedule (or, without chaos, just the clock), sampling RSS on the way."""
@@ -471,28 +548,43 @@ def _rounds(inc: _Incarnation, *, start: float, end: float) -> list[dict[str, An
 
 def progress(arm: _Arm) -> dict[str, Any]:
     """Steps trained in the arm's window, and the validation loss at its start and end."""
-    steps = sum(_TRAIN_EVENT_STEPS * sum(1 for e in inc.read() if e["event"] == "train" and arm.t0 <= e["t"] <= arm.t_end)
-                for inc in arm.incarnations)
+    steps = sum(
+        _TRAIN_EVENT_STEPS * sum(1 for e in inc.read() if e["event"] == "train" and arm.t0 <= e["t"] <= arm.t_end)
+        for inc in arm.incarnations
+    )
     minutes = (arm.t_end - arm.t0) / 60
     genesis = [inc.first("val") for inc in arm.incarnations if inc.number == 0 and inc.slot < arm.config.peers]
     initial = [v["val_loss"] for v in genesis if v and _finite(v.get("val_loss"))]
     final = []
     for slot in range(arm.config.slots):
-        last = [e["val_loss"] for inc in arm.incarnations if inc.slot == slot
-                for e in _rounds(inc, start=arm.t0, end=arm.t_end) if _finite(e.get("val_loss"))]
+        last = [
+            e["val_loss"]
+            for inc in arm.incarnations
+            if inc.slot == slot
+            for e in _rounds(inc, start=arm.t0, end=arm.t_end)
+            if _finite(e.get("val_loss"))
+        ]
         if last:
             final.append(last[-1])
-    return {"steps": steps, "steps_per_min": steps / minutes, "val_loss_initial": _median(initial),
-            "val_loss_final": _median(final), "val_loss_final_per_slot": final}
+    return {
+        "steps": steps,
+        "steps_per_min": steps / minutes,
+        "val_loss_initial": _median(initial),
+        "val_loss_final": _median(final),
+        "val_loss_final_per_slot": final,
+    }
 
 
 def rounds_summary(arm: _Arm) -> dict[str, Any]:
     every = [e for inc in arm.incarnations for e in _rounds(inc, start=arm.t0, end=arm.t_end)]
     grouped = [e for e in every if (e.get("group_size") or 0) >= 2]
-    return {"attempted": len(every), "grouped": len(grouped),
-            "ratio": len(grouped) / len(every) if every else 0.0,
-            "median_group_size": _median([e["group_size"] for e in grouped]),
-            "median_round_s": _median([e["duration_s"] for e in grouped])}
+    return {
+        "attempted": len(every),
+        "grouped": len(grouped),
+        "ratio": len(grouped) / len(every) if every else 0.0,
+        "median_group_size": _median([e["group_size"] for e in grouped]),
+        "median_round_s": _median([e["duration_s"] for e in grouped]),
+    }
 
 
 def partition_summary(arm: _Arm) -> dict[str, Any] | None:
@@ -500,19 +592,32 @@ def partition_summary(arm: _Arm) -> dict[str, Any] | None:
     if part is None:
         return None
     cut, healed = part["cut_at"], part.get("healed_at", arm.t_end)
-    cut_off = [i for i in arm.incarnations if i.slot == part["slot"] and i.started < healed
-               and (i.killed_at or math.inf) > cut]
-    isolated_steps = sum(_TRAIN_EVENT_STEPS for inc in cut_off for e in inc.read()
-                         if e["event"] == "train" and cut <= e["t"] <= healed)
-    others = [e for inc in arm.incarnations if inc.slot != part["slot"]
-              for e in _rounds(inc, start=cut, end=healed) if (e.get("group_size") or 0) >= 2]
-    after = sorted((e for inc in cut_off for e in inc.read() if e["event"] == "round" and e["t"] > healed),
-                   key=lambda e: e["t"])
+    cut_off = [
+        i for i in arm.incarnations if i.slot == part["slot"] and i.started < healed and (i.killed_at or math.inf) > cut
+    ]
+    isolated_steps = sum(
+        _TRAIN_EVENT_STEPS for inc in cut_off for e in inc.read() if e["event"] == "train" and cut <= e["t"] <= healed
+    )
+    others = [
+        e
+        for inc in arm.incarnations
+        if inc.slot != part["slot"]
+        for e in _rounds(inc, start=cut, end=healed)
+        if (e.get("group_size") or 0) >= 2
+    ]
+    after = sorted(
+        (e for inc in cut_off for e in inc.read() if e["event"] == "round" and e["t"] > healed), key=lambda e: e["t"]
+    )
     first = next((k for k, e in enumerate(after) if (e.get("group_size") or 0) >= 2), None)
-    return {"slot": part["slot"], "t": cut - arm.t0, "seconds": healed - cut,
-            "isolated_side_steps": isolated_steps, "other_side_grouped_rounds": len(others),
-            "rounds_to_remerge": None if first is None else first + 1,
-            "seconds_to_remerge": None if first is None else after[first]["t"] - healed}
+    return {
+        "slot": part["slot"],
+        "t": cut - arm.t0,
+        "seconds": healed - cut,
+        "isolated_side_steps": isolated_steps,
+        "other_side_grouped_rounds": len(others),
+        "rounds_to_remerge": None if first is None else first + 1,
+        "seconds_to_remerge": None if first is None else after[first]["t"] - healed,
+    }
 
 
 def restarts_summary(arm: _Arm) -> dict[str, Any]:
@@ -521,20 +626,31 @@ def restarts_summary(arm: _Arm) -> dict[str, Any]:
     for inc in restarts:
         joined = inc.first("joined")
         grouped = next((e for e in inc.read() if e["event"] == "round" and (e.get("group_size") or 0) >= 2), None)
-        rows.append({"name": inc.name, "after_bootstrap_loss": arm.bootstrap_killed_at is not None
-                     and inc.started > arm.bootstrap_killed_at, "joined": joined is not None,
-                     "state_verified": bool(joined and joined.get("state_verified")),
-                     "join_s": joined["t"] - inc.started if joined else None,
-                     "first_grouped_round_s": grouped["t"] - inc.started if grouped else None,
-                     "lived_s": (inc.killed_at or arm.t_end) - inc.started})
+        rows.append(
+            {
+                "name": inc.name,
+                "after_bootstrap_loss": arm.bootstrap_killed_at is not None and inc.started > arm.bootstrap_killed_at,
+                "joined": joined is not None,
+                "state_verified": bool(joined and joined.get("state_verified")),
+                "join_s": joined["t"] - inc.started if joined else None,
+                "first_grouped_round_s": grouped["t"] - inc.started if grouped else None,
+                "lived_s": (inc.killed_at or arm.t_end) - inc.started,
+            }
+        )
     settled = [r for r in rows if r["lived_s"] >= _SETTLE_S]
     after_loss = [r for r in settled if r["after_bootstrap_loss"]]
-    return {"restarts": len(rows), "settled": len(settled), "settled_joined": sum(r["joined"] for r in settled),
-            "settled_state_verified": sum(r["state_verified"] for r in settled),
-            "after_bootstrap_loss": len(after_loss), "after_bootstrap_loss_joined": sum(r["joined"] for r in after_loss),
-            "after_bootstrap_loss_grouped": sum(r["first_grouped_round_s"] is not None for r in after_loss),
-            "join_s_median": _median([r["join_s"] for r in rows if r["join_s"] is not None]),
-            "join_s_max": max((r["join_s"] for r in rows if r["join_s"] is not None), default=None), "rows": rows}
+    return {
+        "restarts": len(rows),
+        "settled": len(settled),
+        "settled_joined": sum(r["joined"] for r in settled),
+        "settled_state_verified": sum(r["state_verified"] for r in settled),
+        "after_bootstrap_loss": len(after_loss),
+        "after_bootstrap_loss_joined": sum(r["joined"] for r in after_loss),
+        "after_bootstrap_loss_grouped": sum(r["first_grouped_round_s"] is not None for r in after_loss),
+        "join_s_median": _median([r["join_s"] for r in rows if r["join_s"] is not None]),
+        "join_s_max": max((r["join_s"] for r in rows if r["join_s"] is not None), default=None),
+        "rows": rows,
+    }
 
 
 def joiners_summary(arm: _Arm) -> dict[str, Any] | None:
@@ -548,15 +664,27 @@ def joiners_summary(arm: _Arm) -> dict[str, Any] | None:
         match = _DOWNLOADED.search(inc.log.read_text(errors="replace")) if inc.log.exists() else None
         size, donors, seconds = (int(match[1]), int(match[2]), float(match[3])) if match else (None, None, None)
         floor = size * 8 / (rate * 1e6) if size and rate else None
-        rows.append({"name": inc.name, "joined": joined is not None,
-                     "state_verified": bool(joined and joined.get("state_verified")),
-                     "join_s": joined["t"] - inc.started if joined else None, "state_bytes": size, "donors": donors,
-                     "download_s": seconds, "floor_s": floor,
-                     "download_x_floor": seconds / floor if seconds is not None and floor else None})
-    return {"at_s": arm.joined_at - arm.t0, "joiners": len(rows), "verified": sum(r["state_verified"] for r in rows),
-            "join_s_max": max((r["join_s"] for r in rows if r["join_s"] is not None), default=None),
-            "download_x_floor_max": max((r["download_x_floor"] for r in rows if r["download_x_floor"]), default=None),
-            "rows": rows}
+        rows.append(
+            {
+                "name": inc.name,
+                "joined": joined is not None,
+                "state_verified": bool(joined and joined.get("state_verified")),
+                "join_s": joined["t"] - inc.started if joined else None,
+                "state_bytes": size,
+                "donors": donors,
+                "download_s": seconds,
+                "floor_s": floor,
+                "download_x_floor": seconds / floor if seconds is not None and floor else None,
+            }
+        )
+    return {
+        "at_s": arm.joined_at - arm.t0,
+        "joiners": len(rows),
+        "verified": sum(r["state_verified"] for r in rows),
+        "join_s_max": max((r["join_s"] for r in rows if r["join_s"] is not None), default=None),
+        "download_x_floor_max": max((r["download_x_floor"] for r in rows if r["download_x_floor"]), default=None),
+        "rows": rows,
+    }
 
 
 def rss_summary(arm: _Arm) -> dict[str, Any]:
@@ -568,20 +696,30 @@ def rss_summary(arm: _Arm) -> dict[str, Any]:
         early = [rss for age, rss in samples if 60 <= age <= 75] or [samples[0][1]]
         late = [rss for _, rss in samples[-3:]]
         growth[inc.name] = (statistics.mean(late) - statistics.mean(early)) / 2**20
-    return {"peers_measured": len(growth), "growth_mib": growth,
-            "max_growth_mib": max(growth.values()) if growth else None,
-            "median_rss_mib": _median([rss / 2**20 for inc in arm.incarnations for _, rss in inc.rss])}
+    return {
+        "peers_measured": len(growth),
+        "growth_mib": growth,
+        "max_growth_mib": max(growth.values()) if growth else None,
+        "median_rss_mib": _median([rss / 2**20 for inc in arm.incarnations for _, rss in inc.rss]),
+    }
 
 
 def slow_summary(arm: _Arm) -> dict[str, Any] | None:
     if arm.slow_slot is None:
         return None
-    mine = [e for inc in arm.incarnations if inc.slot == arm.slow_slot for e in _rounds(inc, start=arm.t0, end=arm.t_end)]
-    others = [e for inc in arm.incarnations if inc.slot != arm.slow_slot for e in _rounds(inc, start=arm.t0, end=arm.t_end)]
-    return {"slot": arm.slow_slot, "mbit": arm.config.slow_mbit,
-            "grouped_rounds": sum((e.get("group_size") or 0) >= 2 for e in mine),
-            "median_round_s": _median([e["duration_s"] for e in mine]),
-            "others_median_round_s": _median([e["duration_s"] for e in others])}
+    mine = [
+        e for inc in arm.incarnations if inc.slot == arm.slow_slot for e in _rounds(inc, start=arm.t0, end=arm.t_end)
+    ]
+    others = [
+        e for inc in arm.incarnations if inc.slot != arm.slow_slot for e in _rounds(inc, start=arm.t0, end=arm.t_end)
+    ]
+    return {
+        "slot": arm.slow_slot,
+        "mbit": arm.config.slow_mbit,
+        "grouped_rounds": sum((e.get("group_size") or 0) >= 2 for e in mine),
+        "median_round_s": _median([e["duration_s"] for e in mine]),
+        "others_median_round_s": _median([e["duration_s"] for e in others]),
+    }
 
 
 def verify_checkpoints(root: Path, run: str) -> dict[str, Any]:
@@ -614,23 +752,39 @@ def verify_ledgers(root: Path) -> dict[str, Any]:
     from swarm.ledger import find_ledgers, verify_ledger
 
     verdicts = [verify_ledger(path) for path in find_ledgers(root)] if root.exists() else []
-    return {"ledgers": len(verdicts), "entries": sum(v.num_entries for v in verdicts),
-            "problems": [f"{v.path.name}: {v.problems[0]}" for v in verdicts if not v.ok]}
+    return {
+        "ledgers": len(verdicts),
+        "entries": sum(v.num_entries for v in verdicts),
+        "problems": [f"{v.path.name}: {v.problems[0]}" for v in verdicts if not v.ok],
+    }
 
 
 def summarize(arm: _Arm) -> dict[str, Any]:
     stops = [i.stopped for i in arm.incarnations if i.stopped]
-    return {"window_s": arm.t_end - arm.t0, "progress": progress(arm), "rounds": rounds_summary(arm),
-            "partition": partition_summary(arm), "slow_host": slow_summary(arm), "restarts": restarts_summary(arm),
-            "joiners": joiners_summary(arm),
-            "kills": arm.kills, "exits": arm.exits, "orphans": arm.orphans, "rss": rss_summary(arm),
-            "stops": {"peers": len(stops), "exit_0": sum(s["exit_code"] == 0 for s in stops),
-                      "clean": sum(bool(s.get("clean")) for s in stops),
-                      "max_seconds": max((s["seconds"] for s in stops), default=None),
-                      "max_children_gone_s": max((s["children_gone_s"] for s in stops), default=None)},
-            "bootstrap_killed_at_s": arm.bootstrap_killed_at - arm.t0 if arm.bootstrap_killed_at else None,
-            "checkpoints": verify_checkpoints(arm.work / "checkpoints", arm.run),
-            "ledgers": verify_ledgers(arm.work / "ledgers"), "timeline": arm.timeline}
+    return {
+        "window_s": arm.t_end - arm.t0,
+        "progress": progress(arm),
+        "rounds": rounds_summary(arm),
+        "partition": partition_summary(arm),
+        "slow_host": slow_summary(arm),
+        "restarts": restarts_summary(arm),
+        "joiners": joiners_summary(arm),
+        "kills": arm.kills,
+        "exits": arm.exits,
+        "orphans": arm.orphans,
+        "rss": rss_summary(arm),
+        "stops": {
+            "peers": len(stops),
+            "exit_0": sum(s["exit_code"] == 0 for s in stops),
+            "clean": sum(bool(s.get("clean")) for s in stops),
+            "max_seconds": max((s["seconds"] for s in stops), default=None),
+            "max_children_gone_s": max((s["children_gone_s"] for s in stops), default=None),
+        },
+        "bootstrap_killed_at_s": arm.bootstrap_killed_at - arm.t0 if arm.bootstrap_killed_at else None,
+        "checkpoints": verify_checkpoints(arm.work / "checkpoints", arm.run),
+        "ledgers": verify_ledgers(arm.work / "ledgers"),
+        "timeline": arm.timeline,
+    }
 
 
 def checks(config: ChaosConfig, chaos: dict[str, Any], baseline: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -643,76 +797,140 @@ def checks(config: ChaosConfig, chaos: dict[str, Any], baseline: dict[str, Any] 
     prog = chaos["progress"]
     if baseline is not None:
         ratio = prog["steps_per_min"] / max(baseline["progress"]["steps_per_min"], 1e-9)
-        add("progress vs no-chaos", f"{prog['steps_per_min']:.0f} vs {baseline['progress']['steps_per_min']:.0f} "
-            f"steps/min ({ratio:.2f}x)", f">= {config.min_progress_ratio:.2f}x", ratio >= config.min_progress_ratio)
+        add(
+            "progress vs no-chaos",
+            f"{prog['steps_per_min']:.0f} vs {baseline['progress']['steps_per_min']:.0f} steps/min ({ratio:.2f}x)",
+            f">= {config.min_progress_ratio:.2f}x",
+            ratio >= config.min_progress_ratio,
+        )
     else:
         add("progress", f"{prog['steps_per_min']:.0f} steps/min", "> 0 (no baseline arm)", prog["steps"] > 0)
     initial, final = prog["val_loss_initial"], prog["val_loss_final"]
-    add("validation loss fell", f"{_fmt(initial)} -> {_fmt(final)}", "final < initial",
-        initial is not None and final is not None and final < initial)
+    add(
+        "validation loss fell",
+        f"{_fmt(initial)} -> {_fmt(final)}",
+        "final < initial",
+        initial is not None and final is not None and final < initial,
+    )
     exits = chaos.get("exits", [])
-    add("no peer exited on its own", f"{len(exits)}" + (f" (first: {exits[0]['peer']} code {exits[0]['exit_code']}: "
-        f"{exits[0]['last_line'][:120]})" if exits else ""), "0", not exits)
+    add(
+        "no peer exited on its own",
+        f"{len(exits)}"
+        + (
+            f" (first: {exits[0]['peer']} code {exits[0]['exit_code']}: {exits[0]['last_line'][:120]})" if exits else ""
+        ),
+        "0",
+        not exits,
+    )
     cps = chaos["checkpoints"]
-    add("every checkpoint verifies", f"{cps['manifests'] - len(cps['problems'])}/{cps['manifests']} in "
+    add(
+        "every checkpoint verifies",
+        f"{cps['manifests'] - len(cps['problems'])}/{cps['manifests']} in "
         f"{cps['stores']} stores ({cps.get('complete', 0)} with every shard held and re-hashed)",
-        "all, >= 1 complete", cps.get("complete", 0) >= 1 and not cps["problems"])
+        "all, >= 1 complete",
+        cps.get("complete", 0) >= 1 and not cps["problems"],
+    )
     led = chaos["ledgers"]
-    add("every ledger verifies", f"{led['ledgers'] - len(led['problems'])}/{led['ledgers']} ({led['entries']} entries)",
-        f"all, >= {config.peers}", led["ledgers"] >= config.peers and not led["problems"])
+    add(
+        "every ledger verifies",
+        f"{led['ledgers'] - len(led['problems'])}/{led['ledgers']} ({led['entries']} entries)",
+        f"all, >= {config.peers}",
+        led["ledgers"] >= config.peers and not led["problems"],
+    )
     vanish = [k["vanish_s"] for k in chaos["kills"]]
-    add("no orphaned process", f"{len(chaos['orphans'])} orphans; children gone <= {_fmt(max(vanish, default=None))}s "
-        f"after SIGKILL", f"0; <= {config.max_vanish_s:g}s",
-        not chaos["orphans"] and all(v <= config.max_vanish_s for v in vanish))
+    add(
+        "no orphaned process",
+        f"{len(chaos['orphans'])} orphans; children gone <= {_fmt(max(vanish, default=None))}s after SIGKILL",
+        f"0; <= {config.max_vanish_s:g}s",
+        not chaos["orphans"] and all(v <= config.max_vanish_s for v in vanish),
+    )
     stops = chaos["stops"]
     clean = stops.get("clean", stops["exit_0"])
-    add("SIGTERM stops every peer cleanly", f"{clean}/{stops['peers']} clean ({stops['exit_0']} exit 0, the rest "
-        f"still importing) in <= {_fmt(stops['max_seconds'])}s", "all", stops["peers"] > 0 and clean == stops["peers"])
+    add(
+        "SIGTERM stops every peer cleanly",
+        f"{clean}/{stops['peers']} clean ({stops['exit_0']} exit 0, the rest "
+        f"still importing) in <= {_fmt(stops['max_seconds'])}s",
+        "all",
+        stops["peers"] > 0 and clean == stops["peers"],
+    )
     growth = [arm["rss"]["max_growth_mib"] for arm in (chaos, baseline) if arm and "rss" in arm]
     growth = [g for g in growth if g is not None]
     figure = f"max {_fmt(chaos['rss']['max_growth_mib'])} MiB over {chaos['rss']['peers_measured']} peer(s)"
     if baseline is not None and "rss" in baseline:
-        figure += (f"; no-chaos arm: max {_fmt(baseline['rss']['max_growth_mib'])} MiB over "
-                   f"{baseline['rss']['peers_measured']}")
-    add("RSS growth per peer", figure, f"<= {config.max_rss_growth_mib:g} MiB",
-        max(growth) <= config.max_rss_growth_mib if growth else None)
+        figure += (
+            f"; no-chaos arm: max {_fmt(baseline['rss']['max_growth_mib'])} MiB over "
+            f"{baseline['rss']['peers_measured']}"
+        )
+    add(
+        "RSS growth per peer",
+        figure,
+        f"<= {config.max_rss_growth_mib:g} MiB",
+        max(growth) <= config.max_rss_growth_mib if growth else None,
+    )
     rounds = chaos["rounds"]
-    add("rounds grouped / attempted", f"{rounds['grouped']}/{rounds['attempted']} ({rounds['ratio']:.2f})",
-        f">= {config.min_round_ratio:.2f}", rounds["ratio"] >= config.min_round_ratio)
+    add(
+        "rounds grouped / attempted",
+        f"{rounds['grouped']}/{rounds['attempted']} ({rounds['ratio']:.2f})",
+        f">= {config.min_round_ratio:.2f}",
+        rounds["ratio"] >= config.min_round_ratio,
+    )
     part = chaos["partition"]
     if part is None:
         add("re-merge after partition", "no partition (needs a netns lab)", "-", None)
     else:
-        add("both sides trained during the partition", f"cut-off side {part['isolated_side_steps']} steps, "
-            f"other side {part['other_side_grouped_rounds']} grouped rounds", "> 0 each",
-            part["isolated_side_steps"] > 0 and part["other_side_grouped_rounds"] > 0)
-        add("re-merge after partition", f"{part['rounds_to_remerge']} round(s), {_fmt(part['seconds_to_remerge'])}s "
-            "after the heal", f"<= {config.max_remerge_rounds} rounds",
-            part["rounds_to_remerge"] is not None and part["rounds_to_remerge"] <= config.max_remerge_rounds)
+        add(
+            "both sides trained during the partition",
+            f"cut-off side {part['isolated_side_steps']} steps, "
+            f"other side {part['other_side_grouped_rounds']} grouped rounds",
+            "> 0 each",
+            part["isolated_side_steps"] > 0 and part["other_side_grouped_rounds"] > 0,
+        )
+        add(
+            "re-merge after partition",
+            f"{part['rounds_to_remerge']} round(s), {_fmt(part['seconds_to_remerge'])}s after the heal",
+            f"<= {config.max_remerge_rounds} rounds",
+            part["rounds_to_remerge"] is not None and part["rounds_to_remerge"] <= config.max_remerge_rounds,
+        )
     restarts = chaos["restarts"]
     kills = [k for k in chaos["kills"] if k["victim"] != "bootstrap"]
-    add("peers killed and restarted", f"{len(kills)} kills; {restarts['settled_joined']}/{restarts['settled']} settled "
-        f"restarts joined ({restarts['settled_state_verified']} with verified state)", ">= 1 kill; all joined",
-        len(kills) >= 1 and restarts["settled_joined"] == restarts["settled"])
+    add(
+        "peers killed and restarted",
+        f"{len(kills)} kills; {restarts['settled_joined']}/{restarts['settled']} settled "
+        f"restarts joined ({restarts['settled_state_verified']} with verified state)",
+        ">= 1 kill; all joined",
+        len(kills) >= 1 and restarts["settled_joined"] == restarts["settled"],
+    )
     if chaos["bootstrap_killed_at_s"] is None:
         add("joins after bootstrap loss", "bootstrap not killed", "-", None)
     else:
-        add("joins after bootstrap loss", f"{restarts['after_bootstrap_loss_joined']}/{restarts['after_bootstrap_loss']} "
-            f"joined, {restarts['after_bootstrap_loss_grouped']} grouped", "all joined, >= 1",
+        add(
+            "joins after bootstrap loss",
+            f"{restarts['after_bootstrap_loss_joined']}/{restarts['after_bootstrap_loss']} "
+            f"joined, {restarts['after_bootstrap_loss_grouped']} grouped",
+            "all joined, >= 1",
             restarts["after_bootstrap_loss"] >= 1
-            and restarts["after_bootstrap_loss_joined"] == restarts["after_bootstrap_loss"])
+            and restarts["after_bootstrap_loss_joined"] == restarts["after_bootstrap_loss"],
+        )
     joiners = chaos.get("joiners")
     if joiners is not None:
-        add("joiners under load get verified state", f"{joiners['verified']}/{joiners['joiners']} at once, joined in <= "
+        add(
+            "joiners under load get verified state",
+            f"{joiners['verified']}/{joiners['joiners']} at once, joined in <= "
             f"{_fmt(joiners['join_s_max'])}s; download <= {_fmt(joiners['download_x_floor_max'])}x its floor",
-            "all verified", joiners["joiners"] > 0 and joiners["verified"] == joiners["joiners"])
+            "all verified",
+            joiners["joiners"] > 0 and joiners["verified"] == joiners["joiners"],
+        )
     slow = chaos["slow_host"]
     if slow is None:
         add("slow host keeps averaging", "no slow host (needs a netns lab)", "-", None)
     else:
-        add("slow host keeps averaging", f"{slow['grouped_rounds']} grouped rounds at {slow['mbit']:g} Mbit/s; round "
-            f"{_fmt(slow['median_round_s'])}s vs others {_fmt(slow['others_median_round_s'])}s", ">= 1 grouped",
-            slow["grouped_rounds"] >= 1)
+        add(
+            "slow host keeps averaging",
+            f"{slow['grouped_rounds']} grouped rounds at {slow['mbit']:g} Mbit/s; round "
+            f"{_fmt(slow['median_round_s'])}s vs others {_fmt(slow['others_median_round_s'])}s",
+            ">= 1 grouped",
+            slow["grouped_rounds"] >= 1,
+        )
     return out
 
 
@@ -729,8 +947,10 @@ def run_arm(config: ChaosConfig, *, chaos: bool, work: Path, console: Console) -
     name = "chaos" if chaos else "no-chaos"
     with lab:
         arm = _Arm(config, lab=lab, work=work, run=f"chaos-{name}", chaos=chaos, console=console)
-        console.print(f"[bold]{name} arm[/]: {config.peers} peers on {lab.kind} hosts, "
-                      f"{config.duration_s if chaos else config.baseline_seconds:.0f}s")
+        console.print(
+            f"[bold]{name} arm[/]: {config.peers} peers on {lab.kind} hosts, "
+            f"{config.duration_s if chaos else config.baseline_seconds:.0f}s"
+        )
         try:
             arm.start()
             arm.note("every peer is training")
@@ -754,8 +974,9 @@ def run(config: ChaosConfig, *, work: Path, console: Console) -> dict[str, Any]:
 
 def print_tables(result: dict[str, Any], console: Console) -> None:
     cfg, chaos = result["config"], result["chaos"]
-    table = Table(title=f"chaos run: {cfg['peers']} peers, {cfg['duration_s']:.0f}s on {chaos['lab']} hosts, "
-                        f"seed {cfg['seed']}")
+    table = Table(
+        title=f"chaos run: {cfg['peers']} peers, {cfg['duration_s']:.0f}s on {chaos['lab']} hosts, seed {cfg['seed']}"
+    )
     for column in ("check", "figure", "bound", "result"):
         table.add_column(column)
     for c in result["checks"]:
@@ -766,20 +987,36 @@ def print_tables(result: dict[str, Any], console: Console) -> None:
     for column in ("t (s)", "victim", "lived (s)", "children", "gone after (s)", "restarted as", "joined via"):
         kills.add_column(column)
     for k in chaos["kills"]:
-        kills.add_row(f"{k['t']:.1f}", k["victim"], _fmt(k.get("lived_s")), str(k["children"]), f"{k['vanish_s']:.2f}",
-                      k.get("replacement", "-"), k.get("via", "-"))
+        kills.add_row(
+            f"{k['t']:.1f}",
+            k["victim"],
+            _fmt(k.get("lived_s")),
+            str(k["children"]),
+            f"{k['vanish_s']:.2f}",
+            k.get("replacement", "-"),
+            k.get("via", "-"),
+        )
     console.print(kills)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.chaos", description=__doc__.split("\n\n")[0])
     defaults = ChaosConfig()
-    parser.add_argument("--duration", dest="duration_s", type=float, default=defaults.duration_s,
-                        help="seconds of the chaos arm (default: %(default)s)")
+    parser.add_argument(
+        "--duration",
+        dest="duration_s",
+        type=float,
+        default=defaults.duration_s,
+        help="seconds of the chaos arm (default: %(default)s)",
+    )
     parser.add_argument("--peers", type=int, default=defaults.peers)
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--baseline-s", type=float, default=defaults.baseline_s,
-                        help="seconds of the no-chaos arm (negative: as long as --duration; 0: none)")
+    parser.add_argument(
+        "--baseline-s",
+        type=float,
+        default=defaults.baseline_s,
+        help="seconds of the no-chaos arm (negative: as long as --duration; 0: none)",
+    )
     parser.add_argument("--kill-every-s", type=float, default=defaults.kill_every_s)
     parser.add_argument("--joiners", type=int, default=defaults.joiners)
     parser.add_argument("--partition-s", type=float, default=defaults.partition_s)

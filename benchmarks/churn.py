@@ -52,7 +52,7 @@ from rich.table import Table
 
 from benchmarks._common import make_lab, run_metadata, save_result, signals_unwind, start_bootstrap_node
 from benchmarks.netlab import LabUnavailable
-from swarm._private.cli import add_dataclass_arguments, dataclass_from_args
+from bootstrap.cli import add_dataclass_arguments, dataclass_from_args
 from swarm.events import read_events
 
 RESULTS = Path(__file__).parent / "results" / "churn.json"
@@ -159,10 +159,13 @@ class _Swarm:
         return {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "COLUMNS": "400"}
 
     def start_bootstrap(self) -> None:
-        _, maddrs = start_bootstrap_node(self.lab, self.bootstrap_host, work=self.work, env=self._env(),
-                                         timeout_s=self.config.phase_timeout_s)
+        _, maddrs = start_bootstrap_node(
+            self.lab, self.bootstrap_host, work=self.work, env=self._env(), timeout_s=self.config.phase_timeout_s
+        )
         if maddrs is None:
-            raise BenchmarkFailed(f"the bootstrap node printed no --initial-peers line; see {self.work / 'bootstrap.log'}")
+            raise BenchmarkFailed(
+                f"the bootstrap node printed no --initial-peers line; see {self.work / 'bootstrap.log'}"
+            )
         self.initial_peers = maddrs
 
     def start_peer(self, host: int, *, dump: bool) -> _Peer:
@@ -171,14 +174,46 @@ class _Swarm:
         events, log = self.work / f"{name}.jsonl", self.work / f"{name}.log"
         dump_dir = self.work / f"{name}-rounds" if dump else None
         argv = [
-            sys.executable, "-m", "swarm.peer", "--initial-peers", *self.initial_peers, "--run", RUN,
-            "--task", "charlm", "--task-preset", cfg.preset, "--host-maddrs", self.lab.hosts[host].maddr(0),
-            "--shard-index", str(host), "--num-shards", str(cfg.peers), "--seed", "0",
-            "--sync-every", str(cfg.sync_every), "--target-group-size", str(cfg.peers),
-            "--sender-timeout-s", str(cfg.sender_timeout_s), "--matchmaking-time-s", str(cfg.matchmaking_time_s),
-            "--identity-key", str(self.work / f"{name}.key"), "--events", str(events),
-            "--torch-threads", "1", "--no-progress", "--eval-batches", "2",
-            "--checkpoint-dir", str(self.work / "checkpoints"), "--ledger-dir", str(self.work / "ledgers"),
+            sys.executable,
+            "-m",
+            "swarm.peer",
+            "--initial-peers",
+            *self.initial_peers,
+            "--run",
+            RUN,
+            "--task",
+            "charlm",
+            "--task-preset",
+            cfg.preset,
+            "--host-maddrs",
+            self.lab.hosts[host].maddr(0),
+            "--shard-index",
+            str(host),
+            "--num-shards",
+            str(cfg.peers),
+            "--seed",
+            "0",
+            "--sync-every",
+            str(cfg.sync_every),
+            "--target-group-size",
+            str(cfg.peers),
+            "--sender-timeout-s",
+            str(cfg.sender_timeout_s),
+            "--matchmaking-time-s",
+            str(cfg.matchmaking_time_s),
+            "--identity-key",
+            str(self.work / f"{name}.key"),
+            "--events",
+            str(events),
+            "--torch-threads",
+            "1",
+            "--no-progress",
+            "--eval-batches",
+            "2",
+            "--checkpoint-dir",
+            str(self.work / "checkpoints"),
+            "--ledger-dir",
+            str(self.work / "ledgers"),
         ]
         if dump_dir is not None:
             argv += ["--dump-dir", str(dump_dir)]
@@ -194,8 +229,9 @@ class _Swarm:
     def check_alive(self) -> None:
         dead = [p for p in self.live() if p.proc.poll() is not None]
         if dead:
-            raise BenchmarkFailed(f"{', '.join(p.name for p in dead)} exited early (code "
-                                  f"{dead[0].proc.poll()}); see {dead[0].log}")
+            raise BenchmarkFailed(
+                f"{', '.join(p.name for p in dead)} exited early (code {dead[0].proc.poll()}); see {dead[0].log}"
+            )
 
     def wait(self, what: str, predicate: Callable[[], Any]) -> Any:
         """Poll ``predicate`` (a truthy value ends the wait) with the phase deadline; peers must stay alive."""
@@ -206,8 +242,10 @@ class _Swarm:
                 return value
             self.check_alive()
             if time.monotonic() > deadline:
-                raise BenchmarkFailed(f"timed out after {self.config.phase_timeout_s:.0f}s waiting for {what}; "
-                                      f"see the logs in {self.work}")
+                raise BenchmarkFailed(
+                    f"timed out after {self.config.phase_timeout_s:.0f}s waiting for {what}; "
+                    f"see the logs in {self.work}"
+                )
             time.sleep(_POLL_S)
 
 
@@ -250,8 +288,12 @@ def _kill(swarm: _Swarm, victim: _Peer) -> dict[str, Any]:
     os.kill(victim.proc.pid, signal.SIGKILL)
     victim.killed_at = time.time()
     victim.proc.wait(timeout=10)
-    return {"victim": victim.name, "victim_peer_id": victim.peer_id(), "victim_round": round_,
-            "kill_offset_s": victim.killed_at - round_started}
+    return {
+        "victim": victim.name,
+        "victim_peer_id": victim.peer_id(),
+        "victim_round": round_,
+        "kill_offset_s": victim.killed_at - round_started,
+    }
 
 
 def _recovery(swarm: _Swarm, victim: _Peer, before: float) -> dict[str, Any]:
@@ -272,28 +314,39 @@ def _recovery(swarm: _Swarm, victim: _Peer, before: float) -> dict[str, Any]:
         return found
 
     rounds = swarm.wait("the survivors' next round after the kill", firsts)
-    baseline = [e["duration_s"] for p in swarm.live() for e in _grouped_rounds(p.read(), after=before)
-                if e["t"] < killed_at]
+    baseline = [
+        e["duration_s"] for p in swarm.live() for e in _grouped_rounds(p.read(), after=before) if e["t"] < killed_at
+    ]
     per_survivor = {}
     for name, event in rounds.items():
         record = event.get("record") or {}
         failures = [f for f in record.get("failures", []) if f.get("peer") == victim_id]
         in_group = victim_id in (record.get("members") or [])
         per_survivor[name] = {
-            "seconds": event["t"] - killed_at, "round": event["round"], "group_size": event["group_size"],
-            "round_duration_s": event["duration_s"], "outcome": record.get("outcome"),
+            "seconds": event["t"] - killed_at,
+            "round": event["round"],
+            "group_size": event["group_size"],
+            "round_duration_s": event["duration_s"],
+            "outcome": record.get("outcome"),
             "round_started_after_kill_s": event["t"] - killed_at - event["duration_s"],
-            "phase_s": record.get("phase_s") or {}, "victim_in_group": in_group, "affected": in_group or bool(failures),
-            "victim_failures": [f"{f.get('phase')}: {str(f.get('reason'))[:80]}" for f in failures]}
+            "phase_s": record.get("phase_s") or {},
+            "victim_in_group": in_group,
+            "affected": in_group or bool(failures),
+            "victim_failures": [f"{f.get('phase')}: {str(f.get('reason'))[:80]}" for f in failures],
+        }
     seconds = [r["seconds"] for r in per_survivor.values()]
     affected = [r["seconds"] for r in per_survivor.values() if r["affected"]]
-    return {"survivors_next_round_s": seconds, "survivors_next_round_s_max": max(seconds),
-            "survivors_next_round_s_median": statistics.median(seconds),
-            "affected_survivors": len(affected), "affected_next_round_s_max": max(affected) if affected else None,
-            "survivors_grouped": sum(r["group_size"] >= 2 for r in per_survivor.values()),
-            "noticed_in": sorted({f.split(":")[0] for r in per_survivor.values() for f in r["victim_failures"]}),
-            "baseline_round_s_median": statistics.median(baseline) if baseline else None,
-            "per_survivor": per_survivor}
+    return {
+        "survivors_next_round_s": seconds,
+        "survivors_next_round_s_max": max(seconds),
+        "survivors_next_round_s_median": statistics.median(seconds),
+        "affected_survivors": len(affected),
+        "affected_next_round_s_max": max(affected) if affected else None,
+        "survivors_grouped": sum(r["group_size"] >= 2 for r in per_survivor.values()),
+        "noticed_in": sorted({f.split(":")[0] for r in per_survivor.values() for f in r["victim_failures"]}),
+        "baseline_round_s_median": statistics.median(baseline) if baseline else None,
+        "per_survivor": per_survivor,
+    }
 
 
 def _read_ledger(swarm: _Swarm, peer_id: str) -> dict[str, Any]:
@@ -331,23 +384,36 @@ def _replacement(swarm: _Swarm, host: int, killed_at: float) -> tuple[_Peer, dic
     joined = next(e for e in events if e["event"] == "joined")
     grouped = swarm.wait(f"{peer.name}'s first grouped round", lambda: _grouped_rounds(peer.read()))
     result: dict[str, Any] = {
-        "replacement": peer.name, "started_after_kill_s": peer.started - killed_at,
-        "state_loaded": bool(joined.get("state_loaded")), "state_verified": bool(joined.get("state_verified")),
-        "time_to_train_s": first["t"] - peer.started, "first_grouped_round_s": grouped[0]["t"] - peer.started,
-        "phases_s": {"interpreter_and_imports": start["t"] - peer.started}}
+        "replacement": peer.name,
+        "started_after_kill_s": peer.started - killed_at,
+        "state_loaded": bool(joined.get("state_loaded")),
+        "state_verified": bool(joined.get("state_verified")),
+        "time_to_train_s": first["t"] - peer.started,
+        "first_grouped_round_s": grouped[0]["t"] - peer.started,
+        "phases_s": {"interpreter_and_imports": start["t"] - peer.started},
+    }
     ledger = _read_ledger(swarm, joined["peer_id"])
     synced = ledger.get("state_synced")
     if synced is not None:
         sync_started = synced["t"] - synced["seconds"]
         download = _logged_download(peer.log)
-        result["phases_s"].update({
-            "dht_join_and_setup": sync_started - start["t"],
-            "state_download": download["seconds"] if download else None,
-            "state_lookup_verify_load": synced["seconds"] - (download["seconds"] if download else 0.0),
-            "first_eval_and_step": first["t"] - max(joined["t"], synced["t"])})
+        result["phases_s"].update(
+            {
+                "dht_join_and_setup": sync_started - start["t"],
+                "state_download": download["seconds"] if download else None,
+                "state_lookup_verify_load": synced["seconds"] - (download["seconds"] if download else 0.0),
+                "first_eval_and_step": first["t"] - max(joined["t"], synced["t"]),
+            }
+        )
         state_bytes = _state_bytes(swarm, joined["peer_id"], synced["manifest"])
-        result.update({"state_bytes": state_bytes, "downloaded_bytes": download["bytes"] if download else None,
-                       "donors": download["donors"] if download else None, "sealed_step": synced["step"]})
+        result.update(
+            {
+                "state_bytes": state_bytes,
+                "downloaded_bytes": download["bytes"] if download else None,
+                "donors": download["donors"] if download else None,
+                "sealed_step": synced["step"],
+            }
+        )
     else:  # it trained from the genesis state: there was no sealed checkpoint to sync
         result["phases_s"]["dht_join_setup_and_lookup"] = joined["t"] - start["t"]
         result["phases_s"]["first_eval_and_step"] = first["t"] - joined["t"]
@@ -403,22 +469,33 @@ def run(config: ChurnConfig, console: Console, work: Path) -> dict[str, Any]:
                 swarm.start_peer(host, dump=host == config.peers - 1)
         for index in range(config.repeats):
             cycles.append(_cycle(swarm, index, console))
-    return {"lab": lab.kind, "rate_mbit": lab.rate_mbit if lab.kind == "netns" else None,
-            "lab_fallback_reason": fallback, "cycles": cycles, "summary": _summary(config, cycles)}
+    return {
+        "lab": lab.kind,
+        "rate_mbit": lab.rate_mbit if lab.kind == "netns" else None,
+        "lab_fallback_reason": fallback,
+        "cycles": cycles,
+        "summary": _summary(config, cycles),
+    }
 
 
 def _summary(config: ChurnConfig, cycles: list[dict[str, Any]]) -> dict[str, Any]:
     # the survivors that had to deal with the death (else all of them: nobody noticed it)
-    recovery = [c["recovery"]["affected_next_round_s_max"] or c["recovery"]["survivors_next_round_s_max"]
-                for c in cycles]
+    recovery = [
+        c["recovery"]["affected_next_round_s_max"] or c["recovery"]["survivors_next_round_s_max"] for c in cycles
+    ]
     ttt = [c["replacement"]["time_to_train_s"] for c in cycles]
     target = config.sender_timeout_s + 1.0
-    return {"recovery_s_median": statistics.median(recovery), "recovery_s_max": max(recovery),
-            "recovery_target_s": target, "recovery_within_target": sum(r <= target for r in recovery),
-            "time_to_train_s_median": statistics.median(ttt), "time_to_train_s_max": max(ttt),
-            "replacement_within_target": sum(c["replacement"]["within_target"] for c in cycles),
-            "replacements_synced": sum(c["replacement"]["state_verified"] for c in cycles),
-            "kills": len(cycles)}
+    return {
+        "recovery_s_median": statistics.median(recovery),
+        "recovery_s_max": max(recovery),
+        "recovery_target_s": target,
+        "recovery_within_target": sum(r <= target for r in recovery),
+        "time_to_train_s_median": statistics.median(ttt),
+        "time_to_train_s_max": max(ttt),
+        "replacement_within_target": sum(c["replacement"]["within_target"] for c in cycles),
+        "replacements_synced": sum(c["replacement"]["state_verified"] for c in cycles),
+        "kills": len(cycles),
+    }
 
 
 def print_tables(result: dict[str, Any], console: Console) -> None:
@@ -426,29 +503,55 @@ def print_tables(result: dict[str, Any], console: Console) -> None:
     where = f"{result['lab']}" + (f", {rate:g} Mbit/s" if rate else ", unshaped")
     kills = [f"kill {i + 1}" for i in range(len(cycles))]
     recovery = [
-        ("victim's round, killed after (s)", lambda c: f"{c['kill']['victim_round']}, {c['kill']['kill_offset_s']:.2f}"),
-        ("survivors' next round (s)", lambda c: f"{min(c['recovery']['survivors_next_round_s']):.2f}"
-                                                f"-{c['recovery']['survivors_next_round_s_max']:.2f}"),
-        ("  of those that noticed the death (s)", lambda c: f"{c['recovery']['affected_survivors']} peers, max "
-                                                           f"{_fmt(c['recovery']['affected_next_round_s_max'])}"),
+        (
+            "victim's round, killed after (s)",
+            lambda c: f"{c['kill']['victim_round']}, {c['kill']['kill_offset_s']:.2f}",
+        ),
+        (
+            "survivors' next round (s)",
+            lambda c: (
+                f"{min(c['recovery']['survivors_next_round_s']):.2f}-{c['recovery']['survivors_next_round_s_max']:.2f}"
+            ),
+        ),
+        (
+            "  of those that noticed the death (s)",
+            lambda c: (
+                f"{c['recovery']['affected_survivors']} peers, max {_fmt(c['recovery']['affected_next_round_s_max'])}"
+            ),
+        ),
         ("target: sender timeout + 1 (s)", lambda c: f"{cfg['sender_timeout_s'] + 1:.1f}"),
         ("usual round before (s)", lambda c: _fmt(c["recovery"]["baseline_round_s_median"])),
         ("slowest survivor's phases (s)", lambda c: _phases(c["recovery"])),
         ("death noticed in", lambda c: ", ".join(c["recovery"]["noticed_in"]) or "-"),
         ("survivors grouped", lambda c: f"{c['recovery']['survivors_grouped']}/{len(c['recovery']['per_survivor'])}"),
     ]
-    console.print(_figures_table(f"churn: {cfg['peers']} peers, charlm {cfg['preset']}, {where}, death="
-                                 f"{cfg['death']}", kills, recovery, cycles))
-    phases = ("interpreter_and_imports", "dht_join_and_setup", "state_download", "state_lookup_verify_load",
-              "first_eval_and_step")
+    console.print(
+        _figures_table(
+            f"churn: {cfg['peers']} peers, charlm {cfg['preset']}, {where}, death={cfg['death']}",
+            kills,
+            recovery,
+            cycles,
+        )
+    )
+    phases = (
+        "interpreter_and_imports",
+        "dht_join_and_setup",
+        "state_download",
+        "state_lookup_verify_load",
+        "first_eval_and_step",
+    )
     replacement = [
         ("time to train (s)", lambda c: f"{c['replacement']['time_to_train_s']:.2f}"),
         ("floor: state / link rate (s)", lambda c: _fmt(c["replacement"]["floor_s"])),
         ("target: 1.5 floor + 5 (s)", lambda c: f"{c['replacement']['target_s']:.2f}"),
-        *((f"  {name.replace('_', ' ')} (s)", lambda c, n=name: _fmt(c["replacement"]["phases_s"].get(n)))
-          for name in phases),
-        ("state (MB), donors", lambda c: f"{_fmt((c['replacement']['state_bytes'] or 0) / 1e6)}, "
-                                         f"{c['replacement'].get('donors')}"),
+        *(
+            (f"  {name.replace('_', ' ')} (s)", lambda c, n=name: _fmt(c["replacement"]["phases_s"].get(n)))
+            for name in phases
+        ),
+        (
+            "state (MB), donors",
+            lambda c: f"{_fmt((c['replacement']['state_bytes'] or 0) / 1e6)}, {c['replacement'].get('donors')}",
+        ),
         ("verified sealed state", lambda c: str(c["replacement"]["state_verified"])),
         ("first grouped round (s)", lambda c: f"{c['replacement']['first_grouped_round_s']:.2f}"),
     ]

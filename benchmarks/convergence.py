@@ -138,12 +138,18 @@ class Plan:
         batch_size = get_task(config.task, preset=config.preset).config.batch_size
         rounds = config.samples // (config.peers * batch_size * config.sync_every)
         if rounds < 1:
-            raise ValueError(f"samples={config.samples} is less than one round of every peer "
-                             f"({config.peers} peers x batch {batch_size} x sync_every {config.sync_every} = "
-                             f"{config.peers * batch_size * config.sync_every}); raise --samples")
+            raise ValueError(
+                f"samples={config.samples} is less than one round of every peer "
+                f"({config.peers} peers x batch {batch_size} x sync_every {config.sync_every} = "
+                f"{config.peers * batch_size * config.sync_every}); raise --samples"
+            )
         steps_per_peer = rounds * config.sync_every
-        return cls(batch_size=batch_size, steps_per_peer=steps_per_peer, solo_steps=config.peers * steps_per_peer,
-                   rounds=rounds)
+        return cls(
+            batch_size=batch_size,
+            steps_per_peer=steps_per_peer,
+            solo_steps=config.peers * steps_per_peer,
+            rounds=rounds,
+        )
 
 
 # --- processes ------------------------------------------------------------------------------------
@@ -170,8 +176,9 @@ def _wait_initial_peers(proc: subprocess.Popen, log: Path, timeout_s: float = 60
     raise ArmFailed(f"the DHT node did not print its address within {timeout_s:.0f} s; see {log}")
 
 
-def _wait_all(procs: dict[str, subprocess.Popen], logs: dict[str, Path], *, deadline: float,
-              status: Any, what: str, progress: Any) -> None:
+def _wait_all(
+    procs: dict[str, subprocess.Popen], logs: dict[str, Path], *, deadline: float, status: Any, what: str, progress: Any
+) -> None:
     """Wait for every process to exit 0 before `deadline`; raise ArmFailed naming the first that did not."""
     while True:
         codes = {name: proc.poll() for name, proc in procs.items()}
@@ -183,8 +190,9 @@ def _wait_all(procs: dict[str, subprocess.Popen], logs: dict[str, Path], *, dead
             return
         if time.monotonic() > deadline:
             running = [name for name, code in codes.items() if code is None]
-            raise ArmFailed(f"{what}: {', '.join(running)} still running at the deadline (--arm-timeout-s); "
-                            f"see {logs[running[0]]}")
+            raise ArmFailed(
+                f"{what}: {', '.join(running)} still running at the deadline (--arm-timeout-s); see {logs[running[0]]}"
+            )
         status.update(f"{what}: {progress()}")
         time.sleep(0.5)
 
@@ -211,9 +219,17 @@ class _ArmRun:
     peer_hosts: list[int]
 
 
-def _run_procs(lab: netlab.Lab, specs: dict[str, tuple[int, list[str], Path]], *, work: Path, what: str,
-               config: ConvergenceConfig, total_steps: int, console: Console,
-               dht_argv: list[str] | None = None) -> _ArmRun:
+def _run_procs(
+    lab: netlab.Lab,
+    specs: dict[str, tuple[int, list[str], Path]],
+    *,
+    work: Path,
+    what: str,
+    config: ConvergenceConfig,
+    total_steps: int,
+    console: Console,
+    dht_argv: list[str] | None = None,
+) -> _ArmRun:
     """Start a DHT node on host 0 (when `dht_argv` is given), then each spec's argv on its host with the
     node's `--initial-peers` appended, and wait for all of them to exit 0; read the tx byte counters of
     the spec hosts before and after. specs: name -> (host, argv, events file)."""
@@ -248,22 +264,62 @@ def _run_procs(lab: netlab.Lab, specs: dict[str, tuple[int, list[str], Path]], *
                 lab.stop(proc)
         if dht is not None:
             lab.stop(dht)
-    return _ArmRun(events={name: path for name, (_, _, path) in specs.items()}, wall_s=wall_s,
-                   tx_before=tx_before, tx_after=tx_after, peer_hosts=peer_hosts)
+    return _ArmRun(
+        events={name: path for name, (_, _, path) in specs.items()},
+        wall_s=wall_s,
+        tx_before=tx_before,
+        tx_after=tx_after,
+        peer_hosts=peer_hosts,
+    )
 
 
 def _worker_argv(role: str, config: ConvergenceConfig, *extra: str) -> list[str]:
-    return _python("benchmarks._hivemind_trainer", role, "--task", config.task, "--preset", config.preset,
-                   "--seed", str(config.seed), "--eval-batches", str(config.eval_batches), "--lr", str(LR),
-                   "--weight-decay", str(WEIGHT_DECAY), "--lr-warmup-steps", str(INNER_WARMUP_STEPS), *extra)
+    return _python(
+        "benchmarks._hivemind_trainer",
+        role,
+        "--task",
+        config.task,
+        "--preset",
+        config.preset,
+        "--seed",
+        str(config.seed),
+        "--eval-batches",
+        str(config.eval_batches),
+        "--lr",
+        str(LR),
+        "--weight-decay",
+        str(WEIGHT_DECAY),
+        "--lr-warmup-steps",
+        str(INNER_WARMUP_STEPS),
+        *extra,
+    )
 
 
 def run_solo(lab: netlab.Lab, config: ConvergenceConfig, plan: Plan, work: Path, console: Console) -> _ArmRun:
     events = work / "solo.jsonl"
-    argv = _worker_argv("solo", config, "--shard-index", "0", "--num-shards", "1", "--steps", str(plan.solo_steps),
-                        "--eval-every", str(config.peers * config.sync_every), "--log", str(events))
-    return _run_procs(lab, {"solo": (1, argv, events)}, work=work, what="solo", config=config,
-                      total_steps=plan.solo_steps, console=console)
+    argv = _worker_argv(
+        "solo",
+        config,
+        "--shard-index",
+        "0",
+        "--num-shards",
+        "1",
+        "--steps",
+        str(plan.solo_steps),
+        "--eval-every",
+        str(config.peers * config.sync_every),
+        "--log",
+        str(events),
+    )
+    return _run_procs(
+        lab,
+        {"solo": (1, argv, events)},
+        work=work,
+        what="solo",
+        config=config,
+        total_steps=plan.solo_steps,
+        console=console,
+    )
 
 
 def run_dp(lab: netlab.Lab, config: ConvergenceConfig, plan: Plan, work: Path, console: Console) -> _ArmRun:
@@ -271,13 +327,30 @@ def run_dp(lab: netlab.Lab, config: ConvergenceConfig, plan: Plan, work: Path, c
     specs = {}
     for i in range(config.peers):  # rank i on host 1 + i; rank 0's host serves the TCPStore
         events = work / f"dp-peer{i}.jsonl"
-        argv = _worker_argv("dp", config, "--ip", lab.hosts[1].ip, "--shard-index", str(i),
-                            "--num-shards", str(config.peers), "--peers", str(config.peers),
-                            "--steps", str(plan.steps_per_peer), "--eval-every", str(config.sync_every),
-                            "--ready-dir", str(work / "dp-rendezvous"), "--log", str(events))
+        argv = _worker_argv(
+            "dp",
+            config,
+            "--ip",
+            lab.hosts[1].ip,
+            "--shard-index",
+            str(i),
+            "--num-shards",
+            str(config.peers),
+            "--peers",
+            str(config.peers),
+            "--steps",
+            str(plan.steps_per_peer),
+            "--eval-every",
+            str(config.sync_every),
+            "--ready-dir",
+            str(work / "dp-rendezvous"),
+            "--log",
+            str(events),
+        )
         specs[f"peer{i}"] = (1 + i, argv, events)
-    return _run_procs(lab, specs, work=work, what="dp", config=config, console=console,
-                      total_steps=config.peers * plan.steps_per_peer)
+    return _run_procs(
+        lab, specs, work=work, what="dp", config=config, console=console, total_steps=config.peers * plan.steps_per_peer
+    )
 
 
 def run_ours(lab: netlab.Lab, config: ConvergenceConfig, plan: Plan, work: Path, console: Console) -> _ArmRun:
@@ -286,20 +359,62 @@ def run_ours(lab: netlab.Lab, config: ConvergenceConfig, plan: Plan, work: Path,
         host = lab.hosts[1 + i]
         events = work / f"ours-peer{i}.jsonl"
         argv = _python(
-            "swarm.peer", "--run", "convergence", "--task", config.task, "--task-preset", config.preset,
-            "--host-maddrs", host.maddr(0), "--shard-index", str(i), "--num-shards", str(config.peers),
-            "--seed", str(config.seed), "--sync-every", str(config.sync_every),
-            "--target-group-size", str(config.peers), "--max-steps", str(plan.steps_per_peer),
-            "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY), "--eval-batches", str(config.eval_batches),
+            "swarm.peer",
+            "--run",
+            "convergence",
+            "--task",
+            config.task,
+            "--task-preset",
+            config.preset,
+            "--host-maddrs",
+            host.maddr(0),
+            "--shard-index",
+            str(i),
+            "--num-shards",
+            str(config.peers),
+            "--seed",
+            str(config.seed),
+            "--sync-every",
+            str(config.sync_every),
+            "--target-group-size",
+            str(config.peers),
+            "--max-steps",
+            str(plan.steps_per_peer),
+            "--lr",
+            str(LR),
+            "--weight-decay",
+            str(WEIGHT_DECAY),
+            "--eval-batches",
+            str(config.eval_batches),
             # a one-off 1 MiB-each-way probe per peer pair: a short benchmark cannot amortise it
-            "--bandwidth-probe-period-s", "0",
-            "--identity-key", str(work / f"ours-peer{i}.key"), "--events", str(events),
-            "--checkpoint-dir", str(work / "checkpoints"), "--ledger-dir", str(work / "ledgers"),
-            "--torch-threads", "1", "--no-progress", "--log-level", "WARNING")
+            "--bandwidth-probe-period-s",
+            "0",
+            "--identity-key",
+            str(work / f"ours-peer{i}.key"),
+            "--events",
+            str(events),
+            "--checkpoint-dir",
+            str(work / "checkpoints"),
+            "--ledger-dir",
+            str(work / "ledgers"),
+            "--torch-threads",
+            "1",
+            "--no-progress",
+            "--log-level",
+            "WARNING",
+        )
         specs[f"peer{i}"] = (1 + i, argv, events)
     bootstrap = _python("bootstrap", "--host-maddrs", lab.hosts[0].maddr(0), "--identity", str(work / "bootstrap.id"))
-    return _run_procs(lab, specs, work=work, what="ours", config=config, console=console,
-                      total_steps=config.peers * plan.steps_per_peer, dht_argv=bootstrap)
+    return _run_procs(
+        lab,
+        specs,
+        work=work,
+        what="ours",
+        config=config,
+        console=console,
+        total_steps=config.peers * plan.steps_per_peer,
+        dht_argv=bootstrap,
+    )
 
 
 def run_hivemind(lab: netlab.Lab, config: ConvergenceConfig, plan: Plan, work: Path, console: Console) -> _ArmRun:
@@ -311,19 +426,50 @@ def run_hivemind(lab: netlab.Lab, config: ConvergenceConfig, plan: Plan, work: P
         host = lab.hosts[1 + i]
         events = work / f"hivemind-peer{i}.jsonl"
         argv = _worker_argv(
-            "hivemind", config, "--host-maddrs", host.maddr(0), "--shard-index", str(i),
-            "--num-shards", str(config.peers), "--steps", str(plan.steps_per_peer),
-            "--eval-every", str(config.sync_every), "--peers", str(config.peers), "--sync-every", str(config.sync_every), "--log", str(events),
-            "--run-id", "convergence", "--ready-dir", str(work / "hivemind-ready"),
+            "hivemind",
+            config,
+            "--host-maddrs",
+            host.maddr(0),
+            "--shard-index",
+            str(i),
+            "--num-shards",
+            str(config.peers),
+            "--steps",
+            str(plan.steps_per_peer),
+            "--eval-every",
+            str(config.sync_every),
+            "--peers",
+            str(config.peers),
+            "--sync-every",
+            str(config.sync_every),
+            "--log",
+            str(events),
+            "--run-id",
+            "convergence",
+            "--ready-dir",
+            str(work / "hivemind-ready"),
             # the same timeouts as our peers use (TrainerConfig's defaults)
-            "--matchmaking-time-s", str(defaults.matchmaking_time_s),
-            "--averaging-timeout-s", str(defaults.round_timeout_s),
-            "--sender-timeout-s", str(defaults.sender_timeout_s),
-            "--reducer-timeout-s", str(defaults.reducer_timeout_s))
+            "--matchmaking-time-s",
+            str(defaults.matchmaking_time_s),
+            "--averaging-timeout-s",
+            str(defaults.round_timeout_s),
+            "--sender-timeout-s",
+            str(defaults.sender_timeout_s),
+            "--reducer-timeout-s",
+            str(defaults.reducer_timeout_s),
+        )
         specs[f"peer{i}"] = (1 + i, argv, events)
     dht = _python("benchmarks._hivemind_trainer", "dht", "--host-maddrs", lab.hosts[0].maddr(0))
-    return _run_procs(lab, specs, work=work, what="hivemind", config=config, console=console,
-                      total_steps=config.peers * plan.steps_per_peer, dht_argv=dht)
+    return _run_procs(
+        lab,
+        specs,
+        work=work,
+        what="hivemind",
+        config=config,
+        console=console,
+        total_steps=config.peers * plan.steps_per_peer,
+        dht_argv=dht,
+    )
 
 
 # --- figures --------------------------------------------------------------------------------------
@@ -346,8 +492,11 @@ def arm_curve(events: dict[str, Path], *, num_peers: int, batch_size: int) -> tu
     for points in per_process.values():
         for p in points:
             by_step.setdefault(p["step"], []).append(p["val_loss"])
-    curve = [{"samples": num_peers * step * batch_size, "val_loss": sum(v) / len(v), "num_values": len(v)}
-             for step, v in sorted(by_step.items()) if len(v) == len(per_process)]
+    curve = [
+        {"samples": num_peers * step * batch_size, "val_loss": sum(v) / len(v), "num_values": len(v)}
+        for step, v in sorted(by_step.items())
+        if len(v) == len(per_process)
+    ]
     return curve, per_process
 
 
@@ -405,19 +554,26 @@ def _hivemind_rounds(events: dict[str, Path]) -> dict[str, Any]:
     averaged = sum(e.get("averaged", 0) for e in done)
     groups = [e["mean_group"] * e["averaged"] for e in done if e.get("mean_group")]
     epochs = [e.get("epoch", 0) for path in events.values() for e in read_events(path) if e["event"] == "val"]
-    return {"epochs": max(epochs, default=0), "averaging_rounds": averaged,
-            "averaging_failed": sum(e.get("failed", 0) for e in done),
-            "mean_group_size": sum(groups) / averaged if averaged else None}
+    return {
+        "epochs": max(epochs, default=0),
+        "averaging_rounds": averaged,
+        "averaging_failed": sum(e.get("failed", 0) for e in done),
+        "mean_group_size": sum(groups) / averaged if averaged else None,
+    }
 
 
 def summarize_arm(name: str, run: _ArmRun, *, num_peers: int, batch_size: int) -> dict[str, Any]:
     curve, per_process = arm_curve(run.events, num_peers=num_peers, batch_size=batch_size)
     result: dict[str, Any] = {
-        "peers": num_peers, "curve": curve, "per_process": per_process,
+        "peers": num_peers,
+        "curve": curve,
+        "per_process": per_process,
         "samples": curve[-1]["samples"] if curve else 0,
         "final_val_loss": curve[-1]["val_loss"] if curve else None,
-        "wall_s": run.wall_s, "train_s": _train_s(run.events),
-        "tx_bytes": None, "tx_bytes_per_host": None,
+        "wall_s": run.wall_s,
+        "train_s": _train_s(run.events),
+        "tx_bytes": None,
+        "tx_bytes_per_host": None,
     }
     if run.tx_before is not None and run.tx_after is not None:
         per_host = {str(h): run.tx_after[h] - run.tx_before[h] for h in run.peer_hosts}
@@ -459,19 +615,28 @@ def compare(arms: dict[str, dict], *, num_params: int, batch_size: int, num_peer
         sent, source = _bytes_sent(name, arm)
         per_sample = sent / arm["samples"] if sent is not None and arm["samples"] else None
         final = arm["final_val_loss"]
-        rows.append({
-            "arm": name, "peers": 1 if name == "solo" else num_peers, "samples": arm["samples"],
-            "final_val_loss": final,
-            "rising": rising([(p["samples"], p["val_loss"]) for p in arm["curve"]]),
-            "loss_ratio_to_dp": final / dp["final_val_loss"] if final is not None and dp["final_val_loss"] else None,
-            "bytes_reduction_vs_dp": dp_per_sample / per_sample if dp_per_sample and per_sample else None,
-            "samples_to_solo_loss": reach,
-            "samples_ratio_to_solo": reach / solo["samples"] if reach is not None and solo["samples"] else None,
-            "bytes_sent": sent, "bytes_source": source, "bytes_per_sample": per_sample,
-            "fp32_every_step_bytes_per_sample": None if name == "solo" else reference,
-            "bytes_reduction_vs_fp32_every_step": reference / per_sample if per_sample and name != "solo" else None,
-            "wall_s": arm["wall_s"], "train_s": arm["train_s"],
-        })
+        rows.append(
+            {
+                "arm": name,
+                "peers": 1 if name == "solo" else num_peers,
+                "samples": arm["samples"],
+                "final_val_loss": final,
+                "rising": rising([(p["samples"], p["val_loss"]) for p in arm["curve"]]),
+                "loss_ratio_to_dp": final / dp["final_val_loss"]
+                if final is not None and dp["final_val_loss"]
+                else None,
+                "bytes_reduction_vs_dp": dp_per_sample / per_sample if dp_per_sample and per_sample else None,
+                "samples_to_solo_loss": reach,
+                "samples_ratio_to_solo": reach / solo["samples"] if reach is not None and solo["samples"] else None,
+                "bytes_sent": sent,
+                "bytes_source": source,
+                "bytes_per_sample": per_sample,
+                "fp32_every_step_bytes_per_sample": None if name == "solo" else reference,
+                "bytes_reduction_vs_fp32_every_step": reference / per_sample if per_sample and name != "solo" else None,
+                "wall_s": arm["wall_s"],
+                "train_s": arm["train_s"],
+            }
+        )
     return rows
 
 
@@ -488,25 +653,48 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
 
 def print_table(rows: list[dict[str, Any]], *, title: str, console: Console) -> None:
     table = Table(title=title)
-    for column in ("arm", "samples", "final loss", "x dp loss", "rising", "to solo loss", "x solo", "bytes sent", "B/sample",
-                   "fewer B than dp", "fp32/step B/sample", "fewer bytes", "wall s"):
+    for column in (
+        "arm",
+        "samples",
+        "final loss",
+        "x dp loss",
+        "rising",
+        "to solo loss",
+        "x solo",
+        "bytes sent",
+        "B/sample",
+        "fewer B than dp",
+        "fp32/step B/sample",
+        "fewer bytes",
+        "wall s",
+    ):
         table.add_column(column, justify="right")
     for row in rows:
         reach = row["samples_to_solo_loss"]
         reduction = row["bytes_reduction_vs_fp32_every_step"]
         table.add_row(
-            row["arm"], str(row["samples"]), _fmt(row["final_val_loss"], ".4f"), _fmt(row["loss_ratio_to_dp"], ".3f"),
+            row["arm"],
+            str(row["samples"]),
+            _fmt(row["final_val_loss"], ".4f"),
+            _fmt(row["loss_ratio_to_dp"], ".3f"),
             "yes" if row["rising"] else "no",
-            "not reached" if reach is None else f"{reach:.0f}", _fmt(row["samples_ratio_to_solo"], ".2f"),
-            _fmt(row["bytes_sent"]), _fmt(row["bytes_per_sample"], ".0f"),
+            "not reached" if reach is None else f"{reach:.0f}",
+            _fmt(row["samples_ratio_to_solo"], ".2f"),
+            _fmt(row["bytes_sent"]),
+            _fmt(row["bytes_per_sample"], ".0f"),
             "-" if row["bytes_reduction_vs_dp"] is None else f"{row['bytes_reduction_vs_dp']:.1f}x",
-            _fmt(row["fp32_every_step_bytes_per_sample"], ".0f"), "-" if reduction is None else f"{reduction:.0f}x",
-            _fmt(row["wall_s"], ".1f"))
+            _fmt(row["fp32_every_step_bytes_per_sample"], ".0f"),
+            "-" if reduction is None else f"{reduction:.0f}x",
+            _fmt(row["wall_s"], ".1f"),
+        )
     console.print(table)
     for row in rows:
         if row["arm"] != "solo":
-            console.print(f"  {row['arm']}: bytes from {row['bytes_source']}; training {_fmt(row['train_s'], '.1f')} s "
-                          f"of {_fmt(row['wall_s'], '.1f')} s wall", highlight=False)
+            console.print(
+                f"  {row['arm']}: bytes from {row['bytes_source']}; training {_fmt(row['train_s'], '.1f')} s "
+                f"of {_fmt(row['wall_s'], '.1f')} s wall",
+                highlight=False,
+            )
 
 
 def plot(arms: dict[str, dict], path: Path, *, title: str) -> None:
@@ -516,8 +704,12 @@ def plot(arms: dict[str, dict], path: Path, *, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    labels = {"solo": "one peer alone", "dp": "data parallel (gloo, every step)", "ours": "Swarm (ours)",
-              "hivemind": "hivemind Optimizer"}
+    labels = {
+        "solo": "one peer alone",
+        "dp": "data parallel (gloo, every step)",
+        "ours": "Swarm (ours)",
+        "hivemind": "hivemind Optimizer",
+    }
     for name in ARMS:
         curve = arms[name]["curve"]
         if curve:
@@ -556,13 +748,17 @@ def open_lab(setting: str, num_hosts: int, console: Console) -> netlab.Lab:
 def ours_vs_hivemind(arms: dict[str, dict]) -> dict[str, Any]:
     """Both swarms' losses at the sample counts where both evaluated, and at the end."""
     hivemind = {p["samples"]: p["val_loss"] for p in arms["hivemind"]["curve"]}
-    common = [[p["samples"], p["val_loss"], hivemind[p["samples"]]] for p in arms["ours"]["curve"]
-              if p["samples"] in hivemind]
+    common = [
+        [p["samples"], p["val_loss"], hivemind[p["samples"]]] for p in arms["ours"]["curve"] if p["samples"] in hivemind
+    ]
     ours_final, hivemind_final = arms["ours"]["final_val_loss"], arms["hivemind"]["final_val_loss"]
-    return {"final_val_loss_ours": ours_final, "final_val_loss_hivemind": hivemind_final,
-            "ours_at_most_hivemind": None if ours_final is None or hivemind_final is None
-            else ours_final <= hivemind_final,
-            "loss_at_equal_samples": common, "loss_at_equal_samples_columns": ["samples", "ours", "hivemind"]}
+    return {
+        "final_val_loss_ours": ours_final,
+        "final_val_loss_hivemind": hivemind_final,
+        "ours_at_most_hivemind": None if ours_final is None or hivemind_final is None else ours_final <= hivemind_final,
+        "loss_at_equal_samples": common,
+        "loss_at_equal_samples_columns": ["samples", "ours", "hivemind"],
+    }
 
 
 def _interrupt(signum: int, _frame: Any) -> None:
@@ -578,9 +774,12 @@ def run(config: ConvergenceConfig, console: Console, *, command: str) -> dict[st
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl+C: the lab closes
     try:
         with open_lab(config.setting, config.peers + 1, console) as lab:
-            console.print(f"convergence: {lab.kind} lab, {config.peers} peers, {config.task}/{config.preset}, "
-                          f"{plan.samples} samples per arm ({plan.steps_per_peer} steps per peer, {plan.rounds} "
-                          f"rounds of {config.sync_every}); logs in {work}", highlight=False)
+            console.print(
+                f"convergence: {lab.kind} lab, {config.peers} peers, {config.task}/{config.preset}, "
+                f"{plan.samples} samples per arm ({plan.steps_per_peer} steps per peer, {plan.rounds} "
+                f"rounds of {config.sync_every}); logs in {work}",
+                highlight=False,
+            )
             runs = {"solo": run_solo(lab, config, plan, work, console)}
             console.print(f"  solo done in {runs['solo'].wall_s:.0f} s")
             runs["dp"] = run_dp(lab, config, plan, work, console)
@@ -595,27 +794,45 @@ def run(config: ConvergenceConfig, console: Console, *, command: str) -> dict[st
         signal.signal(signal.SIGTERM, previous)
         if failed or config.keep_logs:
             console.print(f"logs kept in {work}")
-    arms = {name: summarize_arm(name, runs[name], num_peers=1 if name == "solo" else config.peers,
-                                batch_size=plan.batch_size) for name in ARMS}
+    arms = {
+        name: summarize_arm(
+            name, runs[name], num_peers=1 if name == "solo" else config.peers, batch_size=plan.batch_size
+        )
+        for name in ARMS
+    }
     num_params = _num_params(runs["solo"].events) or 0
     rows = compare(arms, num_params=num_params, batch_size=plan.batch_size, num_peers=config.peers)
     result = {
         "benchmark": "convergence",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.platform(), "cpus": os.cpu_count(), **_versions(),
-        "command": command, "config": dataclasses.asdict(config), "setting": setting,
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        **_versions(),
+        "command": command,
+        "config": dataclasses.asdict(config),
+        "setting": setting,
         "plan": {**dataclasses.asdict(plan), "samples": plan.samples},
-        "num_params": num_params, "lr": LR, "weight_decay": WEIGHT_DECAY,
+        "num_params": num_params,
+        "lr": LR,
+        "weight_decay": WEIGHT_DECAY,
         "inner_warmup_steps": INNER_WARMUP_STEPS,
-        "reference": {"fp32_every_step_bytes_per_sample": fp32_every_step_bytes_per_sample(
-            num_peers=config.peers, num_params=num_params, batch_size=plan.batch_size),
-            "formula": "2(N-1)/N * 4 bytes * num_params / batch_size (per peer-step)"},
-        "targets": {"loss_ratio_to_dp_max": LOSS_RATIO_TO_DP_TARGET,
-                    "bytes_reduction_vs_dp_min": BYTES_REDUCTION_VS_DP_TARGET,
-                    "samples_ratio_to_solo_max": SAMPLES_RATIO_TARGET,
-                    "ours_final_val_loss_at_most_hivemind": True},
-        "table": rows, "ours_vs_hivemind": ours_vs_hivemind(arms), "arms": arms,
-        "plot": str(out.with_suffix(".png")), "logs": str(work) if config.keep_logs else None,
+        "reference": {
+            "fp32_every_step_bytes_per_sample": fp32_every_step_bytes_per_sample(
+                num_peers=config.peers, num_params=num_params, batch_size=plan.batch_size
+            ),
+            "formula": "2(N-1)/N * 4 bytes * num_params / batch_size (per peer-step)",
+        },
+        "targets": {
+            "loss_ratio_to_dp_max": LOSS_RATIO_TO_DP_TARGET,
+            "bytes_reduction_vs_dp_min": BYTES_REDUCTION_VS_DP_TARGET,
+            "samples_ratio_to_solo_max": SAMPLES_RATIO_TARGET,
+            "ours_final_val_loss_at_most_hivemind": True,
+        },
+        "table": rows,
+        "ours_vs_hivemind": ours_vs_hivemind(arms),
+        "arms": arms,
+        "plot": str(out.with_suffix(".png")),
+        "logs": str(work) if config.keep_logs else None,
     }
     save_result(out, result)
     plot(arms, out.with_suffix(".png"), title=f"{config.task}/{config.preset}: {config.peers} peers, {setting}")
@@ -625,7 +842,7 @@ def run(config: ConvergenceConfig, console: Console, *, command: str) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    from swarm._private.cli import add_dataclass_arguments, dataclass_from_args
+    from bootstrap.cli import add_dataclass_arguments, dataclass_from_args
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.convergence", description=__doc__.splitlines()[0])
     add_dataclass_arguments(parser, ConvergenceConfig)
@@ -649,17 +866,26 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; every process and namespace was removed[/]")
         return 130
-    print_table(result["table"], console=console,
-                title=f"convergence on {config.task}/{config.preset}: {config.peers} peers, {result['setting']}, "
-                      f"{result['plan']['samples']} samples per arm")
+    print_table(
+        result["table"],
+        console=console,
+        title=f"convergence on {config.task}/{config.preset}: {config.peers} peers, {result['setting']}, "
+        f"{result['plan']['samples']} samples per arm",
+    )
     ours = next(r for r in result["table"] if r["arm"] == "ours")
     hm = next(r for r in result["table"] if r["arm"] == "hivemind")
-    console.print(f"ours vs hivemind at {ours['samples']} samples: final val loss {_fmt(ours['final_val_loss'], '.4f')}"
-                  f" vs {_fmt(hm['final_val_loss'], '.4f')}", highlight=False)
+    console.print(
+        f"ours vs hivemind at {ours['samples']} samples: final val loss {_fmt(ours['final_val_loss'], '.4f')}"
+        f" vs {_fmt(hm['final_val_loss'], '.4f')}",
+        highlight=False,
+    )
     if ours["loss_ratio_to_dp"] is not None:
-        console.print(f"ours vs data parallel: {ours['loss_ratio_to_dp']:.3f}x its final val loss (target <= "
-                      f"{LOSS_RATIO_TO_DP_TARGET}), {_fmt(ours['bytes_reduction_vs_dp'], '.1f')}x fewer bytes per sample "
-                      f"(target >= {BYTES_REDUCTION_VS_DP_TARGET})", highlight=False)
+        console.print(
+            f"ours vs data parallel: {ours['loss_ratio_to_dp']:.3f}x its final val loss (target <= "
+            f"{LOSS_RATIO_TO_DP_TARGET}), {_fmt(ours['bytes_reduction_vs_dp'], '.1f')}x fewer bytes per sample "
+            f"(target >= {BYTES_REDUCTION_VS_DP_TARGET})",
+            highlight=False,
+        )
     console.print(f"wrote {config.out} and {result['plot']}")
     return 0
 

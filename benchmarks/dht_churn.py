@@ -61,11 +61,11 @@ from rich.table import Table
 
 from benchmarks._common import run_metadata, save_result
 from bootstrap import DHTStartError, stop_dht, visible_maddrs
+from bootstrap.cli import add_dataclass_arguments, dataclass_from_args
 from bootstrap.identity import Identity
 from bootstrap.network import start_swarm_dht
 from peers import Advertiser, ResourceGraph
 from peers.testing import record_builder
-from swarm._private.cli import add_dataclass_arguments, dataclass_from_args
 
 RESULTS = Path(__file__).parent / "results" / "dht_churn.json"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -237,10 +237,25 @@ class _Bootstrap:
         self.log = work / "bootstrap.log"
         with open(work / "bootstrap.out", "w") as out, open(self.log, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "bootstrap", "--host-maddrs", LOOPBACK[0], "--identity",
-                 str(work / "bootstrap.id"), "--refresh-period-s", "300", "--log-level", "WARNING"],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=REPO_ROOT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                [
+                    sys.executable,
+                    "-m",
+                    "bootstrap",
+                    "--host-maddrs",
+                    LOOPBACK[0],
+                    "--identity",
+                    str(work / "bootstrap.id"),
+                    "--refresh-period-s",
+                    "300",
+                    "--log-level",
+                    "WARNING",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                cwd=REPO_ROOT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
         started = time.monotonic()
         try:
             self.maddrs = self._await_maddrs(work / "bootstrap.out", timeout_s)
@@ -255,8 +270,10 @@ class _Bootstrap:
         deadline = time.monotonic() + timeout_s
         while not (match := _INITIAL_PEERS.search(out.read_text(errors="replace"))):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise BenchmarkFailed(f"the bootstrap node printed no --initial-peers line within {timeout_s:.0f} s "
-                                      f"(exit code {self.proc.returncode}): {self.log.read_text()[-1000:]}")
+                raise BenchmarkFailed(
+                    f"the bootstrap node printed no --initial-peers line within {timeout_s:.0f} s "
+                    f"(exit code {self.proc.returncode}): {self.log.read_text()[-1000:]}"
+                )
             time.sleep(_POLL_S)
         return match.group(1).split()
 
@@ -285,12 +302,14 @@ def _fault_landed(procs: list[psutil.Process], death: str) -> bool:
 # ------------------------------------------------------------------------------------ peers
 def _start_peer(name: str, initial_peers: Sequence[str], config: DHTChurnConfig) -> _Peer:
     identity = Identity.generate()
-    dht = start_swarm_dht(identity, initial_peers=initial_peers, host_maddrs=LOOPBACK,
-                          connect_timeout_s=config.phase_timeout_s)
+    dht = start_swarm_dht(
+        identity, initial_peers=initial_peers, host_maddrs=LOOPBACK, connect_timeout_s=config.phase_timeout_s
+    )
     peer = _Peer(name=name, identity=identity, dht=dht, graph=ResourceGraph(dht))
     try:
-        peer.advertiser = Advertiser(dht, identity, record_builder(identity), refresh_s=config.refresh_s,
-                                     expiry_s=config.expiry_s).start()
+        peer.advertiser = Advertiser(
+            dht, identity, record_builder(identity), refresh_s=config.refresh_s, expiry_s=config.expiry_s
+        ).start()
     except BaseException:  # the caller never got the peer: stop it here
         with _signals_deferred():
             peer.close()
@@ -321,14 +340,15 @@ def _store_keys(peers: list[_Peer], num_keys: int, token: str, timeout_s: float)
     return stored
 
 
-def _lookups(pairs: list[tuple[_Peer, str]], expected: dict[str, str], *, parallel: int,
-             timeout_s: float) -> dict[str, Any]:
+def _lookups(
+    pairs: list[tuple[_Peer, str]], expected: dict[str, str], *, parallel: int, timeout_s: float
+) -> dict[str, Any]:
     """Look each key up (latest=True) from its reader, ``parallel`` at a time; success rate and times."""
     outcomes: dict[str, int] = {"found": 0, "missing": 0, "wrong_value": 0, "timeout": 0, "error": 0}
     times, failures = [], []
     for start in range(0, len(pairs), parallel):
         batch = []
-        for reader, key in pairs[start:start + parallel]:
+        for reader, key in pairs[start : start + parallel]:
             done_at: list[float] = []
             future = reader.dht.get(key, latest=True, return_future=True)
             future.add_done_callback(lambda _f, d=done_at: d.append(time.monotonic()))
@@ -336,8 +356,7 @@ def _lookups(pairs: list[tuple[_Peer, str]], expected: dict[str, str], *, parall
         for reader, key, future, started, done_at in batch:
             try:
                 found = future.result(timeout=max(0.0, started + timeout_s - time.monotonic()))
-                outcome = ("missing" if found is None else
-                           "found" if found.value == expected[key] else "wrong_value")
+                outcome = "missing" if found is None else "found" if found.value == expected[key] else "wrong_value"
             except TimeoutError:
                 outcome = "timeout"
                 future.cancel()
@@ -348,20 +367,34 @@ def _lookups(pairs: list[tuple[_Peer, str]], expected: dict[str, str], *, parall
                 times.append(done_at[0] - started)
             if outcome != "found":
                 failures.append({"reader": reader.name, "key": key, "outcome": outcome})
-    return {"lookups": len(pairs), **outcomes, "success_rate": outcomes["found"] / max(1, len(pairs)),
-            **_time_stats(times), "failures": failures[:20]}
+    return {
+        "lookups": len(pairs),
+        **outcomes,
+        "success_rate": outcomes["found"] / max(1, len(pairs)),
+        **_time_stats(times),
+        "failures": failures[:20],
+    }
 
 
 def _time_stats(times: list[float]) -> dict[str, float | None]:
     if not times:
         return {"seconds_median": None, "seconds_p95": None, "seconds_max": None}
     ordered = sorted(times)
-    return {"seconds_median": statistics.median(ordered), "seconds_p95": ordered[int(0.95 * (len(ordered) - 1))],
-            "seconds_max": ordered[-1]}
+    return {
+        "seconds_median": statistics.median(ordered),
+        "seconds_p95": ordered[int(0.95 * (len(ordered) - 1))],
+        "seconds_max": ordered[-1],
+    }
 
 
-def _pairs(readers: list[_Peer], keys: list[str], count: int, storer_of: dict[str, str],
-           used: set[tuple[str, str]], rng: random.Random) -> list[tuple[_Peer, str]]:
+def _pairs(
+    readers: list[_Peer],
+    keys: list[str],
+    count: int,
+    storer_of: dict[str, str],
+    used: set[tuple[str, str]],
+    rng: random.Random,
+) -> list[tuple[_Peer, str]]:
     """``count`` (reader, key) pairs never used before, the reader never the key's storer.
 
     A node keeps what it stored or found in its local cache; a repeated pair would measure that cache.
@@ -374,8 +407,9 @@ def _pairs(readers: list[_Peer], keys: list[str], count: int, storer_of: dict[st
     return pairs
 
 
-def _queries(readers: list[_Peer], expected: set[str], count: int, rng: random.Random,
-             timeout_s: float) -> dict[str, Any]:
+def _queries(
+    readers: list[_Peer], expected: set[str], count: int, rng: random.Random, timeout_s: float
+) -> dict[str, Any]:
     """``count`` capability queries from random ``readers``: the share of ``expected`` records each saw."""
     found, failed, per_query, times = 0, 0, [], []
     for _ in range(count):
@@ -387,9 +421,15 @@ def _queries(readers: list[_Peer], expected: set[str], count: int, rng: random.R
         hits = len((seen or set()) & expected)
         found += hits
         per_query.append(hits / len(expected))
-    return {"queries": count, "expected_per_query": len(expected), "failed_queries": failed,
-            "completeness": found / (count * len(expected)), "completeness_min": min(per_query),
-            **_time_stats(times), "rejections": sum(sum(r.graph.rejections.counts.values()) for r in readers)}
+    return {
+        "queries": count,
+        "expected_per_query": len(expected),
+        "failed_queries": failed,
+        "completeness": found / (count * len(expected)),
+        "completeness_min": min(per_query),
+        **_time_stats(times),
+        "rejections": sum(sum(r.graph.rejections.counts.values()) for r in readers),
+    }
 
 
 # ------------------------------------------------------------------------------------ the run
@@ -423,27 +463,44 @@ def run(config: DHTChurnConfig, console: Console | None = None, *, observe: Obse
         keys, used, baseline = sorted(stored), set(), None
         if config.baseline_lookups:
             with phases("baseline_lookups", f"{config.baseline_lookups} lookups before the kill"):
-                baseline = _lookups(_pairs(peers, keys, config.baseline_lookups, storer_of, used, rng), stored,
-                                    parallel=config.parallel, timeout_s=config.lookup_timeout_s)
+                baseline = _lookups(
+                    _pairs(peers, keys, config.baseline_lookups, storer_of, used, rng),
+                    stored,
+                    parallel=config.parallel,
+                    timeout_s=config.lookup_timeout_s,
+                )
         with phases("kill", f"crashing {config.num_victims} peers"):
             victims = rng.sample(peers, config.num_victims)
             kill = _kill_peers(victims, config, faults)
         observe("peers_crashed", {"events": list(faults.events), "victims": [v.peer_id for v in victims]})
         live = [p for p in peers if not p.crashed]
         with phases("lookups_after_kill", f"{config.lookups} lookups after the kill"):
-            after_lookups = _lookups(_pairs(live, keys, config.lookups, storer_of, used, rng), stored,
-                                     parallel=config.parallel, timeout_s=config.lookup_timeout_s)
+            after_lookups = _lookups(
+                _pairs(live, keys, config.lookups, storer_of, used, rng),
+                stored,
+                parallel=config.parallel,
+                timeout_s=config.lookup_timeout_s,
+            )
         with phases("queries_after_kill", f"{config.queries} capability queries after the kill"):
             after_queries = _queries(live, {p.peer_id for p in live}, config.queries, rng, config.lookup_timeout_s)
         with phases("bootstrap_loss_and_join", "killing the bootstrap node; a new peer joins through a live peer"):
             join = _bootstrap_loss(config, bootstrap, live, peers, stored, faults, rng, observe)
         survivors = [p for p in peers if not p.crashed]  # with the joiner
-        result = {"peers": config.peers, "victims": len(victims), "keys_stored": len(stored), "setup": setup,
-                  "baseline": baseline, "kill": kill,
-                  "heartbeats": {"published": sum(p.advertiser.published for p in survivors),
-                                 "failed": sum(p.advertiser.failures for p in survivors)},
-                  "after_kill": {"lookups": after_lookups, "queries": after_queries},
-                  "join": join, "faults": {"fired": faults.fired, "events": faults.events}}
+        result = {
+            "peers": config.peers,
+            "victims": len(victims),
+            "keys_stored": len(stored),
+            "setup": setup,
+            "baseline": baseline,
+            "kill": kill,
+            "heartbeats": {
+                "published": sum(p.advertiser.published for p in survivors),
+                "failed": sum(p.advertiser.failures for p in survivors),
+            },
+            "after_kill": {"lookups": after_lookups, "queries": after_queries},
+            "join": join,
+            "faults": {"fired": faults.fired, "events": faults.events},
+        }
         result["checks"] = _checks(config, result)
         result["passed"] = all(c["ok"] for c in result["checks"])
     finally:
@@ -482,10 +539,17 @@ def _start_swarm(config: DHTChurnConfig, bootstrap: _Bootstrap, peers: list[_Pee
     peers_start_s = time.monotonic() - started
     expected = {p.peer_id for p in peers}
     reader = peers[len(peers) // 2]
-    all_visible_s = _wait_for(lambda: expected <= (_seen(reader, config.lookup_timeout_s) or set()),
-                              config.phase_timeout_s, f"every one of {config.peers} records visible")
-    return {"bootstrap_start_s": bootstrap.start_s, "peers_start_s": peers_start_s, "all_visible_s": all_visible_s,
-            "bootstrap_peer_id": bootstrap.peer_id}
+    all_visible_s = _wait_for(
+        lambda: expected <= (_seen(reader, config.lookup_timeout_s) or set()),
+        config.phase_timeout_s,
+        f"every one of {config.peers} records visible",
+    )
+    return {
+        "bootstrap_start_s": bootstrap.start_s,
+        "peers_start_s": peers_start_s,
+        "all_visible_s": all_visible_s,
+        "bootstrap_peer_id": bootstrap.peer_id,
+    }
 
 
 def _kill_peers(victims: list[_Peer], config: DHTChurnConfig, faults: FaultLog) -> dict[str, Any]:
@@ -500,15 +564,23 @@ def _kill_peers(victims: list[_Peer], config: DHTChurnConfig, faults: FaultLog) 
         victim.crash_procs = trees[victim.name]
         faults.record(target=victim.name, phase="peer_crash", signal_name=signal_name, procs=described[victim.name])
     procs = [p for tree in trees.values() for p in tree]
-    landed_s = _wait_for(lambda: _fault_landed(procs, config.death), config.phase_timeout_s,
-                         f"every victim process {'gone' if config.death == 'kill' else 'stopped'}")
+    landed_s = _wait_for(
+        lambda: _fault_landed(procs, config.death),
+        config.phase_timeout_s,
+        f"every victim process {'gone' if config.death == 'kill' else 'stopped'}",
+    )
     if config.death == "kill":
         for victim in victims:
             victim.dht.join(timeout=1.0)  # reap the forked DHT process (its p2pd, orphaned, goes to init)
-    return {"victims": [v.name for v in victims], "victim_peer_ids": [v.peer_id for v in victims],
-            "death": config.death, "processes": len(procs),
-            "p2pd": sum(d["name"] == "p2pd" for ds in described.values() for d in ds), "landed_s": landed_s,
-            "all_landed": _fault_landed(procs, config.death)}
+    return {
+        "victims": [v.name for v in victims],
+        "victim_peer_ids": [v.peer_id for v in victims],
+        "death": config.death,
+        "processes": len(procs),
+        "p2pd": sum(d["name"] == "p2pd" for ds in described.values() for d in ds),
+        "landed_s": landed_s,
+        "all_landed": _fault_landed(procs, config.death),
+    }
 
 
 def _name(proc: psutil.Process) -> str:
@@ -518,8 +590,16 @@ def _name(proc: psutil.Process) -> str:
         return "?"
 
 
-def _bootstrap_loss(config: DHTChurnConfig, bootstrap: _Bootstrap, live: list[_Peer], peers: list[_Peer],
-                    stored: dict[str, str], faults: FaultLog, rng: random.Random, observe: Observer) -> dict[str, Any]:
+def _bootstrap_loss(
+    config: DHTChurnConfig,
+    bootstrap: _Bootstrap,
+    live: list[_Peer],
+    peers: list[_Peer],
+    stored: dict[str, str],
+    faults: FaultLog,
+    rng: random.Random,
+    observe: Observer,
+) -> dict[str, Any]:
     """SIGKILL the bootstrap node's whole tree, then join a new peer through one live peer's addresses."""
     tree = _tree(bootstrap.proc.pid)
     described = _describe(tree)
@@ -532,24 +612,41 @@ def _bootstrap_loss(config: DHTChurnConfig, bootstrap: _Bootstrap, live: list[_P
     initial_peers = visible_maddrs(via.dht)
     bootstrap_alive = [p.pid for p in tree if not _is_gone(p)]
     result: dict[str, Any] = {
-        "bootstrap_processes": len(tree), "bootstrap_gone_s": gone_s, "bootstrap_alive_at_join": bootstrap_alive,
-        "via": via.name, "via_peer_id": via.peer_id, "initial_peers": initial_peers,
-        "initial_peers_name_bootstrap": any(bootstrap.peer_id in m for m in initial_peers)}
-    observe("joining", {"events": list(faults.events), "bootstrap_peer_id": bootstrap.peer_id,
-                        "via_peer_id": via.peer_id, "initial_peers": list(initial_peers)})
+        "bootstrap_processes": len(tree),
+        "bootstrap_gone_s": gone_s,
+        "bootstrap_alive_at_join": bootstrap_alive,
+        "via": via.name,
+        "via_peer_id": via.peer_id,
+        "initial_peers": initial_peers,
+        "initial_peers_name_bootstrap": any(bootstrap.peer_id in m for m in initial_peers),
+    }
+    observe(
+        "joining",
+        {
+            "events": list(faults.events),
+            "bootstrap_peer_id": bootstrap.peer_id,
+            "via_peer_id": via.peer_id,
+            "initial_peers": list(initial_peers),
+        },
+    )
     started = time.monotonic()
     try:
         joiner = _start_peer("joiner", initial_peers, config)
     except DHTStartError as e:
         return {**result, "joined": False, "error": str(e), "join_s": time.monotonic() - started}
     peers.append(joiner)  # stopped with the others
-    result.update(joined=True, join_s=time.monotonic() - started, joiner_peer_id=joiner.peer_id,
-                  record_published=joiner.advertiser.published > 0)
+    result.update(
+        joined=True,
+        join_s=time.monotonic() - started,
+        joiner_peer_id=joiner.peer_id,
+        record_published=joiner.advertiser.published > 0,
+    )
     return {**result, **_joiner_figures(joiner, live, stored, config, rng)}
 
 
-def _joiner_figures(joiner: _Peer, live: list[_Peer], stored: dict[str, str], config: DHTChurnConfig,
-                    rng: random.Random) -> dict[str, Any]:
+def _joiner_figures(
+    joiner: _Peer, live: list[_Peer], stored: dict[str, str], config: DHTChurnConfig, rng: random.Random
+) -> dict[str, Any]:
     """Right after the join: do live peers see its record, does it see theirs, can it read every key."""
     joined_at = time.monotonic()
     # seconds from the join until each checker's query shows the joiner's record (the checkers poll in turn)
@@ -568,17 +665,24 @@ def _joiner_figures(joiner: _Peer, live: list[_Peer], stored: dict[str, str], co
     expected = {p.peer_id for p in live}
     queried_at = time.monotonic()
     first = _seen(joiner, config.lookup_timeout_s) or set()
-    sees_all = expected <= first or _bounded_wait(
-        lambda: expected <= (_seen(joiner, config.lookup_timeout_s) or set()), config.phase_timeout_s) is not None
+    sees_all = (
+        expected <= first
+        or _bounded_wait(lambda: expected <= (_seen(joiner, config.lookup_timeout_s) or set()), config.phase_timeout_s)
+        is not None
+    )
     sees_all_s = time.monotonic() - queried_at if sees_all else None
-    reads = _lookups([(joiner, k) for k in sorted(stored)], stored, parallel=config.parallel,
-                     timeout_s=config.lookup_timeout_s)
-    return {"checkers": [c.name for c in checkers], "checkers_seeing_joiner": sum(s is not None for s in since_join),
-            "checker_queries_needed": queries_needed,
-            "visible_to_checkers_s": None if None in since_join else max(since_join),
-            "first_query_completeness": len(first & expected) / len(expected),
-            "sees_all_live_s": sees_all_s,
-            "reads": reads}
+    reads = _lookups(
+        [(joiner, k) for k in sorted(stored)], stored, parallel=config.parallel, timeout_s=config.lookup_timeout_s
+    )
+    return {
+        "checkers": [c.name for c in checkers],
+        "checkers_seeing_joiner": sum(s is not None for s in since_join),
+        "checker_queries_needed": queries_needed,
+        "visible_to_checkers_s": None if None in since_join else max(since_join),
+        "first_query_completeness": len(first & expected) / len(expected),
+        "sees_all_live_s": sees_all_s,
+        "reads": reads,
+    }
 
 
 def _bounded_wait(predicate: Callable[[], Any], timeout_s: float) -> float | None:
@@ -595,23 +699,50 @@ def _checks(config: DHTChurnConfig, result: dict[str, Any]) -> list[dict[str, An
     reads = join.get("reads") or {}
     checks = [
         ("keys stored before the fault", result["keys_stored"], config.keys, result["keys_stored"] == config.keys),
-        ("victims crashed (fault fired)", f"{result['faults']['fired'].get('peer_crash', 0)}/{result['victims']}",
-         f"{result['victims']}/{result['victims']}, each with its p2pd, all {'gone' if config.death == 'kill' else 'stopped'}",
-         result["faults"]["fired"].get("peer_crash") == result["victims"] == kill["p2pd"] and kill["all_landed"]),
-        ("lookup success after the kill", after["lookups"]["success_rate"], rate,
-         after["lookups"]["success_rate"] >= rate),
-        ("capability completeness after the kill", after["queries"]["completeness"], rate,
-         after["queries"]["completeness"] >= rate),
-        ("bootstrap dead when the joiner starts", not join["bootstrap_alive_at_join"], True,
-         result["faults"]["fired"].get("bootstrap_crash") == 1 and not join["bootstrap_alive_at_join"]),
-        ("joiner's initial peers: one live peer only", join["via"], "not the bootstrap",
-         bool(join["initial_peers"]) and not join["initial_peers_name_bootstrap"]),
+        (
+            "victims crashed (fault fired)",
+            f"{result['faults']['fired'].get('peer_crash', 0)}/{result['victims']}",
+            f"{result['victims']}/{result['victims']}, each with its p2pd, all {'gone' if config.death == 'kill' else 'stopped'}",
+            result["faults"]["fired"].get("peer_crash") == result["victims"] == kill["p2pd"] and kill["all_landed"],
+        ),
+        (
+            "lookup success after the kill",
+            after["lookups"]["success_rate"],
+            rate,
+            after["lookups"]["success_rate"] >= rate,
+        ),
+        (
+            "capability completeness after the kill",
+            after["queries"]["completeness"],
+            rate,
+            after["queries"]["completeness"] >= rate,
+        ),
+        (
+            "bootstrap dead when the joiner starts",
+            not join["bootstrap_alive_at_join"],
+            True,
+            result["faults"]["fired"].get("bootstrap_crash") == 1 and not join["bootstrap_alive_at_join"],
+        ),
+        (
+            "joiner's initial peers: one live peer only",
+            join["via"],
+            "not the bootstrap",
+            bool(join["initial_peers"]) and not join["initial_peers_name_bootstrap"],
+        ),
         ("joined through a live peer", join["joined"], True, join["joined"]),
         ("joiner reads the stored keys", reads.get("success_rate", 0.0), rate, reads.get("success_rate", 0.0) >= rate),
-        ("joiner's query sees every live peer (s)", join.get("sees_all_live_s"), f"<= {config.phase_timeout_s:g}",
-         join.get("sees_all_live_s") is not None),
-        ("live peers see the joiner's record (s)", join.get("visible_to_checkers_s"),
-         f"<= {config.phase_timeout_s:g}", join.get("visible_to_checkers_s") is not None),
+        (
+            "joiner's query sees every live peer (s)",
+            join.get("sees_all_live_s"),
+            f"<= {config.phase_timeout_s:g}",
+            join.get("sees_all_live_s") is not None,
+        ),
+        (
+            "live peers see the joiner's record (s)",
+            join.get("visible_to_checkers_s"),
+            f"<= {config.phase_timeout_s:g}",
+            join.get("visible_to_checkers_s") is not None,
+        ),
     ]
     return [{"check": name, "value": value, "target": target, "ok": bool(ok)} for name, value, target, ok in checks]
 
@@ -639,36 +770,58 @@ def _fmt(value: Any) -> str:
 
 def print_table(result: dict[str, Any], console: Console) -> None:
     cfg = result["config"]
-    table = Table(title=f"DHT churn on loopback: {result['peers']} peers, {result['victims']} crashed "
-                        f"({cfg['death']}), then the bootstrap node (seed {cfg['seed']})")
+    table = Table(
+        title=f"DHT churn on loopback: {result['peers']} peers, {result['victims']} crashed "
+        f"({cfg['death']}), then the bootstrap node (seed {cfg['seed']})"
+    )
     for column, justify in (("figure", "left"), ("value", "right"), ("target", "right"), ("ok", "center")):
         table.add_column(column, justify=justify)
     setup, after, join = result["setup"], result["after_kill"], result["join"]
-    rows = [("bootstrap node start (s)", setup["bootstrap_start_s"]), ("peers start (s)", setup["peers_start_s"]),
-            ("all records visible (s)", setup["all_visible_s"])]
+    rows = [
+        ("bootstrap node start (s)", setup["bootstrap_start_s"]),
+        ("peers start (s)", setup["peers_start_s"]),
+        ("all records visible (s)", setup["all_visible_s"]),
+    ]
     if result["baseline"]:
         rows.append(("before the kill: lookup success", result["baseline"]["success_rate"]))
-        rows.append(("before the kill: lookup s median / max",
-                     f"{_fmt(result['baseline']['seconds_median'])} / {_fmt(result['baseline']['seconds_max'])}"))
-    rows += [("after the kill: lookups", after["lookups"]["lookups"]),
-             ("after the kill: lookup s median / p95 / max", " / ".join(
-                 _fmt(after["lookups"][k]) for k in ("seconds_median", "seconds_p95", "seconds_max"))),
-             ("after the kill: queries (failed)", f"{after['queries']['queries']} ({after['queries']['failed_queries']})"),
-             ("after the kill: query completeness min", after["queries"]["completeness_min"]),
-             ("record heartbeats of live peers: published / failed",
-              f"{result['heartbeats']['published']} / {result['heartbeats']['failed']}"),
-             ("bootstrap node gone (s)", join["bootstrap_gone_s"]), ("joined via", join["via"]),
-             ("join: DHT up and connected (s)", join.get("join_s")),
-             ("joiner's first query completeness", join.get("first_query_completeness")),
-             ("live peers seeing the joiner (queries each needed)",
-              f"{join.get('checkers_seeing_joiner', 0)}/{len(join.get('checkers', []))} "
-              f"({', '.join(_fmt(n) for n in join.get('checker_queries_needed', []))})")]
+        rows.append(
+            (
+                "before the kill: lookup s median / max",
+                f"{_fmt(result['baseline']['seconds_median'])} / {_fmt(result['baseline']['seconds_max'])}",
+            )
+        )
+    rows += [
+        ("after the kill: lookups", after["lookups"]["lookups"]),
+        (
+            "after the kill: lookup s median / p95 / max",
+            " / ".join(_fmt(after["lookups"][k]) for k in ("seconds_median", "seconds_p95", "seconds_max")),
+        ),
+        ("after the kill: queries (failed)", f"{after['queries']['queries']} ({after['queries']['failed_queries']})"),
+        ("after the kill: query completeness min", after["queries"]["completeness_min"]),
+        (
+            "record heartbeats of live peers: published / failed",
+            f"{result['heartbeats']['published']} / {result['heartbeats']['failed']}",
+        ),
+        ("bootstrap node gone (s)", join["bootstrap_gone_s"]),
+        ("joined via", join["via"]),
+        ("join: DHT up and connected (s)", join.get("join_s")),
+        ("joiner's first query completeness", join.get("first_query_completeness")),
+        (
+            "live peers seeing the joiner (queries each needed)",
+            f"{join.get('checkers_seeing_joiner', 0)}/{len(join.get('checkers', []))} "
+            f"({', '.join(_fmt(n) for n in join.get('checker_queries_needed', []))})",
+        ),
+    ]
     for name, value in rows:
         table.add_row(name, _fmt(value), "", "")
     table.add_row("seconds per phase", "\n".join(f"{k} {v:.1f}" for k, v in result["phases_s"].items()), "", "")
     for check in result["checks"]:
-        table.add_row(check["check"], _fmt(check["value"]), _fmt(check["target"]),
-                      "[green]yes[/]" if check["ok"] else "[bold red]NO[/]")
+        table.add_row(
+            check["check"],
+            _fmt(check["value"]),
+            _fmt(check["target"]),
+            "[green]yes[/]" if check["ok"] else "[bold red]NO[/]",
+        )
     console.print(table)
 
 

@@ -43,9 +43,19 @@ _POLL_S = 0.005
 
 
 def _sealed(step: int, signers: list[Identity]) -> bytes:
-    manifest = Manifest(version=1, run_id=RUN, step=step, round=step, task="charlm", config_digest="a" * 64,
-                        parent="", shards=(), participants=tuple(sorted(s.peer_id for s in signers)), metrics={},
-                        created_at=1_800_000_000 + step)
+    manifest = Manifest(
+        version=1,
+        run_id=RUN,
+        step=step,
+        round=step,
+        task="charlm",
+        config_digest="a" * 64,
+        parent="",
+        shards=(),
+        participants=tuple(sorted(s.peer_id for s in signers)),
+        metrics={},
+        created_at=1_800_000_000 + step,
+    )
     signed = SignedManifest(manifest=manifest, signatures={})
     for signer in signers:
         signed = signed.with_signature(*sign_manifest(manifest, signer))
@@ -63,8 +73,10 @@ def check_memory(num_peers: int) -> None:
     available = psutil.virtual_memory().available
     need = num_peers * PEER_MEMORY_ESTIMATE_BYTES
     if num_peers > 50 and need > 0.7 * available:
-        raise ValueError(f"{num_peers} peers need about {need / 2**30:.1f} GiB, but only {available / 2**30:.1f} "
-                         f"GiB are available (keeping 30% free); use --peers 50 or fewer")
+        raise ValueError(
+            f"{num_peers} peers need about {need / 2**30:.1f} GiB, but only {available / 2**30:.1f} "
+            f"GiB are available (keeping 30% free); use --peers 50 or fewer"
+        )
 
 
 def _mem(proc: psutil.Process) -> dict[str, int]:
@@ -88,23 +100,36 @@ def peer_memory(dhts: list) -> dict[str, Any]:
     def mean(key: str) -> float:
         return statistics.mean(p[key] for p in per_peer) if per_peer else 0.0
 
-    return {"peers_measured": len(per_peer), "per_peer_rss_mean": mean("rss"), "per_peer_uss_mean": mean("uss"),
-            "per_peer_pss_mean": mean("pss"),
-            "p2pd_rss_mean": statistics.mean(p["p2pd"]["rss"] for p in per_peer) if per_peer else 0.0,
-            "python_rss_mean": statistics.mean(p["python"]["rss"] for p in per_peer) if per_peer else 0.0,
-            "main_process": main, "main_process_pss_per_peer": main["pss"] / max(1, len(per_peer)),
-            "per_peer": per_peer}
+    return {
+        "peers_measured": len(per_peer),
+        "per_peer_rss_mean": mean("rss"),
+        "per_peer_uss_mean": mean("uss"),
+        "per_peer_pss_mean": mean("pss"),
+        "p2pd_rss_mean": statistics.mean(p["p2pd"]["rss"] for p in per_peer) if per_peer else 0.0,
+        "python_rss_mean": statistics.mean(p["python"]["rss"] for p in per_peer) if per_peer else 0.0,
+        "main_process": main,
+        "main_process_pss_per_peer": main["pss"] / max(1, len(per_peer)),
+        "per_peer": per_peer,
+    }
 
 
 def memory_rows(memory: dict[str, Any]) -> list[tuple[str, str]]:
     mib = 2**20
-    return [("RSS per peer: DHT process + p2pd (MiB)",
-             f"{memory['per_peer_rss_mean'] / mib:.0f} ({memory['python_rss_mean'] / mib:.0f} + "
-             f"{memory['p2pd_rss_mean'] / mib:.0f})"),
-            ("USS / PSS per peer (MiB)", f"{memory['per_peer_uss_mean'] / mib:.0f} / "
-                                         f"{memory['per_peer_pss_mean'] / mib:.0f}"),
-            ("this process: RSS, PSS per peer (MiB)", f"{memory['main_process']['rss'] / mib:.0f}, "
-                                                      f"{memory['main_process_pss_per_peer'] / mib:.1f}")]
+    return [
+        (
+            "RSS per peer: DHT process + p2pd (MiB)",
+            f"{memory['per_peer_rss_mean'] / mib:.0f} ({memory['python_rss_mean'] / mib:.0f} + "
+            f"{memory['p2pd_rss_mean'] / mib:.0f})",
+        ),
+        (
+            "USS / PSS per peer (MiB)",
+            f"{memory['per_peer_uss_mean'] / mib:.0f} / {memory['per_peer_pss_mean'] / mib:.0f}",
+        ),
+        (
+            "this process: RSS, PSS per peer (MiB)",
+            f"{memory['main_process']['rss'] / mib:.0f}, {memory['main_process_pss_per_peer'] / mib:.1f}",
+        ),
+    ]
 
 
 def start_dhts(num_peers: int, console: Console) -> list:
@@ -120,8 +145,9 @@ def start_dhts(num_peers: int, console: Console) -> list:
 
 
 # ------------------------------------------------------------------------------------ spread
-def _spread_once(gossips: list[ManifestGossip], publisher: int, step: int, signers: list[Identity],
-                 timeout_s: float) -> list[float]:
+def _spread_once(
+    gossips: list[ManifestGossip], publisher: int, step: int, signers: list[Identity], timeout_s: float
+) -> list[float]:
     """Publish manifest ``step`` at one peer; seconds until each peer held it, sorted (only the peers it
     reached within ``timeout_s``)."""
     data = _sealed(step, signers)
@@ -160,8 +186,10 @@ def run(num_peers: int, fanout: int, repeats: int, console: Console, timeout_s: 
     try:
         dhts = start_dhts(num_peers, console)
         with console.status("starting the gossip services"):
-            gossips = [ManifestGossip(d, run_id=RUN, verify=_verify, peers=lambda: ids,
-                                      config=GossipConfig(fanout=fanout)) for d in dhts]
+            gossips = [
+                ManifestGossip(d, run_id=RUN, verify=_verify, peers=lambda: ids, config=GossipConfig(fanout=fanout))
+                for d in dhts
+            ]
         ids.extend(g.peer_id for g in gossips)
         memory = peer_memory(dhts)
         signers = [Identity.generate(), Identity.generate()]
@@ -169,9 +197,12 @@ def run(num_peers: int, fanout: int, repeats: int, console: Console, timeout_s: 
         for step in range(1, repeats + 1):
             with console.status(f"manifest {step}/{repeats}"):
                 arrivals.append(_spread_once(gossips, step % num_peers, step, signers, timeout_s=timeout_s))
-        counters = {"received": sum(g.received for g in gossips), "forwarded": sum(g.forwarded for g in gossips),
-                    "rejected": sum(sum(g.rejected.values()) for g in gossips),
-                    "handler_tasks_destroyed": destroyed.count}
+        counters = {
+            "received": sum(g.received for g in gossips),
+            "forwarded": sum(g.forwarded for g in gossips),
+            "rejected": sum(sum(g.rejected.values()) for g in gossips),
+            "handler_tasks_destroyed": destroyed.count,
+        }
     finally:
         for gossip in gossips:
             gossip.close()
@@ -180,15 +211,24 @@ def run(num_peers: int, fanout: int, repeats: int, console: Console, timeout_s: 
         logging.getLogger("asyncio").removeHandler(destroyed)
     complete = [a[-1] for a in arrivals if len(a) == num_peers]
     pull = GossipConfig().pull_interval_s
-    return {"peers": num_peers, "fanout": fanout, "repeats": repeats, "pull_interval_s": pull,
-            "timeout_s": timeout_s, "to_all_s": [a[-1] if len(a) == num_peers else None for a in arrivals],
-            "complete_spreads": len(complete),
-            "to_all_s_median": statistics.median(complete) if complete else None,
-            "to_all_s_max": max(complete) if len(complete) == repeats else None,
-            "to_half_s_median": statistics.median(a[num_peers // 2] for a in arrivals if len(a) > num_peers // 2),
-            "reached_within_target": [sum(t < TARGET_S for t in a) for a in arrivals],
-            "target_s": TARGET_S, "within_target": sum(t < TARGET_S for t in complete),
-            "arrivals_s": arrivals, "counters": counters, "memory": memory}
+    return {
+        "peers": num_peers,
+        "fanout": fanout,
+        "repeats": repeats,
+        "pull_interval_s": pull,
+        "timeout_s": timeout_s,
+        "to_all_s": [a[-1] if len(a) == num_peers else None for a in arrivals],
+        "complete_spreads": len(complete),
+        "to_all_s_median": statistics.median(complete) if complete else None,
+        "to_all_s_max": max(complete) if len(complete) == repeats else None,
+        "to_half_s_median": statistics.median(a[num_peers // 2] for a in arrivals if len(a) > num_peers // 2),
+        "reached_within_target": [sum(t < TARGET_S for t in a) for a in arrivals],
+        "target_s": TARGET_S,
+        "within_target": sum(t < TARGET_S for t in complete),
+        "arrivals_s": arrivals,
+        "counters": counters,
+        "memory": memory,
+    }
 
 
 def print_table(result: dict[str, Any], console: Console) -> None:
@@ -197,11 +237,15 @@ def print_table(result: dict[str, Any], console: Console) -> None:
     table.add_column("value", justify="right")
     table.add_row("to all peers, each spread (s)", " ".join(_fmt(t) for t in result["to_all_s"]))
     table.add_row("to half the peers, median (s)", _fmt(result["to_half_s_median"]))
-    table.add_row(f"spreads within the {result['target_s']:.0f} s target",
-                  f"{result['within_target']}/{result['repeats']} (complete within {result['timeout_s']:.0f} s: "
-                  f"{result['complete_spreads']})")
-    table.add_row(f"peers reached within {result['target_s']:.0f} s, each spread",
-                  " ".join(str(n) for n in result["reached_within_target"]))
+    table.add_row(
+        f"spreads within the {result['target_s']:.0f} s target",
+        f"{result['within_target']}/{result['repeats']} (complete within {result['timeout_s']:.0f} s: "
+        f"{result['complete_spreads']})",
+    )
+    table.add_row(
+        f"peers reached within {result['target_s']:.0f} s, each spread",
+        " ".join(str(n) for n in result["reached_within_target"]),
+    )
     table.add_row("gossip handler tasks lost to the GC", str(result["counters"]["handler_tasks_destroyed"]))
     for label, value in memory_rows(result["memory"]):
         table.add_row(label, value)
@@ -229,9 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every DHT and p2pd stops
     try:
-        result = {**run_metadata("gossip", argv, memory_total_bytes=psutil.virtual_memory().total),
-                  "config": {"peers": args.peers, "fanout": args.fanout, "repeats": args.repeats},
-                  **run(args.peers, args.fanout, args.repeats, console)}
+        result = {
+            **run_metadata("gossip", argv, memory_total_bytes=psutil.virtual_memory().total),
+            "config": {"peers": args.peers, "fanout": args.fanout, "repeats": args.repeats},
+            **run(args.peers, args.fanout, args.repeats, console),
+        }
     finally:
         signal.signal(signal.SIGTERM, previous)
     print_table(result, console)

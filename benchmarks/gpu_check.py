@@ -50,8 +50,12 @@ def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor))
+    return sum(
+        v.numel() * v.element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
 
 
 def train_once(preset: str, *, bf16: bool, optimizer: str, steps: int, overrides: dict | None = None) -> dict:
@@ -76,20 +80,35 @@ def train_once(preset: str, *, bf16: bool, optimizer: str, steps: int, overrides
     with _autocast(bf16):
         val = float(task.evaluate(model, max_batches=8))
     tail = torch.stack(losses[-10:]).float().mean().item()
-    return {"preset": preset, "bf16": bf16, "optimizer": optimizer, "params": sum(p.numel() for p in model.parameters()),
-            "steps_per_s": (steps - 5) / seconds, "train_loss_last10": tail, "val_loss": val,
-            "optimizer_state_bytes": _state_bytes(opt), "finite": bool(torch.isfinite(torch.stack(losses)).all())}
+    return {
+        "preset": preset,
+        "bf16": bf16,
+        "optimizer": optimizer,
+        "params": sum(p.numel() for p in model.parameters()),
+        "steps_per_s": (steps - 5) / seconds,
+        "train_loss_last10": tail,
+        "val_loss": val,
+        "optimizer_state_bytes": _state_bytes(opt),
+        "finite": bool(torch.isfinite(torch.stack(losses)).all()),
+    }
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=open(log, "wb"),  # noqa: SIM115
-                            stdin=subprocess.DEVNULL, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", *args],
+        stdout=subprocess.PIPE,
+        stderr=open(log, "wb"),  # noqa: SIM115
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
 
 
 def swarm_run(duration_s: float, work: Path) -> dict:
-    boot = _spawn(["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity", str(work / "boot.id")],
-                  work / "bootstrap.log")
+    boot = _spawn(
+        ["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity", str(work / "boot.id")],
+        work / "bootstrap.log",
+    )
     procs = [boot]
     try:
         initial = None
@@ -100,14 +119,45 @@ def swarm_run(duration_s: float, work: Path) -> dict:
         if initial is None:
             return {"ok": False, "error": "bootstrap did not start: " + (work / "bootstrap.log").read_text()[-2000:]}
         for i in range(2):
-            procs.append(_spawn([
-                "swarm.peer", "--initial-peers", *initial, "--run", "gpu", "--task-preset", "small",
-                "--device", "cuda", "--optimizer", "adamw8bit", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                "--shard-index", str(i), "--num-shards", "2", "--sync-every", "20", "--target-group-size", "2",
-                "--identity-key", str(work / f"p{i}.key"), "--events", str(work / f"p{i}.jsonl"),
-                "--checkpoint-dir", str(work / "ckpt"), "--duration-s", str(duration_s), "--no-progress",
-                "--ledger-dir", str(work / "ledgers"),
-            ], work / f"p{i}.log"))
+            procs.append(
+                _spawn(
+                    [
+                        "swarm.peer",
+                        "--initial-peers",
+                        *initial,
+                        "--run",
+                        "gpu",
+                        "--task-preset",
+                        "small",
+                        "--device",
+                        "cuda",
+                        "--optimizer",
+                        "adamw8bit",
+                        "--host-maddrs",
+                        "/ip4/127.0.0.1/tcp/0",
+                        "--shard-index",
+                        str(i),
+                        "--num-shards",
+                        "2",
+                        "--sync-every",
+                        "20",
+                        "--target-group-size",
+                        "2",
+                        "--identity-key",
+                        str(work / f"p{i}.key"),
+                        "--events",
+                        str(work / f"p{i}.jsonl"),
+                        "--checkpoint-dir",
+                        str(work / "ckpt"),
+                        "--duration-s",
+                        str(duration_s),
+                        "--no-progress",
+                        "--ledger-dir",
+                        str(work / "ledgers"),
+                    ],
+                    work / f"p{i}.log",
+                )
+            )
         for proc in procs[1:]:
             proc.wait(timeout=duration_s + 120)
         return _summarize_swarm(work, [p.returncode for p in procs[1:]])
@@ -126,10 +176,15 @@ def _summarize_swarm(work: Path, exit_codes: list[int]) -> dict:
     vals = [e["val_loss"] for e in sorted(rounds, key=lambda e: e["t"]) if isinstance(e.get("val_loss"), float)]
     trains = [e for i in range(2) for e in read_events(work / f"p{i}.jsonl") if e["event"] == "train"]
     grouped = sum(1 for e in rounds if e.get("group_size", 1) >= 2)
-    out = {"exit_codes": exit_codes, "rounds": len(rounds), "rounds_grouped": grouped,
-           "val_loss_first": vals[0] if vals else None, "val_loss_last": vals[-1] if vals else None,
-           "samples_per_s_median": sorted(e["samples_per_s"] for e in trains)[len(trains) // 2] if trains else None}
-    out["ok"] = (exit_codes == [0, 0] and grouped >= 2 and bool(vals) and vals[-1] < vals[0])
+    out = {
+        "exit_codes": exit_codes,
+        "rounds": len(rounds),
+        "rounds_grouped": grouped,
+        "val_loss_first": vals[0] if vals else None,
+        "val_loss_last": vals[-1] if vals else None,
+        "samples_per_s_median": sorted(e["samples_per_s"] for e in trains)[len(trains) // 2] if trains else None,
+    }
+    out["ok"] = exit_codes == [0, 0] and grouped >= 2 and bool(vals) and vals[-1] < vals[0]
     if not out["ok"]:
         out["logs"] = {f"p{i}": (work / f"p{i}.log").read_text(errors="replace")[-3000:] for i in range(2)}
     return out
@@ -145,8 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         console.print("[red]no CUDA device: this check needs a GPU[/]")
         return 1
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                              "bf16_supported": torch.cuda.is_bf16_supported(), "date": time.strftime("%Y-%m-%d")}
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "bf16_supported": torch.cuda.is_bf16_supported(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     wide = {"d_model": 768, "num_layers": 4, "num_heads": 12, "seq_len": 256, "batch_size": 64}
     runs = []
     for preset, overrides in (("default", None), ("wide", wide)):
@@ -161,18 +220,26 @@ def main(argv: list[str] | None = None) -> int:
     for col in ("model", "params", "autocast", "optimizer", "steps/s", "train loss", "val loss", "opt state MB"):
         table.add_column(col)
     for r in runs:
-        table.add_row(r["preset"], f"{r['params'] / 1e6:.1f}M", "bf16" if r["bf16"] else "fp32", r["optimizer"],
-                      f"{r['steps_per_s']:.1f}", f"{r['train_loss_last10']:.3f}", f"{r['val_loss']:.3f}",
-                      f"{r['optimizer_state_bytes'] / 1e6:.1f}")
+        table.add_row(
+            r["preset"],
+            f"{r['params'] / 1e6:.1f}M",
+            "bf16" if r["bf16"] else "fp32",
+            r["optimizer"],
+            f"{r['steps_per_s']:.1f}",
+            f"{r['train_loss_last10']:.3f}",
+            f"{r['val_loss']:.3f}",
+            f"{r['optimizer_state_bytes'] / 1e6:.1f}",
+        )
     console.print(table)
     console.print({k: v for k, v in result["swarm"].items() if k != "logs"})
     checks = {
         "finite": all(r["finite"] for r in runs),
         "bf16 tracks fp32 (val loss within 10%)": all(
-            abs(b["val_loss"] - f["val_loss"]) <= 0.1 * f["val_loss"]
-            for f, b in zip(runs[0::3], runs[1::3])),
+            abs(b["val_loss"] - f["val_loss"]) <= 0.1 * f["val_loss"] for f, b in zip(runs[0::3], runs[1::3])
+        ),
         "adamw8bit tracks adamw (val loss within 10%)": all(
-            abs(q["val_loss"] - b["val_loss"]) <= 0.1 * b["val_loss"] for b, q in zip(runs[1::3], runs[2::3])),
+            abs(q["val_loss"] - b["val_loss"]) <= 0.1 * b["val_loss"] for b, q in zip(runs[1::3], runs[2::3])
+        ),
         "swarm run on CUDA": bool(result["swarm"].get("ok")),
     }
     result["checks"] = checks

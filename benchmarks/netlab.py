@@ -306,8 +306,9 @@ class Lab:
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
 
-    def spawn(self, host: int, argv: list[str], *, log: Path | None = None,
-              env: dict[str, str] | None = None) -> subprocess.Popen:
+    def spawn(
+        self, host: int, argv: list[str], *, log: Path | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         """Start `argv` inside host `host` in a new session (its own process group), with environment
         os.environ + host.env() + env and stdout/stderr into `log` (appended) or /dev/null. The lab owns it:
         `stop(proc)` or `close()` SIGTERMs its whole group, waits, then SIGKILLs."""
@@ -316,8 +317,14 @@ class Lab:
         full_env = {**os.environ, **target.env(), **(env or {})}
         out = open(log, "ab") if log is not None else subprocess.DEVNULL  # the child keeps its own copy
         try:
-            proc = subprocess.Popen(target.wrap(argv), env=full_env, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                target.wrap(argv),
+                env=full_env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         finally:
             if log is not None:
                 out.close()
@@ -381,8 +388,10 @@ class Lab:
             if blocked:
                 signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         if left:
-            raise RuntimeError(f"{self!r}: {left} remain after close; remove them with "
-                               f"`python -m benchmarks.netlab cleanup` once this process has exited")
+            raise RuntimeError(
+                f"{self!r}: {left} remain after close; remove them with "
+                f"`python -m benchmarks.netlab cleanup` once this process has exited"
+            )
 
     def _delete(self) -> list[str]:
         _remove(self.prefix)
@@ -554,12 +563,17 @@ def source_main(ip: str, port: int, *, num_bytes: int, num_pings: int, timeout_s
             remaining -= min(remaining, len(view))
         _recv_exact(conn, 1)
         seconds = time.perf_counter() - started
-    return {"num_bytes": num_bytes, "seconds": seconds, "mbit_s": num_bytes * 8 / seconds / 1e6,
-            "rtt_ms": 1e3 * statistics.median(rtts) if rtts else float("nan")}
+    return {
+        "num_bytes": num_bytes,
+        "seconds": seconds,
+        "mbit_s": num_bytes * 8 / seconds / 1e6,
+        "rtt_ms": 1e3 * statistics.median(rtts) if rtts else float("nan"),
+    }
 
 
-def measure_tcp(lab: Lab, *, src: int = 0, dst: int = 1, num_bytes: int = 12_000_000, num_pings: int = 20,
-                timeout_s: float = 60.0) -> dict[str, float]:
+def measure_tcp(
+    lab: Lab, *, src: int = 0, dst: int = 1, num_bytes: int = 12_000_000, num_pings: int = 20, timeout_s: float = 60.0
+) -> dict[str, float]:
     """One TCP transfer of `num_bytes` from host `src` to host `dst` (a sink the lab spawns and stops):
     {"num_bytes", "seconds", "mbit_s", "rtt_ms"}, timed by the sender until the sink's acknowledgement."""
     port = 5201
@@ -569,8 +583,21 @@ def measure_tcp(lab: Lab, *, src: int = 0, dst: int = 1, num_bytes: int = 12_000
             port = probe.getsockname()[1]
     sink = lab.spawn(dst, [sys.executable, __file__, "_sink", "--port", str(port)])
     try:
-        argv = [sys.executable, __file__, "_source", "--ip", lab.hosts[dst].ip, "--port", str(port),
-                "--bytes", str(num_bytes), "--pings", str(num_pings), "--timeout-s", str(timeout_s)]
+        argv = [
+            sys.executable,
+            __file__,
+            "_source",
+            "--ip",
+            lab.hosts[dst].ip,
+            "--port",
+            str(port),
+            "--bytes",
+            str(num_bytes),
+            "--pings",
+            str(num_pings),
+            "--timeout-s",
+            str(timeout_s),
+        ]
         done = _run(lab.hosts[src].wrap(argv), timeout_s=timeout_s + 10)
         return json.loads(done.stdout.strip().splitlines()[-1])
     finally:

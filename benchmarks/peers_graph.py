@@ -72,16 +72,27 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every DHT and p2pd stops
     try:
         memory = psutil.virtual_memory().total
-        result = {**run_metadata("peers_graph", argv, memory_total_bytes=memory),
-                  "config": {k: v for k, v in vars(args).items() if k != "out"},
-                  **run(args.peers, args.refresh_s, args.expiry_s, args.queries, console)}
+        result = {
+            **run_metadata("peers_graph", argv, memory_total_bytes=memory),
+            "config": {k: v for k, v in vars(args).items() if k != "out"},
+            **run(args.peers, args.refresh_s, args.expiry_s, args.queries, console),
+        }
     finally:
         signal.signal(signal.SIGTERM, previous)
     table = Table(title=f"resource graph on loopback: {args.peers} peers")
     table.add_column("figure")
     table.add_column("value", justify="right")
-    for key in ("record_bytes", "all_visible_s", "failed_queries", "completeness_min", "query_s_median",
-                "query_s_max", "killed_peer_vanish_s", "vanish_bound_s", "within_bound"):
+    for key in (
+        "record_bytes",
+        "all_visible_s",
+        "failed_queries",
+        "completeness_min",
+        "query_s_median",
+        "query_s_max",
+        "killed_peer_vanish_s",
+        "vanish_bound_s",
+        "within_bound",
+    ):
         value = result[key]
         table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
     for label, value in memory_rows(result["memory"]):
@@ -103,8 +114,9 @@ def run(num_peers: int, refresh_s: float, expiry_s: float, num_queries: int, con
                 ident = Identity.generate()
                 dht = start_swarm_dht(ident, initial_peers=initial, host_maddrs=LOOPBACK)
                 dhts.append(dht)
-                advertisers.append(Advertiser(dht, ident, record_builder(ident), refresh_s=refresh_s,
-                                              expiry_s=expiry_s).start())
+                advertisers.append(
+                    Advertiser(dht, ident, record_builder(ident), refresh_s=refresh_s, expiry_s=expiry_s).start()
+                )
         record_bytes = len(MSGPackSerializer.dumps(sign_record(advertisers[0].last_record, advertisers[0].identity)))
         expected = {a.identity.peer_id for a in advertisers}
         reader = ResourceGraph(dhts[len(dhts) // 2])
@@ -119,8 +131,9 @@ def run(num_peers: int, refresh_s: float, expiry_s: float, num_queries: int, con
             if seen is None:
                 failed.append(times[-1])
 
-        victim = subprocess.Popen([sys.executable, "-c", _CHILD, *initial, str(refresh_s), str(expiry_s)],
-                                  stdout=subprocess.PIPE, text=True)
+        victim = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, *initial, str(refresh_s), str(expiry_s)], stdout=subprocess.PIPE, text=True
+        )
         victim_id = victim.stdout.readline().strip()
         deadline = time.monotonic() + 60
         while victim_id not in (_seen(reader) or set()):
@@ -136,13 +149,24 @@ def run(num_peers: int, refresh_s: float, expiry_s: float, num_queries: int, con
                     raise RuntimeError("the killed peer did not vanish")
                 time.sleep(0.2)
         vanish_s = time.monotonic() - killed_at
-        return {"peers": num_peers, "record_bytes": record_bytes, "queries": num_queries,
-                "all_visible_s": all_visible_s, "completeness": completeness, "query_s": times,
-                "failed_queries": len(failed),
-                "completeness_min": min(completeness), "query_s_median": statistics.median(times),
-                "query_s_max": max(times), "refresh_s": refresh_s, "expiry_s": expiry_s, "memory": memory,
-                "killed_peer_vanish_s": vanish_s, "vanish_bound_s": expiry_s + refresh_s,
-                "within_bound": vanish_s <= expiry_s + refresh_s}
+        return {
+            "peers": num_peers,
+            "record_bytes": record_bytes,
+            "queries": num_queries,
+            "all_visible_s": all_visible_s,
+            "completeness": completeness,
+            "query_s": times,
+            "failed_queries": len(failed),
+            "completeness_min": min(completeness),
+            "query_s_median": statistics.median(times),
+            "query_s_max": max(times),
+            "refresh_s": refresh_s,
+            "expiry_s": expiry_s,
+            "memory": memory,
+            "killed_peer_vanish_s": vanish_s,
+            "vanish_bound_s": expiry_s + refresh_s,
+            "within_bound": vanish_s <= expiry_s + refresh_s,
+        }
     finally:
         if victim is not None and victim.poll() is None:
             victim.kill()

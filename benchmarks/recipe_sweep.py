@@ -85,9 +85,17 @@ def grid(name: str, *, warmup: int) -> list[Recipe]:
     rows = [Recipe(name="dp", dp=True, inner_warmup=warmup), Recipe(name="dp-nowarmup", dp=True)]
     if name == "quick":
         outer = outer_settings(DEFAULT_H)
-        return [*rows, Recipe(name="plain H15", sync_every=15),
-                Recipe(name="defaults", sync_every=DEFAULT_H, inner_warmup=warmup, outer_lr=outer.lr,
-                       outer_momentum=outer.momentum)]
+        return [
+            *rows,
+            Recipe(name="plain H15", sync_every=15),
+            Recipe(
+                name="defaults",
+                sync_every=DEFAULT_H,
+                inner_warmup=warmup,
+                outer_lr=outer.lr,
+                outer_momentum=outer.momentum,
+            ),
+        ]
     for h in (15, 30, 50, 100):
         rows += [
             Recipe(name=f"H{h} plain", sync_every=h),
@@ -95,31 +103,63 @@ def grid(name: str, *, warmup: int) -> list[Recipe]:
             Recipe(name=f"H{h} nesterov 0.7/0.5", sync_every=h, outer_lr=0.7, outer_momentum=0.5),
             Recipe(name=f"H{h} nesterov 0.5/0.5", sync_every=h, outer_lr=0.5, outer_momentum=0.5),
             Recipe(name=f"H{h} plain + warm-up", sync_every=h, inner_warmup=warmup),
-            Recipe(name=f"H{h} nesterov 0.5/0.5 + warm-up", sync_every=h, outer_lr=0.5, outer_momentum=0.5,
-                   inner_warmup=warmup),
+            Recipe(
+                name=f"H{h} nesterov 0.5/0.5 + warm-up",
+                sync_every=h,
+                outer_lr=0.5,
+                outer_momentum=0.5,
+                inner_warmup=warmup,
+            ),
         ]
     rows += [
-        Recipe(name="H15 nesterov 0.7/0.9 + warm-up", sync_every=15, outer_lr=0.7, outer_momentum=0.9,
-               inner_warmup=warmup),
+        Recipe(
+            name="H15 nesterov 0.7/0.9 + warm-up", sync_every=15, outer_lr=0.7, outer_momentum=0.9, inner_warmup=warmup
+        ),
         Recipe(name="H15 sync 1->15 over 300 steps", sync_every=15, sync_warmup=300),
         Recipe(name="H15 avg inner AdamW state", sync_every=15, average_inner_state=True),
         Recipe(name="H15 plain + warm-up x2", sync_every=15, inner_warmup=2 * warmup),
-        Recipe(name="H15 nesterov 0.5/0.5 + warm-up, fp32", sync_every=15, outer_lr=0.5, outer_momentum=0.5,
-               inner_warmup=warmup, codec="fp32"),
+        Recipe(
+            name="H15 nesterov 0.5/0.5 + warm-up, fp32",
+            sync_every=15,
+            outer_lr=0.5,
+            outer_momentum=0.5,
+            inner_warmup=warmup,
+            codec="fp32",
+        ),
         Recipe(name="H10 plain + warm-up", sync_every=10, inner_warmup=warmup),
-        Recipe(name="H10 nesterov 0.5/0.5 + warm-up", sync_every=10, outer_lr=0.5, outer_momentum=0.5,
-               inner_warmup=warmup),
-        Recipe(name="H8 nesterov 0.5/0.5 + warm-up", sync_every=8, outer_lr=0.5, outer_momentum=0.5,
-               inner_warmup=warmup),
+        Recipe(
+            name="H10 nesterov 0.5/0.5 + warm-up", sync_every=10, outer_lr=0.5, outer_momentum=0.5, inner_warmup=warmup
+        ),
+        Recipe(
+            name="H8 nesterov 0.5/0.5 + warm-up", sync_every=8, outer_lr=0.5, outer_momentum=0.5, inner_warmup=warmup
+        ),
         Recipe(name="dp + decay", dp=True, inner_warmup=warmup, inner_decay=True),
-        Recipe(name="H15 nesterov 0.5/0.5 + warm-up + decay", sync_every=15, outer_lr=0.5, outer_momentum=0.5,
-               inner_warmup=warmup, inner_decay=True),
+        Recipe(
+            name="H15 nesterov 0.5/0.5 + warm-up + decay",
+            sync_every=15,
+            outer_lr=0.5,
+            outer_momentum=0.5,
+            inner_warmup=warmup,
+            inner_decay=True,
+        ),
         Recipe(name="H15 plain + warm-up + decay", sync_every=15, inner_warmup=warmup, inner_decay=True),
-        Recipe(name="H10 nesterov 0.5/0.5 + warm-up + decay", sync_every=10, outer_lr=0.5, outer_momentum=0.5,
-               inner_warmup=warmup, inner_decay=True),
+        Recipe(
+            name="H10 nesterov 0.5/0.5 + warm-up + decay",
+            sync_every=10,
+            outer_lr=0.5,
+            outer_momentum=0.5,
+            inner_warmup=warmup,
+            inner_decay=True,
+        ),
         Recipe(name="H30 plain + warm-up + decay", sync_every=30, inner_warmup=warmup, inner_decay=True),
-        Recipe(name="H8 nesterov 0.5/0.5 + warm-up, int4", sync_every=8, outer_lr=0.5, outer_momentum=0.5,
-               inner_warmup=warmup, codec="int4"),
+        Recipe(
+            name="H8 nesterov 0.5/0.5 + warm-up, int4",
+            sync_every=8,
+            outer_lr=0.5,
+            outer_momentum=0.5,
+            inner_warmup=warmup,
+            codec="int4",
+        ),
     ]
     return rows
 
@@ -136,7 +176,7 @@ def _quantize(t: Any, codec: str) -> Any:
     x = torch.cat([flat, flat.new_zeros(pad)]).view(-1, block)
     scale = x.abs().amax(1, keepdim=True).clamp_min(1e-30)
     q = torch.round(x / scale * levels).clamp(-levels, levels) * scale / levels
-    return q.reshape(-1)[:flat.numel()].view_as(t)
+    return q.reshape(-1)[: flat.numel()].view_as(t)
 
 
 def _evaluate(task: Any, model: Any) -> float:
@@ -153,8 +193,9 @@ def decay_factor(step: int, *, warmup_steps: int, total_steps: int, final: float
     return final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def simulate(recipe: Recipe, *, task_name: str, preset: str, samples: int, peers: int,
-             eval_every_samples: int) -> dict[str, Any]:
+def simulate(
+    recipe: Recipe, *, task_name: str, preset: str, samples: int, peers: int, eval_every_samples: int
+) -> dict[str, Any]:
     """Train one recipe in this process; returns its curve and figures."""
     import torch
 
@@ -232,8 +273,14 @@ def simulate(recipe: Recipe, *, task_name: str, preset: str, samples: int, peers
             if not curve or seen - curve[-1][0] >= eval_every_samples or step + 1 == steps:
                 curve.append((seen, _evaluate(task, models[0])))
     numel = sum(p.numel() for p in task.build_model(seed=0).parameters())
-    return {"recipe": dataclasses.asdict(recipe), "curve": curve, "rounds": rounds, "steps": steps,
-            "numel": numel, "wall_s": time.monotonic() - started}
+    return {
+        "recipe": dataclasses.asdict(recipe),
+        "curve": curve,
+        "rounds": rounds,
+        "steps": steps,
+        "numel": numel,
+        "wall_s": time.monotonic() - started,
+    }
 
 
 def bytes_ratio(result: dict[str, Any], *, peers: int) -> float | None:
@@ -254,30 +301,59 @@ def summarize(results: list[dict[str, Any]], *, peers: int) -> list[dict[str, An
         recipe = r["recipe"]
         with_warmup = recipe["inner_warmup"] or recipe["dp"] or "dp-nowarmup" not in by_name
         # each row against data parallelism with the same inner schedule
-        name = "dp + decay" if recipe["inner_decay"] and "dp + decay" in by_name else \
-            "dp" if with_warmup else "dp-nowarmup"
+        name = (
+            "dp + decay"
+            if recipe["inner_decay"] and "dp + decay" in by_name
+            else "dp"
+            if with_warmup
+            else "dp-nowarmup"
+        )
         reference = by_name[name]
         final = r["curve"][-1][1]
-        rows.append({"recipe": recipe["name"], "final_val_loss": final, "min_val_loss": min(v for _, v in r["curve"]),
-                     "reference": reference["recipe"]["name"],
-                     "ratio_to_dp": final / reference["curve"][-1][1],
-                     "ratio_to_dp_with_warmup": final / by_name["dp"]["curve"][-1][1],
-                     "rising": rising(r["curve"]), "rounds": r["rounds"],
-                     "fewer_bytes_than_fp32_dp": bytes_ratio(r, peers=peers), "wall_s": r["wall_s"]})
+        rows.append(
+            {
+                "recipe": recipe["name"],
+                "final_val_loss": final,
+                "min_val_loss": min(v for _, v in r["curve"]),
+                "reference": reference["recipe"]["name"],
+                "ratio_to_dp": final / reference["curve"][-1][1],
+                "ratio_to_dp_with_warmup": final / by_name["dp"]["curve"][-1][1],
+                "rising": rising(r["curve"]),
+                "rounds": r["rounds"],
+                "fewer_bytes_than_fp32_dp": bytes_ratio(r, peers=peers),
+                "wall_s": r["wall_s"],
+            }
+        )
     return rows
 
 
 def print_table(rows: list[dict[str, Any]], *, title: str, console: Console) -> None:
     table = Table(title=title)
-    for column in ("recipe", "final val loss", "x dp", "x dp (warm-up)", "min", "rising", "rounds",
-                   "fewer B than fp32 dp", "wall s"):
+    for column in (
+        "recipe",
+        "final val loss",
+        "x dp",
+        "x dp (warm-up)",
+        "min",
+        "rising",
+        "rounds",
+        "fewer B than fp32 dp",
+        "wall s",
+    ):
         table.add_column(column, justify="right")
     for row in rows:
         fewer = row["fewer_bytes_than_fp32_dp"]
-        table.add_row(row["recipe"], f"{row['final_val_loss']:.4f}", f"{row['ratio_to_dp']:.3f}",
-                      f"{row['ratio_to_dp_with_warmup']:.3f}", f"{row['min_val_loss']:.4f}",
-                      "yes" if row["rising"] else "no", str(row["rounds"]),
-                      "-" if fewer is None else f"{fewer:.0f}x", f"{row['wall_s']:.0f}")
+        table.add_row(
+            row["recipe"],
+            f"{row['final_val_loss']:.4f}",
+            f"{row['ratio_to_dp']:.3f}",
+            f"{row['ratio_to_dp_with_warmup']:.3f}",
+            f"{row['min_val_loss']:.4f}",
+            "yes" if row["rising"] else "no",
+            str(row["rounds"]),
+            "-" if fewer is None else f"{fewer:.0f}x",
+            f"{row['wall_s']:.0f}",
+        )
     console.print(table)
 
 
@@ -290,8 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=60000)
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--grid", choices=("full", "quick"), default="full")
-    parser.add_argument("--only", nargs="*", default=None,
-                        help="run only the rows with these names (and the reference row dp)")
+    parser.add_argument(
+        "--only", nargs="*", default=None, help="run only the rows with these names (and the reference row dp)"
+    )
     parser.add_argument("--jobs", type=int, default=2, help="rows trained at once (one CPU thread each)")
     parser.add_argument("--eval-every-samples", type=int, default=3840)
     parser.add_argument("--out", default=None)
@@ -302,10 +379,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         recipes = [r for r in recipes if r.name in ("dp", "dp + decay") or r.name in args.only]
     out = Path(args.out) if args.out else RESULTS / f"recipe_sweep_{args.task}.json"
-    kwargs = {"task_name": args.task, "preset": args.preset, "samples": args.samples, "peers": args.peers,
-              "eval_every_samples": args.eval_every_samples}
-    console.print(f"recipe sweep: {args.task}/{args.preset}, {args.peers} workers, {args.samples} samples, "
-                  f"{len(recipes)} rows, {args.jobs} at a time", highlight=False)
+    kwargs = {
+        "task_name": args.task,
+        "preset": args.preset,
+        "samples": args.samples,
+        "peers": args.peers,
+        "eval_every_samples": args.eval_every_samples,
+    }
+    console.print(
+        f"recipe sweep: {args.task}/{args.preset}, {args.peers} workers, {args.samples} samples, "
+        f"{len(recipes)} rows, {args.jobs} at a time",
+        highlight=False,
+    )
     context = multiprocessing.get_context("spawn")
     results: dict[str, dict[str, Any]] = {}
     with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=context) as pool:
@@ -313,15 +398,30 @@ def main(argv: list[str] | None = None) -> int:
         for future in concurrent.futures.as_completed(futures):
             recipe = futures[future]
             results[recipe.name] = future.result()
-            console.print(f"  {recipe.name}: {results[recipe.name]['curve'][-1][1]:.4f} "
-                          f"({results[recipe.name]['wall_s']:.0f} s)", highlight=False)
+            console.print(
+                f"  {recipe.name}: {results[recipe.name]['curve'][-1][1]:.4f} ({results[recipe.name]['wall_s']:.0f} s)",
+                highlight=False,
+            )
     ordered = [results[r.name] for r in recipes]
     rows = summarize(ordered, peers=args.peers)
     command = "python -m benchmarks.recipe_sweep " + " ".join(sys.argv[1:] if argv is None else argv)
-    save_result(out, {"benchmark": "recipe_sweep", "command": command.strip(), "config": vars(args),
-                      "inner_warmup_default": warmup, "cpus": os.cpu_count(), "rows": rows, "results": ordered})
-    print_table(rows, title=f"recipes on {args.task}/{args.preset}: {args.peers} workers, {args.samples} samples",
-                console=console)
+    save_result(
+        out,
+        {
+            "benchmark": "recipe_sweep",
+            "command": command.strip(),
+            "config": vars(args),
+            "inner_warmup_default": warmup,
+            "cpus": os.cpu_count(),
+            "rows": rows,
+            "results": ordered,
+        },
+    )
+    print_table(
+        rows,
+        title=f"recipes on {args.task}/{args.preset}: {args.peers} workers, {args.samples} samples",
+        console=console,
+    )
     console.print(f"wrote {out}")
     return 0
 

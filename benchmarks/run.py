@@ -48,9 +48,15 @@ def bench_inner_steps(presets: list[str], num_steps: int) -> list[dict[str, Any]
             optimizer.step()
             optimizer.zero_grad()
         elapsed = time.perf_counter() - started
-        rows.append({"preset": preset, "params": num_params(model), "steps": num_steps,
-                     "ms_per_step": 1e3 * elapsed / num_steps,
-                     "samples_per_s": num_steps * task.config.batch_size / elapsed})
+        rows.append(
+            {
+                "preset": preset,
+                "params": num_params(model),
+                "steps": num_steps,
+                "ms_per_step": 1e3 * elapsed / num_steps,
+                "samples_per_s": num_steps * task.config.batch_size / elapsed,
+            }
+        )
     return rows
 
 
@@ -69,23 +75,73 @@ PLAN: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
     "averaging_round": (
         "benchmarks.averaging_round",
         [["--peers", "4", "--numel", "2500000", "--settings", "loopback", "100", "--repeats", "2"]],
-        [["--peers", "4", "--numel", "25000000", "--settings", "loopback", "100", "1000", "--repeats", "2",
-          "--sender-death", "--out", str(RESULTS_DIR / "averaging_round.json")],
-         ["--peers", "8", "--numel", "10000000", "--settings", "loopback", "1000", "--repeats", "2",
-          "--out", str(RESULTS_DIR / "averaging_round_8peers.json")]],
+        [
+            [
+                "--peers",
+                "4",
+                "--numel",
+                "25000000",
+                "--settings",
+                "loopback",
+                "100",
+                "1000",
+                "--repeats",
+                "2",
+                "--sender-death",
+                "--out",
+                str(RESULTS_DIR / "averaging_round.json"),
+            ],
+            [
+                "--peers",
+                "8",
+                "--numel",
+                "10000000",
+                "--settings",
+                "loopback",
+                "1000",
+                "--repeats",
+                "2",
+                "--out",
+                str(RESULTS_DIR / "averaging_round_8peers.json"),
+            ],
+        ],
     ),
     "convergence": (
         "benchmarks.convergence",
         [["--preset", "tiny", "--samples", "16000", "--peers", "4"]],
-        [["--preset", "tiny", "--samples", "61000", "--peers", "4"],
-         ["--task", "teacher", "--preset", "tiny", "--samples", "120000", "--peers", "4",
-          "--eval-batches", "4", "--out", str(RESULTS_DIR / "convergence_teacher.json")]],
+        [
+            ["--preset", "tiny", "--samples", "61000", "--peers", "4"],
+            [
+                "--task",
+                "teacher",
+                "--preset",
+                "tiny",
+                "--samples",
+                "120000",
+                "--peers",
+                "4",
+                "--eval-batches",
+                "4",
+                "--out",
+                str(RESULTS_DIR / "convergence_teacher.json"),
+            ],
+        ],
     ),
     # single-process simulations of the outer-step recipes against data parallelism (about 30 minutes for charlm)
     "recipe_sweep": (
         "benchmarks.recipe_sweep",
-        [["--task", "teacher", "--grid", "quick", "--samples", "30000",
-          "--out", str(RESULTS_DIR / "recipe_sweep_quick.json")]],
+        [
+            [
+                "--task",
+                "teacher",
+                "--grid",
+                "quick",
+                "--samples",
+                "30000",
+                "--out",
+                str(RESULTS_DIR / "recipe_sweep_quick.json"),
+            ]
+        ],
         [["--task", "charlm", "--samples", "60000"], ["--task", "teacher", "--samples", "120000"]],
     ),
     "churn": (
@@ -123,8 +179,13 @@ def _run_one(name: str, argv: list[str], console: Console) -> dict[str, Any]:
     except Exception as e:  # one broken benchmark must not hide the others' figures
         code, error = 1, f"{e!r}\n{traceback.format_exc()[-2000:]}"
         console.print(f"[red]{name} failed: {e!r}[/]")
-    return {"name": name, "command": f"python -m {PLAN[name][0]} {' '.join(argv)}", "exit_code": code,
-            "error": error, "seconds": round(time.monotonic() - started, 1)}
+    return {
+        "name": name,
+        "command": f"python -m {PLAN[name][0]} {' '.join(argv)}",
+        "exit_code": code,
+        "error": error,
+        "seconds": round(time.monotonic() - started, 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,12 +201,22 @@ def main(argv: list[str] | None = None) -> int:
     inner = bench_inner_steps(["tiny", "small"] if not args.full else ["tiny", "small", "default"], num_steps=20)
     console.print(_table("charlm inner steps (1 CPU thread)", inner))
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    runs = [_run_one(name, argv, console) for name in (args.only or list(PLAN))
-            for argv in (PLAN[name][2] if args.full else PLAN[name][1])]
-    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.platform(),
-              "cpus": torch.get_num_threads(), "python": sys.version.split()[0], "torch": torch.__version__,
-              "command": "python -m benchmarks.run " + ("--full" if args.full else "--quick"),
-              "seconds": round(time.monotonic() - started, 1), "inner_steps": inner, "benchmarks": runs}
+    runs = [
+        _run_one(name, argv, console)
+        for name in (args.only or list(PLAN))
+        for argv in (PLAN[name][2] if args.full else PLAN[name][1])
+    ]
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.platform(),
+        "cpus": torch.get_num_threads(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "command": "python -m benchmarks.run " + ("--full" if args.full else "--quick"),
+        "seconds": round(time.monotonic() - started, 1),
+        "inner_steps": inner,
+        "benchmarks": runs,
+    }
     summary = Table(title="benchmark set")
     for column in ("benchmark", "exit", "seconds", "command"):
         summary.add_column(column)

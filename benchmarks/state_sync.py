@@ -70,8 +70,18 @@ def make_state(numel: int) -> dict[str, torch.Tensor]:
 
 def _hivemind_averager(dht, state: list[torch.Tensor], *, donor: bool) -> _Donor:
     # same class for donor and joiner: hivemind names its RPC handlers after the averager's class
-    return _Donor([torch.zeros(1)], dht, start=True, prefix=PREFIX, state=state, allow_state_sharing=donor,
-                  declare_state_period=5, next_chunk_timeout=60, min_matchmaking_time=5.0, request_timeout=3.0)
+    return _Donor(
+        [torch.zeros(1)],
+        dht,
+        start=True,
+        prefix=PREFIX,
+        state=state,
+        allow_state_sharing=donor,
+        declare_state_period=5,
+        next_chunk_timeout=60,
+        min_matchmaking_time=5.0,
+        request_timeout=3.0,
+    )
 
 
 def _ours(dht, shards: list[ShardInfo], donors: list[str], store_dir: Path, timeout_s: float) -> tuple[float, dict]:
@@ -118,8 +128,13 @@ def run_loopback(state: dict[str, torch.Tensor], repeats: int, console: Console)
             for repeat in range(repeats):
                 for num_donors in (1, 3):
                     with console.status(f"ours from {num_donors} donor(s), {repeat + 1}/{repeats}"):
-                        seconds, loaded = _ours(dhts[0], shards, [e.peer_id for e in exchanges[:num_donors]],
-                                                Path(tmp) / f"joiner{num_donors}-{repeat}", timeout_s=600)
+                        seconds, loaded = _ours(
+                            dhts[0],
+                            shards,
+                            [e.peer_id for e in exchanges[:num_donors]],
+                            Path(tmp) / f"joiner{num_donors}-{repeat}",
+                            timeout_s=600,
+                        )
                     assert all(torch.equal(loaded[k], v) for k, v in state.items())
                     rows[f"ours-{num_donors}"].append(seconds)
             donor = _hivemind_averager(dhts[1], list(state.values()), donor=True)
@@ -178,8 +193,10 @@ def _serve_donor(dht, args: argparse.Namespace, stop: threading.Event) -> None:
     exchange = ShardExchange(dht, StoreShardSource(store))
     donor = _hivemind_averager(dht, list(state.values()), donor=True) if args.hivemind else None
     try:
-        _write_json(Path(args.out), {"peer_id": str(dht.peer_id), "maddrs": visible_maddrs(dht),
-                                     "shards": [s.to_dict() for s in shards]})
+        _write_json(
+            Path(args.out),
+            {"peer_id": str(dht.peer_id), "maddrs": visible_maddrs(dht), "shards": [s.to_dict() for s in shards]},
+        )
         stop.wait()
     finally:
         if donor is not None:
@@ -225,23 +242,32 @@ def _wait_file(path: Path, proc: Any, timeout_s: float, what: str, log: Path) ->
     return json.loads(path.read_text())
 
 
-def floor_seconds(size_bytes: int, rate_mbit: float | None, donor_rate_mbit: float | None,
-                  num_donors: int) -> float | None:
+def floor_seconds(
+    size_bytes: int, rate_mbit: float | None, donor_rate_mbit: float | None, num_donors: int
+) -> float | None:
     """Bytes over the narrowest of the joiner's downlink and the donors' uplinks together; None if unshaped."""
     rates = [r for r in (rate_mbit, donor_rate_mbit * num_donors if donor_rate_mbit else None) if r]
     return size_bytes * 8 / (min(rates) * 1e6) if rates else None
 
 
-def run_lab(numel: int, rate_mbit: float | None, donor_rate_mbit: float | None, repeats: int, size_bytes: int,
-            console: Console, work: Path) -> list[dict[str, Any]]:
+def run_lab(
+    numel: int,
+    rate_mbit: float | None,
+    donor_rate_mbit: float | None,
+    repeats: int,
+    size_bytes: int,
+    console: Console,
+    work: Path,
+) -> list[dict[str, Any]]:
     """Donors on hosts 1-3 and one fresh joiner process per download on host 0 of a netns lab."""
     from benchmarks import netlab
 
     floor_s = floor_seconds(size_bytes, rate_mbit, donor_rate_mbit, 1) or 0.0
     timeout_s = max(120.0, 10 * floor_s + 60)
     worker = [sys.executable, "-m", "benchmarks.state_sync", "_worker"]
-    rows: dict[str, dict[str, list]] = {m: {"times_s": [], "rx_bytes": [], "tx_bytes": []}
-                                        for m in ("ours-1", "ours-3", "hivemind-1")}
+    rows: dict[str, dict[str, list]] = {
+        m: {"times_s": [], "rx_bytes": [], "tx_bytes": []} for m in ("ours-1", "ours-3", "hivemind-1")
+    }
     with netlab.netns_lab(4, rate_mbit=rate_mbit) as lab:
         if donor_rate_mbit:
             for i in (1, 2, 3):
@@ -251,9 +277,25 @@ def run_lab(numel: int, rate_mbit: float | None, donor_rate_mbit: float | None, 
             for i in (1, 2, 3):
                 ready, log = work / f"donor{i}.json", work / f"donor{i}.log"
                 initial = donors[0]["maddrs"] if donors else []
-                proc = lab.spawn(i, [*worker, "donor", "--numel", str(numel), "--host-maddr", lab.hosts[i].maddr(0),
-                                     "--initial-peers", *initial, "--dir", str(work / f"donor{i}"),
-                                     "--out", str(ready), *(["--hivemind"] if i == 1 else [])], log=log)
+                proc = lab.spawn(
+                    i,
+                    [
+                        *worker,
+                        "donor",
+                        "--numel",
+                        str(numel),
+                        "--host-maddr",
+                        lab.hosts[i].maddr(0),
+                        "--initial-peers",
+                        *initial,
+                        "--dir",
+                        str(work / f"donor{i}"),
+                        "--out",
+                        str(ready),
+                        *(["--hivemind"] if i == 1 else []),
+                    ],
+                    log=log,
+                )
                 donors.append(_wait_file(ready, proc, 300, f"donor {i}", log))
         initial = [m for d in donors for m in d["maddrs"]]
         for repeat in range(repeats):
@@ -263,11 +305,32 @@ def run_lab(numel: int, rate_mbit: float | None, donor_rate_mbit: float | None, 
                 out, log = work / f"{name}.json", work / f"{name}.log"
                 before = lab.hosts[0].counters()
                 with console.status(f"{method}, {repeat + 1}/{repeats}"):
-                    proc = lab.spawn(0, [*worker, "joiner", "--numel", str(numel), "--method", kind,
-                                         "--host-maddr", lab.hosts[0].maddr(0), "--initial-peers", *initial,
-                                         "--donors", *[d["peer_id"] for d in donors[:int(num_donors)]],
-                                         "--shards", str(work / "donor1.json"), "--dir", str(work / name),
-                                         "--out", str(out), "--timeout-s", str(timeout_s)], log=log)
+                    proc = lab.spawn(
+                        0,
+                        [
+                            *worker,
+                            "joiner",
+                            "--numel",
+                            str(numel),
+                            "--method",
+                            kind,
+                            "--host-maddr",
+                            lab.hosts[0].maddr(0),
+                            "--initial-peers",
+                            *initial,
+                            "--donors",
+                            *[d["peer_id"] for d in donors[: int(num_donors)]],
+                            "--shards",
+                            str(work / "donor1.json"),
+                            "--dir",
+                            str(work / name),
+                            "--out",
+                            str(out),
+                            "--timeout-s",
+                            str(timeout_s),
+                        ],
+                        log=log,
+                    )
                     result = _wait_file(out, proc, timeout_s + 120, f"the {method} joiner", log)
                     proc.wait(timeout=60)
                 after = lab.hosts[0].counters()
@@ -283,32 +346,52 @@ def run_lab(numel: int, rate_mbit: float | None, donor_rate_mbit: float | None, 
 _LABELS = {"ours-1": "ours, 1 donor", "ours-3": "ours, 3 donors", "hivemind-1": "hivemind, 1 donor"}
 
 
-def summarize(rows: list[dict[str, Any]], size_bytes: int, rate_mbit: float | None,
-              donor_rate_mbit: float | None) -> list[dict[str, Any]]:
+def summarize(
+    rows: list[dict[str, Any]], size_bytes: int, rate_mbit: float | None, donor_rate_mbit: float | None
+) -> list[dict[str, Any]]:
     hivemind = statistics.median(next(r["times_s"] for r in rows if r["method"] == "hivemind-1"))
     for row in rows:
         seconds = statistics.median(row["times_s"])
         floor_s = floor_seconds(size_bytes, rate_mbit, donor_rate_mbit, int(row["method"].split("-")[1]))
-        row.update({"system": _LABELS[row["method"]], "seconds": seconds, "mb_per_s": size_bytes / 1e6 / seconds,
-                    "floor_s": floor_s, "x_floor": seconds / floor_s if floor_s else None,
-                    "x_hivemind": seconds / hivemind})
+        row.update(
+            {
+                "system": _LABELS[row["method"]],
+                "seconds": seconds,
+                "mb_per_s": size_bytes / 1e6 / seconds,
+                "floor_s": floor_s,
+                "x_floor": seconds / floor_s if floor_s else None,
+                "x_hivemind": seconds / hivemind,
+            }
+        )
     return rows
 
 
 def print_table(size_bytes: int, block: dict[str, Any], console: Console) -> None:
-    where = "loopback, one process" if block["lab"] == "loopback" else (
-        f"netns, {block['rate_mbit']:g} Mbit/s" if block["rate_mbit"] else "netns, unshaped")
+    where = (
+        "loopback, one process"
+        if block["lab"] == "loopback"
+        else (f"netns, {block['rate_mbit']:g} Mbit/s" if block["rate_mbit"] else "netns, unshaped")
+    )
     if block.get("donor_rate_mbit"):
         where += f", donors at {block['donor_rate_mbit']:g} Mbit/s"
-    table = Table(title=f"joiner state download: {size_bytes / 1e6:.0f} MB, {where}",
-                  caption="ours: every digest checked on arrival and again on load; hivemind's "
-                          "load_state_from_peers: unverified; rx MB: bytes the joiner's interface received")
+    table = Table(
+        title=f"joiner state download: {size_bytes / 1e6:.0f} MB, {where}",
+        caption="ours: every digest checked on arrival and again on load; hivemind's "
+        "load_state_from_peers: unverified; rx MB: bytes the joiner's interface received",
+    )
     for column in ("system", "seconds", "MB/s", "floor s", "x floor", "x hivemind", "rx MB"):
         table.add_column(column, justify="right")
     for row in block["rows"]:
         rx = statistics.median(row["rx_bytes"]) / 1e6 if row.get("rx_bytes") else None
-        table.add_row(row["system"], f"{row['seconds']:.2f}", f"{row['mb_per_s']:.0f}", _fmt(row["floor_s"]),
-                      _fmt(row["x_floor"]), f"{row['x_hivemind']:.2f}", _fmt(rx, ".1f"))
+        table.add_row(
+            row["system"],
+            f"{row['seconds']:.2f}",
+            f"{row['mb_per_s']:.0f}",
+            _fmt(row["floor_s"]),
+            _fmt(row["x_floor"]),
+            f"{row['x_hivemind']:.2f}",
+            _fmt(rx, ".1f"),
+        )
     console.print(table)
 
 
@@ -328,8 +411,9 @@ def _parse_setting(text: str) -> float | None | str:
     return rate
 
 
-def run_setting(setting: str, *, numel: int, repeats: int, donor_rate_mbit: float | None,
-                console: Console) -> dict[str, Any]:
+def run_setting(
+    setting: str, *, numel: int, repeats: int, donor_rate_mbit: float | None, console: Console
+) -> dict[str, Any]:
     """One setting's block of the result: loopback (one process) or netns test hosts at a rate."""
     parsed = _parse_setting(setting)
     rate_mbit = parsed if isinstance(parsed, float) else None
@@ -340,9 +424,14 @@ def run_setting(setting: str, *, numel: int, repeats: int, donor_rate_mbit: floa
     else:
         with tempfile.TemporaryDirectory(prefix="swarm-state-sync-") as tmp:
             rows = run_lab(numel, rate_mbit, donor_rate_mbit, repeats, size_bytes, console, Path(tmp))
-    return {"setting": setting, "lab": "loopback" if parsed == "loopback" else "netns", "rate_mbit": rate_mbit,
-            "donor_rate_mbit": donor_rate_mbit, "floor_s": floor_seconds(size_bytes, rate_mbit, donor_rate_mbit, 1),
-            "rows": summarize(rows, size_bytes, rate_mbit, donor_rate_mbit)}
+    return {
+        "setting": setting,
+        "lab": "loopback" if parsed == "loopback" else "netns",
+        "rate_mbit": rate_mbit,
+        "donor_rate_mbit": donor_rate_mbit,
+        "floor_s": floor_seconds(size_bytes, rate_mbit, donor_rate_mbit, 1),
+        "rows": summarize(rows, size_bytes, rate_mbit, donor_rate_mbit),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,11 +440,19 @@ def main(argv: list[str] | None = None) -> int:
         return _worker(args_list[1:])
     parser = argparse.ArgumentParser(prog="python -m benchmarks.state_sync", description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=25_000_000, help="fp32 parameters (default: %(default)s)")
-    parser.add_argument("--setting", nargs="+", default=["loopback"],
-                        help="one or more of: loopback (one process), unshaped, or a link rate in Mbit/s (netns "
-                             "test hosts) (default: loopback)")
-    parser.add_argument("--donor-rate-mbit", type=float, default=None,
-                        help="netns settings: the donors' link rate (default: the setting's rate)")
+    parser.add_argument(
+        "--setting",
+        nargs="+",
+        default=["loopback"],
+        help="one or more of: loopback (one process), unshaped, or a link rate in Mbit/s (netns "
+        "test hosts) (default: loopback)",
+    )
+    parser.add_argument(
+        "--donor-rate-mbit",
+        type=float,
+        default=None,
+        help="netns settings: the donors' link rate (default: the setting's rate)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="downloads per method (default: %(default)s)")
     parser.add_argument("--out", default=str(RESULTS), help="JSON output path (default: %(default)s)")
     args = parser.parse_args(args_list)
@@ -377,8 +474,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for setting in args.setting:
             try:
-                blocks.append(run_setting(setting, numel=args.numel, repeats=args.repeats,
-                                          donor_rate_mbit=args.donor_rate_mbit, console=console))
+                blocks.append(
+                    run_setting(
+                        setting,
+                        numel=args.numel,
+                        repeats=args.repeats,
+                        donor_rate_mbit=args.donor_rate_mbit,
+                        console=console,
+                    )
+                )
             except LabUnavailable as e:
                 console.print(f"[yellow]skipping {setting}: no test hosts here ({e})[/]")
                 skipped.append({"setting": setting, "reason": str(e)})
@@ -386,10 +490,21 @@ def main(argv: list[str] | None = None) -> int:
             print_table(size_bytes, blocks[-1], console)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    result = {**run_metadata("state_sync", argv),
-              "config": {"numel": args.numel, "settings": args.setting, "donor_rate_mbit": args.donor_rate_mbit,
-                         "repeats": args.repeats, "chunks": CHUNKS, "max_shard_bytes": MAX_SHARD_BYTES},
-              "size_bytes": size_bytes, "size_mb": size_bytes / 1e6, "settings": blocks, "skipped": skipped}
+    result = {
+        **run_metadata("state_sync", argv),
+        "config": {
+            "numel": args.numel,
+            "settings": args.setting,
+            "donor_rate_mbit": args.donor_rate_mbit,
+            "repeats": args.repeats,
+            "chunks": CHUNKS,
+            "max_shard_bytes": MAX_SHARD_BYTES,
+        },
+        "size_bytes": size_bytes,
+        "size_mb": size_bytes / 1e6,
+        "settings": blocks,
+        "skipped": skipped,
+    }
     out = save_result(args.out, result)
     console.print(f"wrote {out}")
     return 0 if blocks else 2

@@ -13,17 +13,14 @@ import json
 import struct
 from typing import Any
 
+from bootstrap.errors import Rejected
+
 LENGTH = struct.Struct(">I")
 REASONS = ("truncated", "oversized header", "malformed header", "oversized")
 
 
-class ProtocolError(Exception):
-    """A peer sent something malformed or unexpected; ``reason`` is a short countable label."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
+class ProtocolError(Rejected):
+    """A peer sent something malformed or unexpected on a stream; ``reason`` is a short countable label."""
 
 
 async def write_frame(writer: asyncio.StreamWriter, header: dict, payload: bytes = b"") -> int:
@@ -80,8 +77,9 @@ async def read_blob(reader: asyncio.StreamReader, *, max_bytes: int) -> bytes:
     return await read_exactly(reader, length)
 
 
-def header_field(header: dict, name: str, kind: type | tuple, *, low: int | None = None,
-                 high: int | None = None) -> Any:
+def header_field(
+    header: dict, name: str, kind: type | tuple, *, low: int | None = None, high: int | None = None
+) -> Any:
     """``header[name]`` if it is a ``kind`` (a bool is no int) within [low, high], else ProtocolError."""
     value = header.get(name)
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:

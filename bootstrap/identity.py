@@ -29,6 +29,8 @@ import base58
 from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
+from bootstrap.errors import StateError
+
 DEFAULT_IDENTITY_PATH = Path("~/.swarm/identity.key")
 _KEY_FILE_MAGIC = b"swarm-ed25519-v1\n"
 _SEED_SIZE_BYTES = 32
@@ -36,7 +38,7 @@ _DOMAIN_PREFIX = b"swarm/v1"
 BINDING_KIND = "swarm/binding"
 
 
-class IdentityError(RuntimeError):
+class IdentityError(StateError):
     """The identity key file is missing, unsafe, unreadable, corrupt or already in use."""
 
 

@@ -264,9 +264,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--token", required=True, help=f"this reaper's token in ${LIFETIME_TOKENS_ENV}")
     parser.add_argument("--poll-interval-s", type=float, default=0.25, help="seconds between snapshots")
     parser.add_argument("--grace-s", type=float, default=2.0, help="seconds between SIGTERM and SIGKILL")
-    parser.add_argument(
-        "--ready-fd", type=int, default=None, help="fd to write b'1' to after the 1st snapshot"
-    )
+    parser.add_argument("--ready-fd", type=int, default=None, help="fd to write b'1' to after the 1st snapshot")
     return parser.parse_args(argv)
 
 

@@ -35,6 +35,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
 
+from bootstrap.errors import StartError
+
 __all__ = ["BootstrapMetrics", "CounterFeed", "MetricsServer", "MetricsServerError", "serve_metrics"]
 
 logger = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ _CLIENT_TIMEOUT_S = 10.0
 _CLOSE_TIMEOUT_S = 5.0
 
 
-class MetricsServerError(ValueError):
+class MetricsServerError(StartError, ValueError):
     """The metrics server could not listen; the message names the address and what to do."""
 
 
@@ -135,9 +137,7 @@ def serve_metrics(registry: CollectorRegistry, *, port: int, host: str = "127.0.
         raise ValueError(f"host: must be a non-empty address, got {host!r}")
     server_class = _Server6 if ":" in host else _Server
     try:
-        server = make_server(
-            host, port, make_wsgi_app(registry), server_class=server_class, handler_class=_Handler
-        )
+        server = make_server(host, port, make_wsgi_app(registry), server_class=server_class, handler_class=_Handler)
     except OSError as error:
         raise _bind_error(error, host=host, port=port) from error
     server.timeout = _POLL_INTERVAL_S
@@ -152,9 +152,7 @@ def _bind_error(error: OSError, *, host: str, port: int) -> MetricsServerError:
             f"stop the process using port {port} or choose another metrics port"
         )
     if error.errno == errno.EACCES:
-        return MetricsServerError(
-            f"cannot serve metrics on {where}: permission denied; choose a port above 1023"
-        )
+        return MetricsServerError(f"cannot serve metrics on {where}: permission denied; choose a port above 1023")
     reason = error.strerror or str(error)
     return MetricsServerError(
         f"cannot serve metrics on {where}: {reason}; check the metrics host (e.g. 127.0.0.1 or 0.0.0.0)"
@@ -213,9 +211,7 @@ class BootstrapMetrics:
             registry=self.registry,
         )
         uptime = Gauge(
-            "swarm_bootstrap_uptime_seconds",
-            "Seconds since the bootstrap node started.",
-            registry=self.registry,
+            "swarm_bootstrap_uptime_seconds", "Seconds since the bootstrap node started.", registry=self.registry
         )
         uptime.set_function(lambda: time.monotonic() - started)
         rejections = Counter(
@@ -249,9 +245,7 @@ class BootstrapMetrics:
         self._server = serve_metrics(self.registry, port=port, host=host)
         return self._server
 
-    def start_refresh(
-        self, sample: Callable[[], tuple[int, Mapping[str, int]]], *, interval_s: float
-    ) -> None:
+    def start_refresh(self, sample: Callable[[], tuple[int, Mapping[str, int]]], *, interval_s: float) -> None:
         """Call `sample()` -> (num_peers, rejections by reason) now and every `interval_s` until `close()`.
 
         Runs on a daemon thread; a failing sample (e.g. the DHT did not answer in time) is logged

@@ -12,14 +12,24 @@ from bootstrap.identity import Identity
 from bootstrap.records import PeerRecordValidator
 
 
-def start_swarm_dht(identity: Identity, *, initial_peers: Sequence[str] = (),
-                    host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",), announce_maddrs: Sequence[str] = (),
-                    connect_timeout_s: float = 30.0, client_mode: bool = False) -> DHT:
+def start_swarm_dht(
+    identity: Identity,
+    *,
+    initial_peers: Sequence[str] = (),
+    host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
+    announce_maddrs: Sequence[str] = (),
+    connect_timeout_s: float = 30.0,
+    client_mode: bool = False,
+) -> DHT:
     """A started DHT whose peer ID is ``identity.peer_id``; raises bootstrap.DHTStartError on failure."""
     with identity.libp2p_identity_file() as identity_path:
         return start_dht(
-            list(initial_peers), host_maddrs=list(host_maddrs), announce_maddrs=list(announce_maddrs),
-            identity_path=identity_path, connect_timeout_s=connect_timeout_s, client_mode=client_mode,
+            list(initial_peers),
+            host_maddrs=list(host_maddrs),
+            announce_maddrs=list(announce_maddrs),
+            identity_path=identity_path,
+            connect_timeout_s=connect_timeout_s,
+            client_mode=client_mode,
             # hivemind's "is this identity taken" probe only understands RSA keys; Identity.lock()
             # guards against running one key twice on this machine instead.
             check_if_identity_free=False,

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import hivemind
 import psutil
@@ -34,6 +34,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
 from bootstrap._private import procs
+from bootstrap.errors import StartError
 from bootstrap.lifetime import start_reaper
 from bootstrap.metrics import BootstrapMetrics
 from bootstrap.records import PeerRecordValidator, dht_record_rejections
@@ -69,7 +70,7 @@ _METRICS_REFRESH_S = 5.0
 _METRICS_CLOSE_S = 2.0
 
 
-class DHTStartError(RuntimeError):
+class DHTStartError(StartError):
     """The DHT did not start; the message names the address or file at fault and what to do."""
 
 
@@ -111,9 +112,7 @@ def parse_initial_peers(maddrs: Iterable[str]) -> list[str]:
         except Exception as e:
             raise ValueError(f"initial_peers: {value!r} has a bad peer id ({_one_line(e)})") from e
         if protocols[0] == "p2p":
-            raise ValueError(
-                f"initial_peers: {value!r} has no address before /p2p/ (e.g. /ip4/HOST/tcp/PORT)"
-            )
+            raise ValueError(f"initial_peers: {value!r} has no address before /p2p/ (e.g. /ip4/HOST/tcp/PORT)")
         if str(maddr) not in peers:
             peers.append(str(maddr))
     return peers
@@ -139,9 +138,7 @@ def check_identity_file(path: str | os.PathLike[str]) -> PeerID:
         peer_id = _peer_id_of_identity(data)
     except Exception as e:  # protobuf and cryptography raise various exception types
         reason = _one_line(e) or type(e).__name__
-        raise ValueError(
-            f"cannot read identity file {path}: not a libp2p private key ({reason}); {hint}"
-        ) from e
+        raise ValueError(f"cannot read identity file {path}: not a libp2p private key ({reason}); {hint}") from e
     if mode & 0o077:
         raise ValueError(
             f"identity file {path} is accessible by group/others (mode {mode:o}); it holds a private key: "
@@ -228,16 +225,20 @@ def _explain(
     return DHTStartError(f"DHT failed to start: {text}")
 
 
+def _tree(dht: hivemind.DHT) -> list[psutil.Process]:
+    """The DHT child and everything below it (p2pd); empty once it is gone."""
+    try:
+        root = psutil.Process(dht.pid)
+        return [root, *procs.descendants(root)]
+    except psutil.NoSuchProcess:
+        return []
+
+
 def _kill_tree(dht: hivemind.DHT, grace_s: float) -> None:
     """Terminate the DHT child and everything below it (p2pd), without its cooperation."""
     if dht.pid is None:
         return
-    try:
-        root = psutil.Process(dht.pid)
-        tree = [root, *procs.descendants(root)]
-    except psutil.NoSuchProcess:
-        tree = []
-    procs.terminate_all(tree, grace_s)
+    procs.terminate_all(_tree(dht), grace_s)
     dht.join(timeout=grace_s)
 
 
@@ -295,9 +296,7 @@ def start_dht(
             raise DHTStartError(f"DHT did not start within {connect_timeout_s:.1f} s") from None
         if isinstance(error, DHTStartError) or not isinstance(error, Exception):
             raise
-        raise _explain(
-            error, peers=peers, host_maddrs=hosts, identity_path=identity, elapsed_s=elapsed_s
-        ) from error
+        raise _explain(error, peers=peers, host_maddrs=hosts, identity_path=identity, elapsed_s=elapsed_s) from error
     return dht
 
 
@@ -311,11 +310,7 @@ def stop_dht(dht: hivemind.DHT, *, timeout_s: float = 10.0) -> None:
         # never started, or already exited and reaped: its pid may now belong to an unrelated process,
         # and its orphaned children (if any) cannot be found from it any more (the reaper owns those)
         return
-    try:
-        root = psutil.Process(dht.pid)
-        tree = [root, *procs.descendants(root)]
-    except psutil.NoSuchProcess:
-        tree = []
+    tree = _tree(dht)
     deadline = time.monotonic() + timeout_s
     if dht.is_alive():
         # a clean shutdown takes ~10-50 ms; but if p2pd is already gone (Ctrl+C in a terminal reaches
@@ -341,9 +336,7 @@ async def _count_peers(_dht: hivemind.DHT, node: hivemind.DHTNode, refresh: bool
     if refresh:
         # a lookup of a random key pings peers and drops the dead ones from the routing table
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(
-                node.get(f"heartbeat_{secrets.token_hex(16)}", latest=True), _RPC_TIMEOUT_S
-            )
+            await asyncio.wait_for(node.get(f"heartbeat_{secrets.token_hex(16)}", latest=True), _RPC_TIMEOUT_S)
     return len(node.protocol.routing_table.uid_to_peer_id)
 
 
@@ -396,8 +389,9 @@ async def _ping_all(_dht: hivemind.DHT, node: hivemind.DHTNode, peer_ids: tuple[
     return sum(await asyncio.gather(*(ping(peer) for peer in peer_ids)))
 
 
-def reconnect(dht: hivemind.DHT, peer_ids: Iterable[str], *,
-              timeout_s: float = _RPC_TIMEOUT_S) -> concurrent.futures.Future:
+def reconnect(
+    dht: hivemind.DHT, peer_ids: Iterable[str], *, timeout_s: float = _RPC_TIMEOUT_S
+) -> concurrent.futures.Future:
     """Ping `peer_ids` (at most 64, by peer ID: the daemon still knows the addresses of peers it met) so
     that each one that answers is back in `dht`'s routing table, and `dht` in its. Returns at once: a
     future of the number that answered.
@@ -438,7 +432,7 @@ class BootstrapConfig:
     """Seconds to start the DHT and reach an initial peer before giving up with exit code 2."""
     nat_port_map: bool = False
     """Ask the local router for a port mapping (UPnP/NAT-PMP); off: a bootstrap needs a fixed address."""
-    log_level: str = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Log level: DEBUG, INFO, WARNING or ERROR."""
     metrics_port: int = 0
     """TCP port of the Prometheus endpoint http://METRICS_HOST:PORT/metrics; 0: no metrics server.
@@ -470,82 +464,17 @@ class BootstrapConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `python -m bootstrap` parser; each flag's dest is the `BootstrapConfig` field it sets."""
-    defaults = BootstrapConfig.__dataclass_fields__
+    """The `python -m bootstrap` parser: one flag per `BootstrapConfig` field, its help the field's docstring."""
+    from bootstrap.cli import add_dataclass_arguments
+
     parser = argparse.ArgumentParser(
         prog="python -m bootstrap",
         description="Run a Swarm bootstrap node: a long-lived DHT peer that new peers join through.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    add = parser.add_argument
-    add(
-        "--identity",
-        type=Path,
-        default=defaults["identity"].default,
-        metavar="PATH",
-        help="persistent libp2p identity file, created (mode 0400, directory 0700) on first run",
-    )
-    add(
-        "--host-maddrs",
-        nargs="+",
-        default=list(DEFAULT_HOST_MADDRS),
-        metavar="MADDR",
-        help="multiaddrs to listen on",
-    )
-    add(
-        "--announce-maddrs",
-        nargs="+",
-        default=[],
-        metavar="MADDR",
-        help="multiaddrs to announce instead of the listening ones, e.g. /ip4/PUBLIC_IP/tcp/31337",
-    )
-    add(
-        "--initial-peers",
-        nargs="+",
-        default=[],
-        metavar="MADDR",
-        help="join an existing swarm through these peers (/ip4/HOST/tcp/PORT/p2p/PEER_ID)",
-    )
-    add(
-        "--refresh-period-s",
-        type=float,
-        default=defaults["refresh_period_s"].default,
-        metavar="S",
-        help="seconds between log lines with the number of known peers",
-    )
-    add(
-        "--connect-timeout-s",
-        type=float,
-        default=defaults["connect_timeout_s"].default,
-        metavar="S",
-        help="give up (exit code 2) if the DHT is not up and connected within this many seconds",
-    )
-    add(
-        "--nat-port-map",
-        action=argparse.BooleanOptionalAction,
-        default=defaults["nat_port_map"].default,
-        help="ask the local router for a port mapping (UPnP/NAT-PMP)",
-    )
-    add(
-        "--log-level",
-        default=defaults["log_level"].default,
-        choices=_LOG_LEVELS,
-        type=str.upper,
-        help="log level",
-    )
-    add(
-        "--metrics-port",
-        type=int,
-        default=defaults["metrics_port"].default,
-        metavar="PORT",
-        help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: off)",
-    )
-    add(
-        "--metrics-host",
-        default=defaults["metrics_host"].default,
-        metavar="HOST",
-        help="address of the metrics endpoint; 0.0.0.0 exposes it beyond this machine",
-    )
+    add_dataclass_arguments(parser, BootstrapConfig)
+    for action in parser._actions:
+        if action.dest == "log_level":
+            action.type = str.upper  # --log-level debug works too
     return parser
 
 
@@ -642,6 +571,7 @@ def _start_metrics(dht: hivemind.DHT, config: BootstrapConfig) -> BootstrapMetri
     """Serve the node's metrics if `config.metrics_port` is set; `MetricsServerError` if it cannot."""
     if not config.metrics_port:
         return None
+
     def sample() -> tuple[int, dict[str, int]]:
         timeout_s = _METRICS_REFRESH_S
         return num_known_peers(dht, timeout_s=timeout_s), dht_record_rejections(dht, timeout_s=timeout_s)

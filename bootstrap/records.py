@@ -21,9 +21,6 @@ import dataclasses
 import json
 import logging
 import time
-import types
-import typing
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +28,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.serializer import MSGPackSerializer
 
+from bootstrap.envelope import RejectionLog, from_dict, unwrap_signed
+from bootstrap.errors import Rejected
 from bootstrap.identity import Identity, canonical_json, peer_id_from_public_key, verify
 
 logger = logging.getLogger(__name__)
@@ -45,12 +44,8 @@ STATES = ("joining", "training", "idle", "left")
 REACHABILITY = ("public", "private", "relayed", "client-only")
 
 
-class RecordRejected(ValueError):
-    """A record failed validation; ``reason`` is a short, countable label."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+class RecordRejected(Rejected):
+    """A capability record failed validation; ``reason`` is a short, countable label."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -200,16 +195,10 @@ def sign_record(record: PeerRecord, identity: Identity) -> dict[str, bytes]:
 def parse_record(subkey: Any, value: Any, *, now: float | None = None) -> PeerRecord:
     """Validate an untrusted (subkey, value) pair from the DHT; raise RecordRejected with the reason."""
     now = time.time() if now is None else now
-    if not isinstance(value, dict) or set(value) != {"p", "s"}:
-        raise RecordRejected("malformed", "value is not {p, s}")
-    payload, signature = value["p"], value["s"]
-    if not isinstance(payload, bytes) or not isinstance(signature, bytes):
-        raise RecordRejected("malformed", "payload or signature is not bytes")
-    if len(payload) + len(signature) > MAX_RECORD_BYTES:
-        raise RecordRejected("oversized", f"{len(payload) + len(signature)} bytes")
+    payload, signature = unwrap_signed(value, max_bytes=MAX_RECORD_BYTES, rejected=RecordRejected)
     try:
         data = json.loads(payload)
-        record = _from_dict(PeerRecord, data, "record")
+        record = from_dict(PeerRecord, data, "record")
     except (ValueError, TypeError, RecursionError) as e:
         raise RecordRejected("malformed", str(e)[:200]) from None
     if record.v != RECORD_VERSION:
@@ -248,62 +237,9 @@ def _check_enums(record: PeerRecord) -> None:
         raise RecordRejected("malformed", f"dtype {record.run.requirements.dtype!r}")
 
 
-_MAX_STR = 512
-
-
-def _from_dict(cls: type, data: Any, path: str) -> Any:
-    """Build a frozen dataclass from untrusted JSON, requiring exactly its fields and their types."""
-    if not isinstance(data, dict):
-        raise TypeError(f"{path}: expected an object")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    if set(data) != set(fields):
-        raise TypeError(f"{path}: fields {sorted(set(data) ^ set(fields))} missing or unexpected")
-    hints = typing.get_type_hints(cls)
-    return cls(**{name: _coerce(hints[name], data[name], f"{path}.{name}") for name in fields})
-
-
-def _coerce(tp: Any, value: Any, path: str) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(inner, value, path)
-    if dataclasses.is_dataclass(tp):
-        return _from_dict(tp, value, path)
-    if origin is tuple:
-        if not isinstance(value, list) or len(value) > 16:
-            raise TypeError(f"{path}: expected a list of at most 16 items")
-        return tuple(_coerce(args[0], item, f"{path}[]") for item in value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise TypeError(f"{path}: expected a boolean")
-        return value
-    if tp is int:
-        if not isinstance(value, int) or isinstance(value, bool) or not -(2**63) <= value < 2**63:
-            raise TypeError(f"{path}: expected a 64-bit integer")
-        return value
-    if tp is str:
-        if not isinstance(value, str) or len(value) > _MAX_STR:
-            raise TypeError(f"{path}: expected a string of at most {_MAX_STR} characters")
-        return value
-    raise TypeError(f"{path}: unsupported type {tp}")
-
-
-@dataclass(slots=True)
-class RejectionCounter:
-    """Counts rejected records by reason and logs each rejection once per (reason, peer)."""
-
-    counts: Counter = dataclasses.field(default_factory=Counter)
-    _logged: set = dataclasses.field(default_factory=set)
-
-    def reject(self, error: RecordRejected, *, where: str, subkey: Any) -> None:
-        self.counts[error.reason] += 1
-        if (error.reason, str(subkey)) not in self._logged and len(self._logged) < 10_000:
-            self._logged.add((error.reason, str(subkey)))
-            # a record that expires while in flight is routine; anything else is worth a warning
-            level = logging.INFO if error.reason == "expired" else logging.WARNING
-            logger.log(level, f"{where}: rejected a capability record for {str(subkey)[:60]!r}: {error}")
+def RejectionCounter() -> RejectionLog:  # noqa: N802 (the name readers of the graph and validator know)
+    """Counts rejected capability records by reason; logs each once per (reason, peer)."""
+    return RejectionLog("capability record", routine=frozenset({"expired"}))
 
 
 class PeerRecordValidator(RecordValidatorBase):
@@ -328,10 +264,10 @@ class PeerRecordValidator(RecordValidatorBase):
             if record.expiration_time > parsed.expires_at + 1:
                 raise RecordRejected("outlives its expiry", f"{record.expiration_time - parsed.expires_at:.0f} s")
         except RecordRejected as e:
-            self.rejections.reject(e, where="DHT", subkey=subkey)
+            self.rejections.reject(e, where="DHT", source=subkey)
             return False
         except Exception as e:  # msgpack raises many types on garbage
-            self.rejections.reject(RecordRejected("malformed", repr(e)[:200]), where="DHT", subkey=subkey)
+            self.rejections.reject(RecordRejected("malformed", repr(e)[:200]), where="DHT", source=subkey)
             return False
         return True
 

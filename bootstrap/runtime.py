@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -168,9 +169,15 @@ class Handler:
     """Serves `handler` under `handler_name` on the DHT's runtime until `close()`; `background(stop)`,
     if given, runs beside it and is cancelled at close. ``loop`` and ``p2p`` are the runtime's."""
 
-    def __init__(self, dht: hivemind.DHT, *, handler_name: str, handler: StreamHandler,
-                 background: Callable[[asyncio.Event], Awaitable[None]] | None = None,
-                 start_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        *,
+        handler_name: str,
+        handler: StreamHandler,
+        background: Callable[[asyncio.Event], Awaitable[None]] | None = None,
+        start_timeout_s: float = 30.0,
+    ):
         self.handler_name = handler_name
         self.runtime = NetworkRuntime.acquire(dht, start_timeout_s=start_timeout_s)
         self.loop, self.p2p = self.runtime.loop, self.runtime.p2p
@@ -270,3 +277,89 @@ class Served(Generic[S]):
         except Exception as e:
             logger.warning("%s did not stop cleanly: %s", self.what, _one_line(e))
         self.runtime.release(timeout_s=timeout_s)
+
+
+class StreamServer:
+    """The shared part of a protocol server on a `P2P`: the handler's registration (`start`, `stop`),
+    the streams being served (`num_active`, cancelled at `stop`), refusals counted by reason
+    (`rejected`). A subclass sets ``protocol`` and implements ``_handle(info, reader, writer)``,
+    wrapping each stream it serves in `_serving`."""
+
+    protocol = ""
+
+    def __init__(self, *, p2p: P2P, rpc_timeout_s: float = 10.0) -> None:
+        self._p2p = p2p
+        self._rpc_timeout_s = rpc_timeout_s
+        self._active: set[asyncio.Task[Any]] = set()
+        self._running = False
+        self.rejected: Counter[str] = Counter()
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    async def start(self) -> None:
+        """Register the stream handler with the daemon."""
+        if self._running:
+            raise RuntimeError(f"{type(self).__name__}.start: already started")
+        await asyncio.wait_for(self._p2p.add_binary_stream_handler(self.protocol, self._handle), self._rpc_timeout_s)
+        self._running = True
+
+    async def stop(self) -> None:
+        """Unregister the handler and cancel the streams being served; safe to call twice."""
+        if not self._running:
+            return
+        self._running = False
+        with contextlib.suppress(Exception):  # the daemon may be gone already; nothing to undo then
+            await asyncio.wait_for(self._p2p.remove_binary_stream_handler(self.protocol), self._rpc_timeout_s)
+        active = list(self._active)
+        for task in active:
+            task.cancel()
+        await asyncio.gather(*active, return_exceptions=True)
+
+    def _reject(self, peer: str, reason: str, detail: str) -> None:
+        self.rejected[reason] += 1
+        logger.debug("%s stream from %s refused: %s (%s)", self.protocol, peer, reason, detail)
+
+    def _busy(self, limit: int) -> bool:
+        """Whether a new stream must be refused (stopping, or ``limit`` streams already being served)."""
+        return not self._running or len(self._active) >= limit
+
+    @contextlib.asynccontextmanager
+    async def _serving(self) -> Any:
+        """Track the current handler task as a stream being served (cancelled by `stop`)."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._active.add(task)
+        try:
+            yield
+        finally:
+            self._active.discard(task)
+
+    async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
+class ServedFacade:
+    """What the synchronous facades over a `Served` server share: ``server`` (its counters stay readable
+    after `close`), ``peer_id``, `close` and the context manager. A subclass sets ``_served``."""
+
+    _served: Served
+
+    @property
+    def server(self) -> Any:
+        return self._served.server
+
+    @property
+    def peer_id(self) -> str:
+        return str(self._served.p2p.peer_id)
+
+    def close(self, *, timeout_s: float = 10.0) -> None:
+        """Unregister the handler and cut off its streams; idempotent."""
+        self._served.close(timeout_s=timeout_s)
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -34,9 +34,15 @@ def main() -> None:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
     # task_info tells the run which model this is, so peers building another model are refused
-    trainer = swarm.Trainer(model, optimizer, run=args.run, initial_peers=args.initial_peers,
-                            sync_every=args.sync_every, host_maddrs=args.host_maddrs,
-                            task_info=swarm.TaskInfo.of(task, args.task_preset))
+    trainer = swarm.Trainer(
+        model,
+        optimizer,
+        run=args.run,
+        initial_peers=args.initial_peers,
+        sync_every=args.sync_every,
+        host_maddrs=args.host_maddrs,
+        task_info=swarm.TaskInfo.of(task, args.task_preset),
+    )
     try:
         batches = task.train_batches(shard_index=args.shard_index, num_shards=args.num_shards)
         for _ in range(args.max_steps):
@@ -46,8 +52,11 @@ def main() -> None:
             loss.backward()
             result = trainer.step(num_samples=len(x))  # inner step; an averaging round every sync_every steps
             if result is not None:
-                print(f"round {result.round}: group of {result.group_size}, "
-                      f"val loss {task.evaluate(model, max_batches=4):.3f}", flush=True)
+                print(
+                    f"round {result.round}: group of {result.group_size}, "
+                    f"val loss {task.evaluate(model, max_batches=4):.3f}",
+                    flush=True,
+                )
     finally:
         trainer.shutdown()
 

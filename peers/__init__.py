@@ -27,20 +27,35 @@ from bootstrap.records import (
     sign_record,
 )
 from peers.advertiser import Advertiser
-from peers.graph import (
-    ResourceGraph,
-    RunSummary,
-    ScoredPeer,
-    pick_run,
-    score_peers,
-    summarize_runs,
-    unmet_requirements,
-)
+from peers.graph import ResourceGraph, RunSummary, ScoredPeer, pick_run, score_peers, summarize_runs, unmet_requirements
 from peers.probe import probe_hardware, probe_software, reachability
 
 __all__ = [
-    "MAX_LIFETIME_S", "MAX_RECORD_BYTES", "PEERS_KEY", "Advertiser", "Hardware", "Network", "PeerRecord",
-    "PeerRecordValidator", "Performance", "RecordRejected", "Requirements", "ResourceGraph", "RunInfo",
-    "RunSummary", "ScoredPeer", "Software", "Trust", "dht_record_rejections", "parse_record", "pick_run", "probe_hardware",
-    "probe_software", "reachability", "score_peers", "sign_record", "summarize_runs", "unmet_requirements",
+    "MAX_LIFETIME_S",
+    "MAX_RECORD_BYTES",
+    "PEERS_KEY",
+    "Advertiser",
+    "Hardware",
+    "Network",
+    "PeerRecord",
+    "PeerRecordValidator",
+    "Performance",
+    "RecordRejected",
+    "Requirements",
+    "ResourceGraph",
+    "RunInfo",
+    "RunSummary",
+    "ScoredPeer",
+    "Software",
+    "Trust",
+    "dht_record_rejections",
+    "parse_record",
+    "pick_run",
+    "probe_hardware",
+    "probe_software",
+    "reachability",
+    "score_peers",
+    "sign_record",
+    "summarize_runs",
+    "unmet_requirements",
 ]

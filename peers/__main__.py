@@ -26,11 +26,14 @@ EXIT_BAD_INPUT = 2
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m peers", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("list", "live peers with their capabilities and placement score"),
-                            ("runs", "open runs advertised by their peers")):
+    for name, help_text in (
+        ("list", "live peers with their capabilities and placement score"),
+        ("runs", "open runs advertised by their peers"),
+    ):
         cmd = sub.add_parser(name, help=help_text)
-        cmd.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
-                         help="any live peer of the network")
+        cmd.add_argument(
+            "--initial-peers", nargs="+", required=True, metavar="MADDR", help="any live peer of the network"
+        )
         cmd.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
         cmd.add_argument("--timeout-s", type=float, default=30.0, help="deadline to connect and query")
         if name == "list":
@@ -39,8 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def peer_to_json(scored: Any) -> dict[str, Any]:
-    return {"peer_id": scored.record.peer_id, "score": scored.score, "fit": scored.fit,
-            "record": dataclasses.asdict(scored.record)}
+    return {
+        "peer_id": scored.record.peer_id,
+        "score": scored.score,
+        "fit": scored.fit,
+        "record": dataclasses.asdict(scored.record),
+    }
 
 
 def _gib(num_bytes: int) -> str:
@@ -53,17 +60,35 @@ def _mbps(kbps: int | None) -> str:
 
 def peers_table(peers: list[Any]) -> Table:
     table = Table(title=f"Swarm peers ({len(peers)} live)")
-    for column in ("peer", "accelerator", "memory free/total", "bandwidth up/down", "reachability", "state",
-                   "run", "samples/s", "region", "uptime", "score"):
+    for column in (
+        "peer",
+        "accelerator",
+        "memory free/total",
+        "bandwidth up/down",
+        "reachability",
+        "state",
+        "run",
+        "samples/s",
+        "region",
+        "uptime",
+        "score",
+    ):
         table.add_column(column, justify="right" if column in ("samples/s", "uptime", "score") else "left")
     for p in peers:
         r = p.record
         table.add_row(
-            r.peer_id[-12:], f"{r.hardware.accelerator}: {r.hardware.name[:28]}",
+            r.peer_id[-12:],
+            f"{r.hardware.accelerator}: {r.hardware.name[:28]}",
             f"{_gib(r.hardware.memory_free_bytes)}/{_gib(r.hardware.memory_total_bytes)}",
-            f"{_mbps(r.perf.upload_kbps)}/{_mbps(r.perf.download_kbps)}", r.network.reachability, r.state,
-            r.run.name if r.run else "-", f"{r.perf.samples_per_s_milli / 1000:.1f}", r.network.region or "-",
-            f"{r.trust.uptime_s}s", f"{p.score:.1f}")
+            f"{_mbps(r.perf.upload_kbps)}/{_mbps(r.perf.download_kbps)}",
+            r.network.reachability,
+            r.state,
+            r.run.name if r.run else "-",
+            f"{r.perf.samples_per_s_milli / 1000:.1f}",
+            r.network.region or "-",
+            f"{r.trust.uptime_s}s",
+            f"{p.score:.1f}",
+        )
     return table
 
 
@@ -72,8 +97,16 @@ def runs_table(runs: list[Any]) -> Table:
     for column in ("run", "task", "peers", "round", "step", "samples/s", "needs memory", "dtype"):
         table.add_column(column)
     for run in runs:
-        table.add_row(run.name, f"{run.task}/{run.task_preset}", str(run.num_peers), str(run.round), str(run.step),
-                      f"{run.samples_per_s:.1f}", _gib(run.requirements.min_memory_bytes), run.requirements.dtype)
+        table.add_row(
+            run.name,
+            f"{run.task}/{run.task_preset}",
+            str(run.num_peers),
+            str(run.round),
+            str(run.step),
+            f"{run.samples_per_s:.1f}",
+            _gib(run.requirements.min_memory_bytes),
+            run.requirements.dtype,
+        )
     return table
 
 
@@ -88,8 +121,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         initial_peers = parse_initial_peers(args.initial_peers)
-        dht = start_swarm_dht(Identity.generate(), initial_peers=initial_peers, client_mode=True,
-                              host_maddrs=("/ip4/127.0.0.1/tcp/0",), connect_timeout_s=args.timeout_s)
+        dht = start_swarm_dht(
+            Identity.generate(),
+            initial_peers=initial_peers,
+            client_mode=True,
+            host_maddrs=("/ip4/127.0.0.1/tcp/0",),
+            connect_timeout_s=args.timeout_s,
+        )
     except (ValueError, DHTStartError) as e:
         console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         return EXIT_BAD_INPUT

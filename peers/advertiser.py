@@ -23,8 +23,16 @@ class Advertiser:
     ``left`` record that outlives the last live one, so readers drop the peer at once.
     """
 
-    def __init__(self, dht: DHT, identity: Identity, build: Callable[..., PeerRecord], *,
-                 refresh_s: float = 15.0, expiry_s: float = 45.0, store_timeout_s: float = 10.0):
+    def __init__(
+        self,
+        dht: DHT,
+        identity: Identity,
+        build: Callable[..., PeerRecord],
+        *,
+        refresh_s: float = 15.0,
+        expiry_s: float = 45.0,
+        store_timeout_s: float = 10.0,
+    ):
         if not 0 < refresh_s < expiry_s:
             raise ValueError(f"refresh_s must be in (0, expiry_s={expiry_s}), got {refresh_s!r}")
         self.dht, self.identity, self.build = dht, identity, build
@@ -59,8 +67,9 @@ class Advertiser:
                 if state is not None:
                     record = _with_state(record, state)
                 value = sign_record(record, self.identity)
-                ok = self.dht.store(PEERS_KEY, value, expiration_time=expires_at, subkey=self.identity.peer_id,
-                                    return_future=True).result(timeout=self.store_timeout_s)
+                ok = self.dht.store(
+                    PEERS_KEY, value, expiration_time=expires_at, subkey=self.identity.peer_id, return_future=True
+                ).result(timeout=self.store_timeout_s)
             except Exception as e:  # a failed heartbeat is retried on the next one
                 logger.warning(f"could not publish this peer's capability record: {e!r}")
                 ok = False

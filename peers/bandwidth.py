@@ -44,23 +44,15 @@ import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
-from bootstrap.runtime import Served
+from bootstrap.errors import NetworkError
+from bootstrap.runtime import Served, ServedFacade, StreamServer
 
-__all__ = [
-    "PROTOCOL",
-    "BandwidthProber",
-    "ProbeConfig",
-    "ProbeError",
-    "ProbeResult",
-    "ProbeServer",
-    "probe_peer",
-]
+__all__ = ["PROTOCOL", "BandwidthProber", "ProbeConfig", "ProbeError", "ProbeResult", "ProbeServer", "probe_peer"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,17 +119,13 @@ class ProbeResult:
     bytes_received: int
 
 
-class ProbeError(RuntimeError):
+class ProbeError(NetworkError):
     """A probe failed; the message names the peer and the step.
 
     `reason` is one of: bad_peer_id, unreachable (no stream could be opened), refused (the peer
     closed or reset the stream before the probe finished), disconnected (another I/O error),
     malformed (a reply that breaks the protocol), timeout.
     """
-
-    def __init__(self, message: str, *, reason: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 def _one_line(error: BaseException) -> str:
@@ -192,7 +180,7 @@ async def _send(writer: asyncio.StreamWriter, length: int) -> None:
         sent += len(chunk)
 
 
-class ProbeServer:
+class ProbeServer(StreamServer):
     """Serves `swarm.probe.v1` on a `P2P` (e.g. `bootstrap.runtime`'s) in the running event loop.
 
     `rejected` counts refused or aborted streams by reason: busy, unknown_op, too_large,
@@ -200,54 +188,22 @@ class ProbeServer:
     `num_served` counts streams served to the end; `num_active` is the number being served now.
     """
 
+    protocol = PROTOCOL
+
     def __init__(self, config: ProbeConfig, *, p2p: P2P) -> None:
+        super().__init__(p2p=p2p, rpc_timeout_s=_RPC_TIMEOUT_S)
         self._config = config
-        self._p2p = p2p
-        self._active: set[asyncio.Task[Any]] = set()
-        self._running = False
-        self.rejected: Counter[str] = Counter()
         self.num_served = 0
 
-    @property
-    def num_active(self) -> int:
-        return len(self._active)
-
-    async def start(self) -> None:
-        """Register the stream handler with the daemon."""
-        if self._running:
-            raise RuntimeError("ProbeServer.start: already started")
-        await asyncio.wait_for(self._p2p.add_binary_stream_handler(PROTOCOL, self._handle), _RPC_TIMEOUT_S)
-        self._running = True
-
-    async def stop(self) -> None:
-        """Unregister the handler and cancel the streams being served; safe to call twice."""
-        if not self._running:
-            return
-        self._running = False
-        with contextlib.suppress(Exception):  # the daemon may be gone already; nothing to undo then
-            await asyncio.wait_for(self._p2p.remove_binary_stream_handler(PROTOCOL), _RPC_TIMEOUT_S)
-        active = list(self._active)
-        for task in active:
-            task.cancel()
-        await asyncio.gather(*active, return_exceptions=True)
-
-    def _reject(self, peer: str, reason: str, detail: str) -> None:
-        self.rejected[reason] += 1
-        logger.debug("closed probe stream from %s: %s (%s)", peer, reason, detail)
-
-    async def _handle(
-        self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    async def _handle(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(info.peer_id)
-        if not self._running or len(self._active) >= self._config.max_concurrent_served:
+        if self._busy(self._config.max_concurrent_served):
             self._reject(peer, "busy", f"already serving {len(self._active)} probe streams")
             await _close(writer)
             return
-        task = asyncio.current_task()
-        assert task is not None  # a stream handler always runs in a task
-        self._active.add(task)
         try:
-            await asyncio.wait_for(self._serve(reader, writer), self._config.timeout_s)
+            async with self._serving():
+                await asyncio.wait_for(self._serve(reader, writer), self._config.timeout_s)
             self.num_served += 1
         except _Rejected as e:
             self._reject(peer, e.reason, e.detail)
@@ -264,7 +220,6 @@ class ProbeServer:
             logger.exception("bug while serving a probe stream from %s", peer)
             self.rejected["internal_error"] += 1
         finally:
-            self._active.discard(task)
             await _close(writer)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -343,9 +298,7 @@ class _Stream:
             except ConnectionError as e:
                 raise self._refused(f"reset the probe stream during the {what} ({_one_line(e)})") from e
             if not chunk:
-                raise self._refused(
-                    f"closed the probe stream after {received} of {num_bytes} bytes of the {what}"
-                )
+                raise self._refused(f"closed the probe stream after {received} of {num_bytes} bytes of the {what}")
             received += len(chunk)
         self.bytes_received += num_bytes
 
@@ -406,9 +359,7 @@ async def _probe(p2p: P2P, peer_id: PeerID, config: ProbeConfig) -> ProbeResult:
         download_mbps = await _download(stream, config.probe_bytes)
         upload_mbps = await _upload(stream, config.probe_bytes)
     except (ConnectionError, OSError) as e:
-        raise ProbeError(
-            f"probe stream to peer {peer_id} broke: {_one_line(e)}", reason="disconnected"
-        ) from e
+        raise ProbeError(f"probe stream to peer {peer_id} broke: {_one_line(e)}", reason="disconnected") from e
     finally:
         await _close(writer)
     return ProbeResult(
@@ -442,7 +393,7 @@ async def probe_peer(p2p: P2P, peer_id: PeerID | str, config: ProbeConfig | None
 # --- synchronous facade -------------------------------------------------------------------------
 
 
-class BandwidthProber:
+class BandwidthProber(ServedFacade):
     """Probes peers and serves probes on the DHT's network runtime (`bootstrap.runtime`).
 
     Thread-safe; `probe` calls are serialised so that probes do not share the link. Use as a
@@ -451,25 +402,21 @@ class BandwidthProber:
     `server.rejected` counts refused incoming probes.
     """
 
-    def __init__(
-        self, config: ProbeConfig | None = None, *, dht: hivemind.DHT, start_timeout_s: float = 30.0
-    ) -> None:
+    def __init__(self, config: ProbeConfig | None = None, *, dht: hivemind.DHT, start_timeout_s: float = 30.0) -> None:
         self._config = config if config is not None else ProbeConfig()
         self.failures: Counter[str] = Counter()
         self._results: deque[ProbeResult] = deque(maxlen=_SUMMARY_WINDOW)
         self._lock = threading.Lock()
         self._probe_lock = threading.Lock()
-        self._served = Served(dht, lambda p2p: ProbeServer(self._config, p2p=p2p), what="the bandwidth prober",
-                              start_timeout_s=start_timeout_s)
+        self._served = Served(
+            dht,
+            lambda p2p: ProbeServer(self._config, p2p=p2p),
+            what="the bandwidth prober",
+            start_timeout_s=start_timeout_s,
+        )
 
-    @property
-    def server(self) -> ProbeServer:
-        """The probe server; its counters stay readable after `close()`."""
-        return self._served.server
-
-    @property
-    def peer_id(self) -> str:
-        return str(self._served.p2p.peer_id)
+    server: ProbeServer
+    """The probe server; its counters stay readable after `close()`."""
 
     def probe(self, peer_ids: Sequence[str], *, max_peers: int = 3) -> list[ProbeResult]:
         """Probe `peer_ids` one at a time, in order, until `max_peers` probes succeeded.
@@ -499,9 +446,7 @@ class BandwidthProber:
             self.failures.update(failures)
         return results
 
-    async def _probe_many(
-        self, p2p: P2P, candidates: list[str], max_peers: int
-    ) -> tuple[list[ProbeResult], list[str]]:
+    async def _probe_many(self, p2p: P2P, candidates: list[str], max_peers: int) -> tuple[list[ProbeResult], list[str]]:
         results: list[ProbeResult] = []
         failures: list[str] = []
         for peer in candidates:
@@ -528,13 +473,3 @@ class BandwidthProber:
             "download_mbps": median([r.download_mbps for r in results]),
             "upload_mbps": median([r.upload_mbps for r in results]),
         }
-
-    def close(self, *, timeout_s: float = 10.0) -> None:
-        """Unregister the handler and cut off its streams; idempotent."""
-        self._served.close(timeout_s=timeout_s)
-
-    def __enter__(self) -> BandwidthProber:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()

@@ -74,12 +74,16 @@ def unmet_requirements(requirements: Requirements, hardware: Hardware, software:
     """Why a peer with ``hardware``/``software`` may not join a run with ``requirements`` (empty: it may)."""
     problems = []
     if hardware.memory_free_bytes < requirements.min_memory_bytes:
-        problems.append(f"needs {requirements.min_memory_bytes / 2**30:.1f} GiB of free {hardware.accelerator} "
-                        f"memory, this peer has {hardware.memory_free_bytes / 2**30:.1f} GiB")
+        problems.append(
+            f"needs {requirements.min_memory_bytes / 2**30:.1f} GiB of free {hardware.accelerator} "
+            f"memory, this peer has {hardware.memory_free_bytes / 2**30:.1f} GiB"
+        )
     if requirements.dtype == "bf16" and not hardware.bf16:
         problems.append(f"needs bf16 support, which {hardware.name} lacks")
-    for name, have, need in (("swarm", software.swarm, requirements.min_swarm_version),
-                             ("torch", software.torch, requirements.min_torch_version)):
+    for name, have, need in (
+        ("swarm", software.swarm, requirements.min_swarm_version),
+        ("torch", software.torch, requirements.min_torch_version),
+    ):
         if _version_below(have, need):
             problems.append(f"needs {name} >= {need}, this peer has {have}")
     return problems
@@ -101,8 +105,15 @@ def fit_of(record: PeerRecord, requirements: Requirements | None) -> float:
         return 1.0
     relaxed = record.hardware.memory_total_bytes >= requirements.min_memory_bytes
     others = unmet_requirements(
-        Requirements(min_memory_bytes=0, dtype=requirements.dtype, min_swarm_version=requirements.min_swarm_version,
-                     min_torch_version=requirements.min_torch_version), record.hardware, record.software)
+        Requirements(
+            min_memory_bytes=0,
+            dtype=requirements.dtype,
+            min_swarm_version=requirements.min_swarm_version,
+            min_torch_version=requirements.min_torch_version,
+        ),
+        record.hardware,
+        record.software,
+    )
     return 0.5 if relaxed and not others else 0.0
 
 
@@ -138,14 +149,23 @@ def summarize_runs(records: list[PeerRecord]) -> list[RunSummary]:
             by_run.setdefault(record.run.name, []).append(record)
     summaries = []
     for name, members in sorted(by_run.items()):
-        majority = Counter((r.run.task, r.run.task_preset, r.run.config_digest, r.run.requirements)
-                           for r in members).most_common(1)[0][0]
+        majority = Counter(
+            (r.run.task, r.run.task_preset, r.run.config_digest, r.run.requirements) for r in members
+        ).most_common(1)[0][0]
         task, preset, digest, requirements = majority
-        summaries.append(RunSummary(
-            name=name, task=task, task_preset=preset, config_digest=digest, requirements=requirements,
-            round=max(r.run.round for r in members), step=max(r.run.step for r in members), num_peers=len(members),
-            samples_per_s=sum(r.perf.samples_per_s_milli for r in members) / 1000,
-        ))
+        summaries.append(
+            RunSummary(
+                name=name,
+                task=task,
+                task_preset=preset,
+                config_digest=digest,
+                requirements=requirements,
+                round=max(r.run.round for r in members),
+                step=max(r.run.step for r in members),
+                num_peers=len(members),
+                samples_per_s=sum(r.perf.samples_per_s_milli for r in members) / 1000,
+            )
+        )
     return summaries
 
 
@@ -166,11 +186,15 @@ def pick_run(runs: list[RunSummary], hardware: Hardware, software: Software) -> 
         return None, reasons or ["no open run was found in the network"]
     best = max(fitting, key=lambda r: (r.num_peers, r.round, r.name))
     free_gib = hardware.memory_free_bytes / 2**30
-    reasons.insert(0, (
-        f"picked run {best.name!r} ({best.task}/{best.task_preset}): {best.num_peers} live peer(s) at round "
-        f"{best.round}, the most among {len(fitting)} run(s) this peer fits; it needs "
-        f"{best.requirements.min_memory_bytes / 2**30:.1f} GiB free memory (this peer has {free_gib:.1f}) "
-        f"and {best.requirements.dtype}"))
+    reasons.insert(
+        0,
+        (
+            f"picked run {best.name!r} ({best.task}/{best.task_preset}): {best.num_peers} live peer(s) at round "
+            f"{best.round}, the most among {len(fitting)} run(s) this peer fits; it needs "
+            f"{best.requirements.min_memory_bytes / 2**30:.1f} GiB free memory (this peer has {free_gib:.1f}) "
+            f"and {best.requirements.dtype}"
+        ),
+    )
     return best, reasons
 
 
@@ -193,7 +217,7 @@ class ResourceGraph:
             try:
                 record = parse_record(subkey, value, now=now)
             except RecordRejected as e:
-                self.rejections.reject(e, where="resource graph", subkey=subkey)
+                self.rejections.reject(e, where="resource graph", source=subkey)
                 continue
             if record.is_live(now) and (run is None or (record.run is not None and record.run.name == run)):
                 records.append(record)

@@ -35,17 +35,36 @@ def probe_hardware(device: torch.device | str = "cpu") -> Hardware:
     device = torch.device(device)
     memory = psutil.virtual_memory()
     cores = os.cpu_count() or 1
-    common = dict(cpu_model=cpu_model(), cpu_cores=cores, ram_total_bytes=int(memory.total),
-                  ram_available_bytes=int(memory.available))
+    common = dict(
+        cpu_model=cpu_model(),
+        cpu_cores=cores,
+        ram_total_bytes=int(memory.total),
+        ram_available_bytes=int(memory.available),
+    )
     if device.type == "cuda" and torch.cuda.is_available():
         index = device.index if device.index is not None else torch.cuda.current_device()
         free, total = torch.cuda.mem_get_info(index)
         major, _ = torch.cuda.get_device_capability(index)
-        return Hardware(accelerator="cuda", name=torch.cuda.get_device_name(index)[:128],
-                        count=torch.cuda.device_count(), memory_total_bytes=int(total), memory_free_bytes=int(free),
-                        bf16=bool(torch.cuda.is_bf16_supported()), fp16=major >= 6, **common)
-    return Hardware(accelerator="cpu", name=cpu_model(), count=1, memory_total_bytes=int(memory.total),
-                    memory_free_bytes=int(memory.available), bf16=True, fp16=False, **common)
+        return Hardware(
+            accelerator="cuda",
+            name=torch.cuda.get_device_name(index)[:128],
+            count=torch.cuda.device_count(),
+            memory_total_bytes=int(total),
+            memory_free_bytes=int(free),
+            bf16=bool(torch.cuda.is_bf16_supported()),
+            fp16=major >= 6,
+            **common,
+        )
+    return Hardware(
+        accelerator="cpu",
+        name=cpu_model(),
+        count=1,
+        memory_total_bytes=int(memory.total),
+        memory_free_bytes=int(memory.available),
+        bf16=True,
+        fp16=False,
+        **common,
+    )
 
 
 @cache
@@ -54,8 +73,13 @@ def probe_software() -> Software:
 
     from bootstrap.version import SWARM_VERSION
 
-    return Software(python=platform.python_version(), torch=torch.__version__.split("+")[0],
-                    cuda=torch.version.cuda or "none", hivemind=hivemind.__version__, swarm=SWARM_VERSION)
+    return Software(
+        python=platform.python_version(),
+        torch=torch.__version__.split("+")[0],
+        cuda=torch.version.cuda or "none",
+        hivemind=hivemind.__version__,
+        swarm=SWARM_VERSION,
+    )
 
 
 def reachability(maddrs: Sequence[str], *, client_mode: bool = False) -> str:

@@ -24,8 +24,14 @@ from bootstrap.version import SWARM_VERSION
 __all__ = ["Identity", "RoundResult", "RunMismatch", "TaskInfo", "Trainer", "TrainerConfig"]
 __version__ = SWARM_VERSION
 
-_LAZY = {"Trainer": "swarm.trainer", "TrainerConfig": "swarm.config", "RoundResult": "swarm.rounds",
-         "TaskInfo": "swarm.config", "RunMismatch": "swarm.config", "Identity": "bootstrap.identity"}
+_LAZY = {
+    "Trainer": "swarm.trainer",
+    "TrainerConfig": "swarm.config",
+    "RoundResult": "swarm.rounds",
+    "TaskInfo": "swarm.config",
+    "RunMismatch": "swarm.config",
+    "Identity": "bootstrap.identity",
+}
 
 
 def __getattr__(name: str) -> Any:

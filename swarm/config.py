@@ -21,6 +21,7 @@ from typing import Any, Literal
 from packaging.version import InvalidVersion, Version
 
 from averaging import AveragingConfig
+from bootstrap.errors import ConfigError
 from bootstrap.records import MAX_LIFETIME_S, Requirements
 from swarm.recipe import DEFAULT_SYNC_EVERY, INNER_WARMUP_STEPS, OuterSettings, outer_settings
 
@@ -44,6 +45,14 @@ class NetworkConfig:
         if not self.connect_timeout_s > 0:
             raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s!r}")
 
+    def dht_kwargs(self) -> dict:
+        """The keyword arguments of `bootstrap.network.start_swarm_dht` this part sets."""
+        return {
+            "host_maddrs": self.host_maddrs,
+            "announce_maddrs": self.announce_maddrs,
+            "connect_timeout_s": self.connect_timeout_s,
+        }
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointConfig:
@@ -60,8 +69,10 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
-            raise ValueError(f"checkpoint_every must be >= 0 and keep_checkpoints >= 1, got "
-                             f"{self.checkpoint_every!r}, {self.keep_checkpoints!r}")
+            raise ValueError(
+                f"checkpoint_every must be >= 0 and keep_checkpoints >= 1, got "
+                f"{self.checkpoint_every!r}, {self.keep_checkpoints!r}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,8 +94,10 @@ class PresenceConfig:
 
     def __post_init__(self) -> None:
         if not 0 < self.record_refresh_s < self.record_expiry_s <= MAX_LIFETIME_S:
-            raise ValueError(f"need 0 < record_refresh_s < record_expiry_s <= {MAX_LIFETIME_S}, got "
-                             f"{self.record_refresh_s!r} and {self.record_expiry_s!r}")
+            raise ValueError(
+                f"need 0 < record_refresh_s < record_expiry_s <= {MAX_LIFETIME_S}, got "
+                f"{self.record_refresh_s!r} and {self.record_expiry_s!r}"
+            )
         if not self.bandwidth_probe_period_s >= 0:
             raise ValueError(f"bandwidth_probe_period_s must be >= 0, got {self.bandwidth_probe_period_s!r}")
         if self.region is not None and not 0 < len(self.region) <= 64:
@@ -127,9 +140,12 @@ class RequirementsConfig:
                     raise ValueError(f"{name} must be a version like 2.1, got {getattr(self, name)!r}") from None
 
     def requirements(self) -> Requirements:
-        return Requirements(min_memory_bytes=int(self.require_memory_gb * 2**30), dtype=self.require_dtype,
-                            min_swarm_version=self.require_swarm_version,
-                            min_torch_version=self.require_torch_version)
+        return Requirements(
+            min_memory_bytes=int(self.require_memory_gb * 2**30),
+            dtype=self.require_dtype,
+            min_swarm_version=self.require_swarm_version,
+            min_torch_version=self.require_torch_version,
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -203,8 +219,10 @@ class TrainerConfig:
     def outer(self) -> OuterSettings:
         """The outer step's settings: the fields given, else the rule's for ``sync_every``."""
         rule = outer_settings(self.sync_every)
-        return OuterSettings(lr=rule.lr if self.outer_lr is None else self.outer_lr,
-                             momentum=rule.momentum if self.outer_momentum is None else self.outer_momentum)
+        return OuterSettings(
+            lr=rule.lr if self.outer_lr is None else self.outer_lr,
+            momentum=rule.momentum if self.outer_momentum is None else self.outer_momentum,
+        )
 
     @classmethod
     def create(cls, **fields: Any) -> TrainerConfig:
@@ -262,12 +280,13 @@ class TaskInfo:
         return dataclasses.replace(self, config_digest=hashlib.sha256(shapes.encode()).hexdigest())
 
 
-class RunMismatch(ValueError):
+class RunMismatch(ConfigError):
     """This peer may not join the run: unmet requirements or a different model."""
 
 
-_PART_TYPES = {f.name: f.default_factory for f in dataclasses.fields(TrainerConfig)
-               if f.default_factory is not dataclasses.MISSING}
+_PART_TYPES = {
+    f.name: f.default_factory for f in dataclasses.fields(TrainerConfig) if f.default_factory is not dataclasses.MISSING
+}
 _OWN = {f.name for f in dataclasses.fields(TrainerConfig)}
 _PART_OF = {f.name: part for part, cls in _PART_TYPES.items() for f in dataclasses.fields(cls)}
 

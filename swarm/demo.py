@@ -78,15 +78,22 @@ class _Swarm:
     def spawn(self, name: str, args: list[str], *, events: Path | None = None) -> _Child:
         log = open(self.out / f"{name}.log", "wb")  # noqa: SIM115 (closed in stop_all)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE if events is None else log,
-                                stderr=log, stdin=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", *args],
+            stdout=subprocess.PIPE if events is None else log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
         child = _Child(name=name, proc=proc, started=time.time(), log=log, events=events)
         self.children.append(child)
         return child
 
     def start_bootstrap(self, timeout_s: float = 60.0) -> None:
-        child = self.spawn("bootstrap", ["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                                         "--identity", str(self.out / "bootstrap.id")])
+        child = self.spawn(
+            "bootstrap",
+            ["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity", str(self.out / "bootstrap.id")],
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             line = child.proc.stdout.readline().decode(errors="replace").strip()
@@ -96,20 +103,48 @@ class _Swarm:
             if match:
                 self.initial_peers = match.group(1).split()
                 return
-        raise RuntimeError(f"the bootstrap node did not print its address within {timeout_s:.0f}s; "
-                           f"see {self.out / 'bootstrap.log'}")
+        raise RuntimeError(
+            f"the bootstrap node did not print its address within {timeout_s:.0f}s; see {self.out / 'bootstrap.log'}"
+        )
 
     def start_peer(self, name: str, shard: int) -> _Child:
         cfg = self.config
         events = self.out / f"{name}.jsonl"
         args = [
-            "swarm.peer", "--initial-peers", *self.initial_peers, "--run", "demo", "--task", "charlm",
-            "--task-preset", cfg.task_preset, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-            "--shard-index", str(shard), "--num-shards", str(cfg.peers), "--seed", str(cfg.seed),
-            "--sync-every", str(cfg.sync_every), "--target-group-size", str(cfg.peers),
-            "--identity-key", str(self.out / f"{name}.key"), "--events", str(events),
-            "--torch-threads", "1", "--no-progress", "--eval-batches", "4",
-            "--checkpoint-dir", str(self.out / "checkpoints"), "--ledger-dir", str(self.out / "ledgers"),
+            "swarm.peer",
+            "--initial-peers",
+            *self.initial_peers,
+            "--run",
+            "demo",
+            "--task",
+            "charlm",
+            "--task-preset",
+            cfg.task_preset,
+            "--host-maddrs",
+            "/ip4/127.0.0.1/tcp/0",
+            "--shard-index",
+            str(shard),
+            "--num-shards",
+            str(cfg.peers),
+            "--seed",
+            str(cfg.seed),
+            "--sync-every",
+            str(cfg.sync_every),
+            "--target-group-size",
+            str(cfg.peers),
+            "--identity-key",
+            str(self.out / f"{name}.key"),
+            "--events",
+            str(events),
+            "--torch-threads",
+            "1",
+            "--no-progress",
+            "--eval-batches",
+            "4",
+            "--checkpoint-dir",
+            str(self.out / "checkpoints"),
+            "--ledger-dir",
+            str(self.out / "ledgers"),
         ]
         return self.spawn(name, args, events=events)
 
@@ -156,8 +191,10 @@ def run_demo(config: DemoConfig, console: Console) -> dict[str, Any]:
                     round_at_kill = _last_round(peers)
                     killed.proc.send_signal(signal.SIGKILL)
                     killed.killed_at = time.time()
-                    console.print(f"[red]SIGKILLed {killed.name}[/] at {elapsed:.0f}s (round {round_at_kill}); "
-                                  f"starting a replacement")
+                    console.print(
+                        f"[red]SIGKILLed {killed.name}[/] at {elapsed:.0f}s (round {round_at_kill}); "
+                        f"starting a replacement"
+                    )
                     replacement = swarm.start_peer(f"{killed.name}-replacement", shard=config.peers - 1)
                 dead = [c.name for c in swarm.children if c is not killed and c.proc.poll() is not None]
                 if dead:
@@ -180,14 +217,30 @@ def run_demo(config: DemoConfig, console: Console) -> dict[str, Any]:
     return summary
 
 
-def summarize(config: DemoConfig, swarm: _Swarm, killed: _Child | None, replacement: _Child | None,
-              round_at_kill: int | None, t0: float) -> dict[str, Any]:
+def summarize(
+    config: DemoConfig,
+    swarm: _Swarm,
+    killed: _Child | None,
+    replacement: _Child | None,
+    round_at_kill: int | None,
+    t0: float,
+) -> dict[str, Any]:
     peers = [c for c in swarm.children if c.events is not None]
     events = {c.name: read_events(c.events) for c in peers}
-    start_vals = [e["val_loss"] for c in peers if c is not replacement for e in events[c.name][:10]
-                  if e["event"] == "val" and e.get("val_loss") is not None]
-    end_vals = [last["val_loss"] for c in peers if c is not killed
-                for last in [_last(events[c.name], "round")] if last and last.get("val_loss") is not None]
+    start_vals = [
+        e["val_loss"]
+        for c in peers
+        if c is not replacement
+        for e in events[c.name][:10]
+        if e["event"] == "val" and e.get("val_loss") is not None
+    ]
+    end_vals = [
+        last["val_loss"]
+        for c in peers
+        if c is not killed
+        for last in [_last(events[c.name], "round")]
+        if last and last.get("val_loss") is not None
+    ]
     rounds = max((e["round"] for evs in events.values() for e in evs if e["event"] == "round"), default=0)
     summary: dict[str, Any] = {
         "val_loss_start": _mean(start_vals),
@@ -244,8 +297,11 @@ def plot_losses(swarm: _Swarm, killed: _Child | None, replacement: _Child | None
     for child in swarm.children:
         if child.events is None:
             continue
-        points = [(e["t"] - t0, e["val_loss"]) for e in read_events(child.events)
-                  if e["event"] in ("val", "round") and e.get("val_loss") is not None]
+        points = [
+            (e["t"] - t0, e["val_loss"])
+            for e in read_events(child.events)
+            if e["event"] in ("val", "round") and e.get("val_loss") is not None
+        ]
         if points:
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker=".", label=child.name, linestyle="--" if child is replacement else "-")
@@ -263,8 +319,18 @@ def print_summary(summary: dict[str, Any], out: Path, console: Console) -> None:
     table = Table(title="Swarm demo summary")
     table.add_column("figure")
     table.add_column("value", justify="right")
-    for key in ("val_loss_start", "val_loss_end", "val_loss_ratio", "rounds", "peers", "killed_peer",
-                "round_at_kill", "replacement_joined_round", "replacement_synced_s", "duration_s"):
+    for key in (
+        "val_loss_start",
+        "val_loss_end",
+        "val_loss_ratio",
+        "rounds",
+        "peers",
+        "killed_peer",
+        "round_at_kill",
+        "replacement_joined_round",
+        "replacement_synced_s",
+        "duration_s",
+    ):
         value = summary.get(key)
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
     console.print(table)
@@ -279,7 +345,7 @@ def print_summary(summary: dict[str, Any], out: Path, console: Console) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m swarm.demo", description=__doc__.splitlines()[0])
-    from swarm._private.cli import add_dataclass_arguments, dataclass_from_args
+    from bootstrap.cli import add_dataclass_arguments, dataclass_from_args
 
     add_dataclass_arguments(parser, DemoConfig)
     args = parser.parse_args(argv)

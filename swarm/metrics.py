@@ -125,9 +125,7 @@ class PeerMetrics:
 
     def _define_round_metrics(self) -> None:
         registry = self.registry
-        self._rounds = Counter(
-            "swarm_rounds", "Averaging rounds, by outcome.", ["outcome"], registry=registry
-        )
+        self._rounds = Counter("swarm_rounds", "Averaging rounds, by outcome.", ["outcome"], registry=registry)
         for outcome in ROUND_OUTCOMES:
             self._rounds.labels(outcome=outcome)
         self._round_duration = Histogram(
@@ -137,19 +135,14 @@ class PeerMetrics:
             registry=registry,
         )
         self._bytes_sent = Counter("swarm_bytes_sent", "Bytes sent by averaging.", registry=registry)
-        self._bytes_received = Counter(
-            "swarm_bytes_received", "Bytes received by averaging.", registry=registry
-        )
+        self._bytes_received = Counter("swarm_bytes_received", "Bytes received by averaging.", registry=registry)
         self._peers_known = Gauge("swarm_peers_known", "Live peers in this run.", registry=registry)
         self._round = Gauge("swarm_round", "Current averaging round number.", registry=registry)
         self._sealed = Counter(
             "swarm_checkpoints_sealed", "Checkpoints sealed by this peer's groups.", registry=registry
         )
         self._syncs = Counter(
-            "swarm_state_syncs",
-            "State downloads from sealed checkpoints, by reason.",
-            ["reason"],
-            registry=registry,
+            "swarm_state_syncs", "State downloads from sealed checkpoints, by reason.", ["reason"], registry=registry
         )
 
     def _define_training_metrics(self) -> None:
@@ -158,9 +151,7 @@ class PeerMetrics:
         self._val_loss = Gauge("swarm_val_loss", "Latest validation loss.", registry=registry)
         self._step = Gauge("swarm_step", "Current optimizer step.", registry=registry)
         self._samples = Counter("swarm_samples", "Training samples processed.", registry=registry)
-        self._samples_per_s = Gauge(
-            "swarm_samples_per_second", "Recent training throughput.", registry=registry
-        )
+        self._samples_per_s = Gauge("swarm_samples_per_second", "Recent training throughput.", registry=registry)
 
     # --- updates -------------------------------------------------------------------------------
 

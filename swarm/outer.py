@@ -45,8 +45,9 @@ class DiLoCo:
         """The run's round counter: rounds applied to the global state (or the sealed state's round)."""
         self._lock = threading.Lock()
         self._global = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
-        self._optimizer = torch.optim.SGD(self._global, lr=settings.lr, momentum=settings.momentum,
-                                          nesterov=settings.momentum > 0)
+        self._optimizer = torch.optim.SGD(
+            self._global, lr=settings.lr, momentum=settings.momentum, nesterov=settings.momentum > 0
+        )
 
     @property
     def numel(self) -> int:
@@ -75,11 +76,11 @@ class DiLoCo:
             for param in self._global:
                 numel = param.numel()
                 if new_state is not None:
-                    param.copy_(new_state[offset:offset + numel].view_as(param))
+                    param.copy_(new_state[offset : offset + numel].view_as(param))
                     if self.settings.momentum > 0:
-                        momentum = new_state[total + offset:total + offset + numel]
+                        momentum = new_state[total + offset : total + offset + numel]
                         self._optimizer.state[param]["momentum_buffer"] = momentum.view_as(param).clone()
-                param.grad = delta[offset:offset + numel].view_as(param).clone()
+                param.grad = delta[offset : offset + numel].view_as(param).clone()
                 offset += numel
             self._optimizer.step()
             self._optimizer.zero_grad(set_to_none=True)

@@ -32,10 +32,10 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from safetensors.torch import save_file
 
 from bootstrap import DHTStartError, parse_initial_peers, stop_dht
+from bootstrap.cli import add_dataclass_arguments, dataclass_from_args, field_docs
 from bootstrap.identity import Identity, IdentityError
 from bootstrap.network import start_swarm_dht
 from peers import ResourceGraph, pick_run, probe_hardware, probe_software
-from swarm._private.cli import add_dataclass_arguments, dataclass_from_args, field_docs
 from swarm.events import EventLog
 from swarm.tasks import get_task
 from swarm.trainer import TaskInfo, Trainer, TrainerConfig
@@ -105,11 +105,14 @@ class PeerConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m swarm.peer",
-        description="Contribute this machine to a Swarm training run.",
+        prog="python -m swarm.peer", description="Contribute this machine to a Swarm training run."
     )
-    parser.add_argument("--run", default=None, help=field_docs(TrainerConfig)["run"] + (
-        " Without --run, the peer lists the open runs of the network and joins the best-fitting one."))
+    parser.add_argument(
+        "--run",
+        default=None,
+        help=field_docs(TrainerConfig)["run"]
+        + (" Without --run, the peer lists the open runs of the network and joins the best-fitting one."),
+    )
     add_dataclass_arguments(parser, TrainerConfig, skip=("run",))
     parser.add_argument("--averaging-timeout-s", dest="round_timeout_s", type=float, help=argparse.SUPPRESS)  # renamed
     add_dataclass_arguments(parser, PeerConfig)
@@ -167,8 +170,15 @@ class _StopFlag:
 class PeerRunner:
     """Owns one peer's training loop: the task, the model, the trainer and the event log."""
 
-    def __init__(self, trainer_config: TrainerConfig, config: PeerConfig, *, stop: _StopFlag, identity: Identity,
-                 dht: DHT | None = None):
+    def __init__(
+        self,
+        trainer_config: TrainerConfig,
+        config: PeerConfig,
+        *,
+        stop: _StopFlag,
+        identity: Identity,
+        dht: DHT | None = None,
+    ):
         self.trainer_config, self.config, self.stop = trainer_config, config, stop
         self.identity, self.dht = identity, dht
         self.device = resolve_device(config.device)
@@ -185,24 +195,53 @@ class PeerRunner:
 
     def start(self) -> None:
         started = time.time()
-        self.events.emit("start", pid=os.getpid(), shard=self.shard_index, task=self.task.name,
-                         params=sum(p.numel() for p in self.model.parameters()), device=str(self.device))
+        self.events.emit(
+            "start",
+            pid=os.getpid(),
+            shard=self.shard_index,
+            task=self.task.name,
+            params=sum(p.numel() for p in self.model.parameters()),
+            device=str(self.device),
+        )
         task_info = TaskInfo.of(self.task, self.config.task_preset)
-        self.trainer = Trainer(self.model, self.optimizer, config=self.trainer_config, identity=self.identity,
-                               dht=self.dht, task_info=task_info, evaluate=self.evaluate_or_nan)
+        self.trainer = Trainer(
+            self.model,
+            self.optimizer,
+            config=self.trainer_config,
+            identity=self.identity,
+            dht=self.dht,
+            task_info=task_info,
+            evaluate=self.evaluate_or_nan,
+        )
         self.stop.on_stop.append(self.trainer.interrupt)
-        self.trainer.evidence.record("start", {
-            "pid": os.getpid(), "task": self.task.name, "preset": self.config.task_preset, "shard": self.shard_index,
-            "params": sum(p.numel() for p in self.model.parameters()), "device": str(self.device)}, t=started)
+        self.trainer.evidence.record(
+            "start",
+            {
+                "pid": os.getpid(),
+                "task": self.task.name,
+                "preset": self.config.task_preset,
+                "shard": self.shard_index,
+                "params": sum(p.numel() for p in self.model.parameters()),
+                "device": str(self.device),
+            },
+            t=started,
+        )
         if self.config.dump_dir:
             self.trainer.before_sync.append(lambda round_, local: self._dump("local", round_, local))
-        self.events.emit("joined", peer_id=self.trainer.peer_id, round=self.trainer.round,
-                         state_loaded=self.trainer.counters.state_loaded > 0,
-                         state_verified=self.trainer.counters.state_verified > 0, join_s=time.time() - started)
+        self.events.emit(
+            "joined",
+            peer_id=self.trainer.peer_id,
+            round=self.trainer.round,
+            state_loaded=self.trainer.counters.state_loaded > 0,
+            state_verified=self.trainer.counters.state_verified > 0,
+            join_s=time.time() - started,
+        )
         if self.config.dump_dir:
             self._dump("joined", self.trainer.round, list(self.model.parameters()))
-        logger.info(f"peer {self.trainer.peer_id} joined run {self.trainer_config.run!r} at round "
-                    f"{self.trainer.round}; training shard {self.shard_index}/{self.config.num_shards} on {self.device}")
+        logger.info(
+            f"peer {self.trainer.peer_id} joined run {self.trainer_config.run!r} at round "
+            f"{self.trainer.round}; training shard {self.shard_index}/{self.config.num_shards} on {self.device}"
+        )
 
     def evaluate_or_nan(self) -> float:
         value = self.evaluate()
@@ -242,8 +281,13 @@ class PeerRunner:
             window_samples += x.shape[0]
             samples_per_s = window_samples / max(time.monotonic() - window_start, 1e-9)
             if trainer.local_step % 10 == 0:
-                train = {"step": trainer.local_step, "round": trainer.round, "loss": trainer.last_loss,
-                         "samples_per_s": samples_per_s, "samples": self.samples_seen}
+                train = {
+                    "step": trainer.local_step,
+                    "round": trainer.round,
+                    "loss": trainer.last_loss,
+                    "samples_per_s": samples_per_s,
+                    "samples": self.samples_seen,
+                }
                 self.events.emit("train", **train)
                 trainer.evidence.record("train", train)
             if result is not None:
@@ -251,17 +295,34 @@ class PeerRunner:
                     self._dump("global", result.round, list(self.model.parameters()))
                 val = trainer.last_val_loss if trainer.last_val_loss is not None else self.evaluate()
                 trainer.last_val_loss = None
-                self.events.emit("round", round=result.round, step=trainer.local_step, group_size=result.group_size,
-                                 duration_s=result.duration_s, val_loss=val, rejected=list(result.rejected),
-                                 record=result.record.to_dict() if result.record else None)
-                logger.info(f"round {result.round}: group of {result.group_size} in {result.duration_s:.2f}s, "
-                            f"val loss {val if val is None else round(val, 4)}")
+                self.events.emit(
+                    "round",
+                    round=result.round,
+                    step=trainer.local_step,
+                    group_size=result.group_size,
+                    duration_s=result.duration_s,
+                    val_loss=val,
+                    rejected=list(result.rejected),
+                    record=result.record.to_dict() if result.record else None,
+                )
+                logger.info(
+                    f"round {result.round}: group of {result.group_size} in {result.duration_s:.2f}s, "
+                    f"val loss {val if val is None else round(val, 4)}"
+                )
                 window_start, window_samples = time.monotonic(), 0
             if progress is not None:
                 last = trainer.last_round
-                progress.update(task_id, **_progress_fields(
-                    step=trainer.local_step, loss=loss_value, sps=samples_per_s, round=trainer.round,
-                    group=last.group_size if last else "-", val=val))
+                progress.update(
+                    task_id,
+                    **_progress_fields(
+                        step=trainer.local_step,
+                        loss=loss_value,
+                        sps=samples_per_s,
+                        round=trainer.round,
+                        group=last.group_size if last else "-",
+                        val=val,
+                    ),
+                )
 
     def _should_stop(self, started: float) -> bool:
         cfg, trainer = self.config, self.trainer
@@ -284,18 +345,21 @@ class PeerRunner:
 
     def shutdown(self) -> None:
         if self.trainer is not None:
-            self.events.emit("stop", step=self.trainer.local_step, round=self.trainer.round,
-                             signal=self.stop.signal_name)
+            self.events.emit(
+                "stop", step=self.trainer.local_step, round=self.trainer.round, signal=self.stop.signal_name
+            )
             self.trainer.shutdown(reason=self.stop.signal_name)
         if self.dht is not None:
             stop_dht(self.dht)
         self.events.close()
 
 
-def _progress_fields(*, step: Any = 0, loss: Any = None, sps: Any = 0.0, round: Any = 0, group: Any = "-",
-                     val: Any = None) -> dict[str, str]:
-    return {"fields": f"step {step}  loss {_fmt(loss)}  {sps:.1f} samples/s  round {round}  "
-                      f"group {group}  val {_fmt(val)}"}
+def _progress_fields(
+    *, step: Any = 0, loss: Any = None, sps: Any = 0.0, round: Any = 0, group: Any = "-", val: Any = None
+) -> dict[str, str]:
+    return {
+        "fields": f"step {step}  loss {_fmt(loss)}  {sps:.1f} samples/s  round {round}  group {group}  val {_fmt(val)}"
+    }
 
 
 def _fmt(value: Any) -> str:
@@ -321,8 +385,9 @@ def choose_run(dht: DHT, device: torch.device, console: Console) -> tuple[str, s
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(stderr=True)
-    logging.basicConfig(level=args.log_level.upper(), format="%(message)s",
-                        handlers=[RichHandler(console=console, show_path=False)])
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(message)s", handlers=[RichHandler(console=console, show_path=False)]
+    )
     for noisy in ("hivemind", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     runner: PeerRunner | None = None
@@ -340,8 +405,13 @@ def main(argv: list[str] | None = None) -> int:
         identity.lock()
         run = args.run
         if run is None:
-            dht = start_swarm_dht(identity, initial_peers=peers, host_maddrs=args.host_maddrs,
-                                  announce_maddrs=args.announce_maddrs, connect_timeout_s=args.connect_timeout_s)
+            dht = start_swarm_dht(
+                identity,
+                initial_peers=peers,
+                host_maddrs=args.host_maddrs,
+                announce_maddrs=args.announce_maddrs,
+                connect_timeout_s=args.connect_timeout_s,
+            )
             run, task, preset = choose_run(dht, resolve_device(config.device), console)
             config = dataclasses.replace(config, task=task, task_preset=preset)
         trainer_config = dataclass_from_args(TrainerConfig, args, run=run, initial_peers=tuple(peers))

@@ -9,7 +9,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,30 +53,47 @@ class PeerView:
 
 @dataclass(frozen=True, slots=True)
 class RunFacts:
-    """What this peer's record says of its run (fixed once the trainer has checked the run)."""
+    """What this peer's record says of its run (fixed once the trainer has checked the run), and the device
+    whose hardware it advertises."""
 
     name: str
     task: str
     preset: str
     config_digest: str
     requirements: Requirements
+    device: torch.device
+
+    @classmethod
+    def of(cls, run: str, task: Any, requirements: Requirements, device: torch.device) -> RunFacts:
+        """The facts of ``run`` for ``task`` (a `swarm.config.TaskInfo`)."""
+        return cls(run, task.name, task.preset, task.config_digest, requirements, device)
 
 
 class Presence:
     """Advertises, probes and keeps in touch, each on its own heartbeat, until `close()`.
 
-    ``view()`` is called from the heartbeat threads; ``status_snapshot()`` feeds the status board.
+    ``trainer_config`` is the trainer's `swarm.config.TrainerConfig` (its presence part and initial peers).
+    ``view()`` is called from the heartbeat threads; ``status()`` feeds the status board.
     Without ``advertise`` (or when the DHT's peer ID is not this identity's) nothing is published,
     but `run_peers` and `reconnect` still work.
     """
 
-    def __init__(self, dht: DHT, identity: Identity, graph: ResourceGraph, *, config: PresenceConfig,
-                 run: RunFacts, device: torch.device, view: Callable[[], PeerView],
-                 status_snapshot: Callable[[], dict], initial_peers: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        dht: DHT,
+        identity: Identity,
+        graph: ResourceGraph,
+        trainer_config: Any,
+        run: RunFacts,
+        *,
+        view: Callable[[], PeerView],
+        status: Callable[[], dict],
+    ) -> None:
+        config: PresenceConfig = trainer_config.presence
         self.dht, self.identity, self.graph, self.config, self.run = dht, identity, graph, config, run
         self.peer_id = str(dht.peer_id)
-        self._device, self._view = device, view
-        self._initial = [p for p in (peer_id_of_maddr(m) for m in initial_peers) if p]
+        self._view = view
+        self._initial = [p for p in (peer_id_of_maddr(m) for m in trainer_config.initial_peers) if p]
         self._started_at = time.time()
         self._run_peers: tuple[float, set[str]] = (-float("inf"), set())
         self._reconnecting: concurrent.futures.Future | None = None
@@ -97,12 +114,19 @@ class Presence:
         if config.bandwidth_probe_period_s > 0:
             self._probe_thread = threading.Thread(target=self._probe_loop, name="swarm-probe-loop", daemon=True)
             self._probe_thread.start()
-        self.advertiser = Advertiser(dht, identity, self._build_record, refresh_s=config.record_refresh_s,
-                                     expiry_s=config.record_expiry_s).start()
+        self.advertiser = Advertiser(
+            dht, identity, self._build_record, refresh_s=config.record_refresh_s, expiry_s=config.record_expiry_s
+        ).start()
         from swarm.status import StatusPublisher
 
-        self.status = StatusPublisher(dht, identity, run=run.name, snapshot=status_snapshot,
-                                      refresh_s=config.record_refresh_s, expiry_s=config.record_expiry_s).start()
+        self.status = StatusPublisher(
+            dht,
+            identity,
+            run=run.name,
+            snapshot=status,
+            refresh_s=config.record_refresh_s,
+            expiry_s=config.record_expiry_s,
+        ).start()
 
     def changed(self) -> None:
         """The trainer's state changed: publish the record now rather than on the next heartbeat."""
@@ -138,19 +162,39 @@ class Presence:
         def scaled(key: str, factor: float) -> int | None:
             value = measured.get(key)
             return None if value is None else int(value * factor)
+
         return PeerRecord(
-            v=1, peer_id=self.peer_id, public_key=self.identity.public_key.hex(), issued_at=issued_at,
-            expires_at=expires_at, seq=seq, state=view.state,
-            run=RunInfo(name=run.name, task=run.task, task_preset=run.preset, config_digest=run.config_digest,
-                        requirements=run.requirements, round=view.round, step=view.step),
-            hardware=probe_hardware(self._device), software=probe_software(),
-            perf=Performance(samples_per_s_milli=int(view.samples_per_s * 1000),
-                             upload_kbps=scaled("upload_mbps", 1000), download_kbps=scaled("download_mbps", 1000),
-                             rtt_us=scaled("rtt_ms", 1000)),
+            v=1,
+            peer_id=self.peer_id,
+            public_key=self.identity.public_key.hex(),
+            issued_at=issued_at,
+            expires_at=expires_at,
+            seq=seq,
+            state=view.state,
+            run=RunInfo(
+                name=run.name,
+                task=run.task,
+                task_preset=run.preset,
+                config_digest=run.config_digest,
+                requirements=run.requirements,
+                round=view.round,
+                step=view.step,
+            ),
+            hardware=probe_hardware(self.run.device),
+            software=probe_software(),
+            perf=Performance(
+                samples_per_s_milli=int(view.samples_per_s * 1000),
+                upload_kbps=scaled("upload_mbps", 1000),
+                download_kbps=scaled("download_mbps", 1000),
+                rtt_us=scaled("rtt_ms", 1000),
+            ),
             network=Network(reachability=reachability(self._maddrs), maddrs=self._maddrs, region=cfg.region),
             available_until=cfg.available_until_unix(),
-            trust=Trust(uptime_s=int(time.time() - self._started_at), rounds_completed=view.rounds_completed,
-                        checkpoints_cosigned=view.checkpoints_cosigned),
+            trust=Trust(
+                uptime_s=int(time.time() - self._started_at),
+                rounds_completed=view.rounds_completed,
+                checkpoints_cosigned=view.checkpoints_cosigned,
+            ),
         )
 
     def run_peers(self) -> set[str]:
@@ -209,7 +253,8 @@ def check_run(graph: ResourceGraph, *, run: str, task: Any, device: torch.device
         raise RunMismatch(
             f"cannot join run {run!r}: it trains {summary.task}/{summary.task_preset} "
             f"(model digest {summary.config_digest[:12]}), this peer built "
-            f"{task.name}/{task.preset} (digest {task.config_digest[:12]})")
+            f"{task.name}/{task.preset} (digest {task.config_digest[:12]})"
+        )
     problems = unmet_requirements(requirements, probe_hardware(device), probe_software())
     if problems:
         raise RunMismatch(f"cannot join run {run!r}: " + "; ".join(problems))

@@ -32,15 +32,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bootstrap.errors import ConfigError
 from swarm._private import plots
-from swarm.ledger.chain import (
-    LedgerEntry,
-    LedgerError,
-    LedgerVerdict,
-    find_ledgers,
-    read_entries,
-    verify_ledger,
-)
+from swarm.ledger.chain import LedgerEntry, LedgerError, LedgerVerdict, find_ledgers, read_entries, verify_ledger
 from swarm.ledger.receipts import ReceiptRejected, SignedReceipt, contributions, cross_check, verify_receipt
 
 PNG_NAMES: dict[str, str] = {
@@ -52,8 +46,17 @@ PNG_NAMES: dict[str, str] = {
 }
 """Figure key -> file name inside the report's PNG folder (fixed, so scripts and tests can find them)."""
 
-TIMELINE_KINDS = ("start", "joined", "state_synced", "failure", "peer_replaced", "checkpoint_sealed",
-                  "record_rejected", "diverging", "stop")
+TIMELINE_KINDS = (
+    "start",
+    "joined",
+    "state_synced",
+    "failure",
+    "peer_replaced",
+    "checkpoint_sealed",
+    "record_rejected",
+    "diverging",
+    "stop",
+)
 """Entry kinds drawn on the failure and recovery timeline and listed in the events table."""
 VANISHED = "vanished (killed?)"
 """Pseudo-event at the last entry of a ledger that has no "stop" entry."""
@@ -70,7 +73,7 @@ _MAX_KIND_ROWS = 50
 _GROUP_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
 
 
-class ReportInputError(ValueError):
+class ReportInputError(ConfigError):
     """The report cannot be made: the folder is missing, holds no ledger, or ``out`` is not an .html path."""
 
 
@@ -203,6 +206,7 @@ class _Collector:
 
 # ---------------------------------------------------------------- typed access to untrusted bodies
 
+
 def _int(body: dict, key: str, *, default: int | None = None) -> int:
     """A non-negative int below 2**63; ``default`` when absent (if given); _Malformed otherwise."""
     if key not in body and default is not None:
@@ -261,12 +265,13 @@ def _tail(value: Any, *, depth: int) -> str:
 
 
 def _details(body: dict, *, limit: int = _MAX_DETAIL_CHARS, depth: int = 0) -> str:
-    """"key=value" pairs of a body's first keys, bounded in length (unescaped)."""
+    """ "key=value" pairs of a body's first keys, bounded in length (unescaped)."""
     keys = sorted(k for k in body if isinstance(k, str))[:_MAX_DETAIL_KEYS]
     return _cut(" ".join(f"{_cut(k, 24)}={_text(body[k], depth=depth)}" for k in keys), limit)
 
 
 # ---------------------------------------------------------------- one handler per entry kind
+
 
 def _on_val(c: _Collector, entry: LedgerEntry) -> None:
     if "val_loss" not in entry.body:
@@ -284,11 +289,16 @@ def _on_train(c: _Collector, entry: LedgerEntry) -> None:
 
 def _on_round(c: _Collector, entry: LedgerEntry) -> None:
     body = entry.body
-    row = RoundRow(t=entry.t, round=_int(body, "round"), group_size=_int(body, "group_size"),
-                   bytes_sent=_int(body, "bytes_sent", default=0),
-                   bytes_received=_int(body, "bytes_received", default=0),
-                   samples=_int(body, "samples", default=0),
-                   samples_per_s=_number(body, "samples_per_s"), val_loss=_number(body, "val_loss"))
+    row = RoundRow(
+        t=entry.t,
+        round=_int(body, "round"),
+        group_size=_int(body, "group_size"),
+        bytes_sent=_int(body, "bytes_sent", default=0),
+        bytes_received=_int(body, "bytes_received", default=0),
+        samples=_int(body, "samples", default=0),
+        samples_per_s=_number(body, "samples_per_s"),
+        val_loss=_number(body, "val_loss"),
+    )
     c.rounds.append(row)
     if row.val_loss is not None:
         c.vals.append((entry.t, row.val_loss))
@@ -308,8 +318,15 @@ def _on_sealed(c: _Collector, entry: LedgerEntry) -> None:
     digest, signers, metrics = body.get("digest"), body.get("signers"), body.get("metrics", {})
     if not isinstance(digest, str) or not isinstance(signers, list) or not isinstance(metrics, dict):
         raise _Malformed("checkpoint_sealed: digest/signers/metrics mistyped")
-    c.sealed.append(Sealed(t=entry.t, step=_int(body, "step"), digest=_text(digest, limit=128),
-                           num_signers=len(signers), metrics=_details(metrics, limit=160)))
+    c.sealed.append(
+        Sealed(
+            t=entry.t,
+            step=_int(body, "step"),
+            digest=_text(digest, limit=128),
+            num_signers=len(signers),
+            metrics=_details(metrics, limit=160),
+        )
+    )
     _on_event(c, entry)
 
 
@@ -330,9 +347,14 @@ _HANDLERS: dict[str, Callable[[_Collector, LedgerEntry], None]] = {
 def _usable(entry: Any) -> bool:
     """The envelope fields have the types the handlers rely on (read_entries does not verify)."""
     t = getattr(entry, "t", None)
-    return (isinstance(getattr(entry, "kind", None), str) and isinstance(getattr(entry, "body", None), dict)
-            and isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
-            and 0 <= t <= _MAX_ABS_NUMBER)
+    return (
+        isinstance(getattr(entry, "kind", None), str)
+        and isinstance(getattr(entry, "body", None), dict)
+        and isinstance(t, (int, float))
+        and not isinstance(t, bool)
+        and math.isfinite(t)
+        and 0 <= t <= _MAX_ABS_NUMBER
+    )
 
 
 def _collect(c: _Collector, entries: Iterable[Any]) -> None:
@@ -352,6 +374,7 @@ def _collect(c: _Collector, entries: Iterable[Any]) -> None:
 
 
 # ---------------------------------------------------------------- reading and verifying ledgers
+
 
 def _verify(path: Path) -> LedgerVerdict | str:
     """The verdict on a ledger, or why it could not even be checked."""
@@ -420,18 +443,32 @@ def _freeze(c: _Collector, *, path: Path, peer: str, ok: bool, problem: str | No
     stopped = any(e.kind == "stop" for e in events)
     vanished = not stopped and bool(c.times)
     if vanished:
-        events.append(Event(t=max(c.times), kind=VANISHED, detail="the ledger ends without a \"stop\" entry"))
+        events.append(Event(t=max(c.times), kind=VANISHED, detail='the ledger ends without a "stop" entry'))
     return PeerLedger(
-        path=path, peer=peer, run=c.run, verified=ok, problem=problem, num_entries=num_entries,
-        first_t=min(c.times, default=None), last_t=max(c.times, default=None), stopped=stopped,
+        path=path,
+        peer=peer,
+        run=c.run,
+        verified=ok,
+        problem=problem,
+        num_entries=num_entries,
+        first_t=min(c.times, default=None),
+        last_t=max(c.times, default=None),
+        stopped=stopped,
         vanished=vanished,
-        vals=tuple(sorted(c.vals)), train_rates=tuple(sorted(c.train_rates)),
-        rounds=tuple(sorted(c.rounds, key=lambda r: r.t)), events=tuple(events), sealed=tuple(c.sealed),
-        receipts=tuple(c.receipts), receipt_rejections=c.receipt_rejections, kinds=c.kinds, skipped=c.skipped,
+        vals=tuple(sorted(c.vals)),
+        train_rates=tuple(sorted(c.train_rates)),
+        rounds=tuple(sorted(c.rounds, key=lambda r: r.t)),
+        events=tuple(events),
+        sealed=tuple(c.sealed),
+        receipts=tuple(c.receipts),
+        receipt_rejections=c.receipt_rejections,
+        kinds=c.kinds,
+        skipped=c.skipped,
     )
 
 
 # ---------------------------------------------------------------- summaries
+
 
 def _label(ledger: PeerLedger, *, multi_run: bool) -> str:
     """Short plot label: the peer id's tail, the run when several, and a flag when unverified."""
@@ -455,27 +492,40 @@ def _run_summary(run: str, ledgers: list[PeerLedger], num_sealed: int) -> dict[s
     round_numbers = {r.round for x in mine for r in x.rounds}
     vals = sorted(v for x in mine for v in x.vals)
     return {
-        "run": run, "peers": len({x.peer for x in mine}), "ledgers": len(mine),
+        "run": run,
+        "peers": len({x.peer for x in mine}),
+        "ledgers": len(mine),
         "ledgers_verified": sum(x.verified for x in mine),
         "duration_s": (max(lasts) - min(firsts)) if firsts and lasts else None,
-        "rounds": len(round_numbers), "last_round": max(round_numbers, default=None),
-        "first_val_loss": vals[0][1] if vals else None, "last_val_loss": vals[-1][1] if vals else None,
+        "rounds": len(round_numbers),
+        "last_round": max(round_numbers, default=None),
+        "first_val_loss": vals[0][1] if vals else None,
+        "last_val_loss": vals[-1][1] if vals else None,
         "sealed_checkpoints": num_sealed,
-        "peers_stopped": sum(x.stopped for x in mine), "peers_vanished": sum(x.vanished for x in mine),
+        "peers_stopped": sum(x.stopped for x in mine),
+        "peers_vanished": sum(x.vanished for x in mine),
     }
 
 
 def _peer_summary(ledger: PeerLedger, label: str) -> dict[str, Any]:
     return {
-        "run": ledger.run, "peer": ledger.peer, "label": label, "path": str(ledger.path),
-        "entries": ledger.num_entries, "first_t": ledger.first_t, "last_t": ledger.last_t,
+        "run": ledger.run,
+        "peer": ledger.peer,
+        "label": label,
+        "path": str(ledger.path),
+        "entries": ledger.num_entries,
+        "first_t": ledger.first_t,
+        "last_t": ledger.last_t,
         "rounds": len({r.round for r in ledger.rounds}),
         "samples": sum(r.samples for r in ledger.rounds),
         "bytes_sent": sum(r.bytes_sent for r in ledger.rounds),
         "bytes_received": sum(r.bytes_received for r in ledger.rounds),
-        "verified": ledger.verified, "problem": ledger.problem, "stopped": ledger.stopped,
+        "verified": ledger.verified,
+        "problem": ledger.problem,
+        "stopped": ledger.stopped,
         "vanished": ledger.vanished,
-        "skipped_entries": sum(ledger.skipped.values()), "skipped_by_reason": dict(ledger.skipped),
+        "skipped_entries": sum(ledger.skipped.values()),
+        "skipped_by_reason": dict(ledger.skipped),
     }
 
 
@@ -486,10 +536,18 @@ def _contributions(ledgers: list[PeerLedger]) -> dict[str, dict[str, dict[str, A
         by_run.setdefault(ledger.run, []).extend(ledger.receipts)
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for run, receipts in sorted(by_run.items()):
-        out[run] = {peer: {"rounds": c.rounds, "receipts": c.num_receipts, "samples": c.samples,
-                           "bytes_sent": c.bytes_sent, "bytes_received": c.bytes_received,
-                           "first_round": c.first_round, "last_round": c.last_round}
-                    for peer, c in sorted(contributions(receipts).items())}
+        out[run] = {
+            peer: {
+                "rounds": c.rounds,
+                "receipts": c.num_receipts,
+                "samples": c.samples,
+                "bytes_sent": c.bytes_sent,
+                "bytes_received": c.bytes_received,
+                "first_round": c.first_round,
+                "last_round": c.last_round,
+            }
+            for peer, c in sorted(contributions(receipts).items())
+        }
     return out
 
 
@@ -498,18 +556,39 @@ def _checkpoints(ledgers: list[PeerLedger]) -> list[dict[str, Any]]:
     rows: dict[tuple[str, int, str], dict[str, Any]] = {}
     for ledger in ledgers:
         for s in ledger.sealed:
-            row = rows.setdefault((ledger.run, s.step, s.digest), {
-                "run": ledger.run, "step": s.step, "digest": s.digest, "signers": s.num_signers,
-                "metrics": s.metrics, "t": s.t, "recorded_by": 0, "only_unverified": True})
+            row = rows.setdefault(
+                (ledger.run, s.step, s.digest),
+                {
+                    "run": ledger.run,
+                    "step": s.step,
+                    "digest": s.digest,
+                    "signers": s.num_signers,
+                    "metrics": s.metrics,
+                    "t": s.t,
+                    "recorded_by": 0,
+                    "only_unverified": True,
+                },
+            )
             row["recorded_by"] += 1
             row["only_unverified"] = row["only_unverified"] and not ledger.verified
     return sorted(rows.values(), key=lambda r: (r["run"], r["step"], r["t"]))
 
 
 def _events(ledgers: list[PeerLedger], labels: list[str], t0: dict[str, float]) -> list[dict[str, Any]]:
-    rows = [{"run": x.run, "peer": x.peer, "label": label, "t": e.t, "t_s": e.t - t0.get(x.run, e.t),
-             "kind": e.kind, "detail": e.detail, "verified": x.verified}
-            for x, label in zip(ledgers, labels) for e in x.events]
+    rows = [
+        {
+            "run": x.run,
+            "peer": x.peer,
+            "label": label,
+            "t": e.t,
+            "t_s": e.t - t0.get(x.run, e.t),
+            "kind": e.kind,
+            "detail": e.detail,
+            "verified": x.verified,
+        }
+        for x, label in zip(ledgers, labels)
+        for e in x.events
+    ]
     return sorted(rows, key=lambda r: (r["run"], r["t"], r["label"]))
 
 
@@ -521,11 +600,14 @@ def summarize(ledgers: list[PeerLedger], *, cross_check_problems: list[str] | No
     rejections: Counter[str] = sum((x.receipt_rejections for x in ledgers), Counter())
     kinds: Counter[str] = sum((x.kinds for x in ledgers), Counter())
     return {
-        "runs": {run: _run_summary(run, ledgers, sum(c["run"] == run for c in checkpoints))
-                 for run in sorted({x.run for x in ledgers})},
+        "runs": {
+            run: _run_summary(run, ledgers, sum(c["run"] == run for c in checkpoints))
+            for run in sorted({x.run for x in ledgers})
+        },
         "peers": [_peer_summary(x, label) for x, label in zip(ledgers, labels)],
-        "tampered": [{"path": str(x.path), "peer": x.peer, "run": x.run, "problem": x.problem}
-                     for x in ledgers if not x.verified],
+        "tampered": [
+            {"path": str(x.path), "peer": x.peer, "run": x.run, "problem": x.problem} for x in ledgers if not x.verified
+        ],
         "contributions": _contributions(ledgers),
         "receipts_verified": sum(len(x.receipts) for x in ledgers),
         "receipts_rejected": dict(rejections),
@@ -538,6 +620,7 @@ def summarize(ledgers: list[PeerLedger], *, cross_check_problems: list[str] | No
 
 
 # ---------------------------------------------------------------- figures
+
 
 def _relative(points: Iterable[tuple[float, float]], t0: float) -> tuple[tuple[float, float], ...]:
     return tuple((t - t0, y) for t, y in points)
@@ -562,33 +645,62 @@ def _figure_series(ledgers: list[PeerLedger], labels: list[str], *, bytes_unit: 
     for i, (x, label) in enumerate(zip(ledgers, labels)):
         start = t0.get(x.run, 0.0)
         out["val_loss"].append(plots.Series(label=label, color_index=i, points=_relative(x.vals, start)))
-        out["samples_per_s"].append(plots.Series(label=label, color_index=i,
-                                                 points=_relative(x.train_rates, start)))
+        out["samples_per_s"].append(plots.Series(label=label, color_index=i, points=_relative(x.train_rates, start)))
         rates = ((r.t, r.samples_per_s) for r in x.rounds if r.samples_per_s is not None)
-        out["samples_per_s"].append(plots.Series(label=None, color_index=i, points=_relative(rates, start),
-                                                 linestyle="", marker="x"))
-        out["group_sizes"].append(plots.Series(
-            label=label, color_index=i, points=_group_points(x.rounds, (i - (len(ledgers) - 1) / 2) * width),
-            linestyle="", marker=_GROUP_MARKERS[i % len(_GROUP_MARKERS)]))
-        out["bytes"].append(plots.Series(label=label, color_index=i, points=_cumulative_bytes(x.rounds, start, bytes_unit),
-                                         drawstyle="steps-post"))
+        out["samples_per_s"].append(
+            plots.Series(label=None, color_index=i, points=_relative(rates, start), linestyle="", marker="x")
+        )
+        out["group_sizes"].append(
+            plots.Series(
+                label=label,
+                color_index=i,
+                points=_group_points(x.rounds, (i - (len(ledgers) - 1) / 2) * width),
+                linestyle="",
+                marker=_GROUP_MARKERS[i % len(_GROUP_MARKERS)],
+            )
+        )
+        out["bytes"].append(
+            plots.Series(
+                label=label,
+                color_index=i,
+                points=_cumulative_bytes(x.rounds, start, bytes_unit),
+                drawstyle="steps-post",
+            )
+        )
     return out
 
 
 _AXES = {
-    "val_loss": plots.Axes(title="Validation loss per peer", xlabel="seconds since the run's first entry",
-                           ylabel="validation loss",
-                           empty_note="no data: no \"val\" or \"round\" entry with a val_loss"),
-    "samples_per_s": plots.Axes(title="Training throughput per peer (line: train entries, x: rounds)",
-                                xlabel="seconds since the run's first entry", ylabel="samples/s",
-                                empty_note="no data: no \"train\" or \"round\" entry with samples_per_s"),
-    "group_sizes": plots.Axes(title="Averaging group size per round", xlabel="round",
-                              ylabel="group size (peers)", empty_note="no data: no \"round\" entries"),
-    "timeline": plots.Axes(title="Failures and recovery", xlabel="seconds since the run's first entry",
-                           ylabel="peer", empty_note="no data: no ledger entries"),
-    "bytes": plots.Axes(title="Bytes on the wire (sent + received, cumulative)",
-                        xlabel="seconds since the run's first entry", ylabel="bytes",
-                        empty_note="no data: no \"round\" entries"),
+    "val_loss": plots.Axes(
+        title="Validation loss per peer",
+        xlabel="seconds since the run's first entry",
+        ylabel="validation loss",
+        empty_note='no data: no "val" or "round" entry with a val_loss',
+    ),
+    "samples_per_s": plots.Axes(
+        title="Training throughput per peer (line: train entries, x: rounds)",
+        xlabel="seconds since the run's first entry",
+        ylabel="samples/s",
+        empty_note='no data: no "train" or "round" entry with samples_per_s',
+    ),
+    "group_sizes": plots.Axes(
+        title="Averaging group size per round",
+        xlabel="round",
+        ylabel="group size (peers)",
+        empty_note='no data: no "round" entries',
+    ),
+    "timeline": plots.Axes(
+        title="Failures and recovery",
+        xlabel="seconds since the run's first entry",
+        ylabel="peer",
+        empty_note="no data: no ledger entries",
+    ),
+    "bytes": plots.Axes(
+        title="Bytes on the wire (sent + received, cumulative)",
+        xlabel="seconds since the run's first entry",
+        ylabel="bytes",
+        empty_note='no data: no "round" entries',
+    ),
 }
 
 
@@ -598,8 +710,9 @@ def _lanes(ledgers: list[PeerLedger], labels: list[str]) -> list[plots.Lane]:
     for i, (x, label) in enumerate(zip(ledgers, labels)):
         start = t0.get(x.run, 0.0)
         span = (x.first_t - start, x.last_t - start) if x.first_t is not None and x.last_t is not None else None
-        lanes.append(plots.Lane(label=label, color_index=i, span=span,
-                                markers=tuple((e.t - start, e.kind) for e in x.events)))
+        lanes.append(
+            plots.Lane(label=label, color_index=i, span=span, markers=tuple((e.t - start, e.kind) for e in x.events))
+        )
     return lanes
 
 
@@ -616,6 +729,7 @@ def draw_figures(ledgers: list[PeerLedger], labels: list[str], folder: Path) -> 
 
 
 # ---------------------------------------------------------------- HTML
+
 
 def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
@@ -659,24 +773,32 @@ def _fmt_time(t: float | None) -> str:
 def _table(headers: list[str], rows: list[list[str]], *, row_classes: list[str] | None = None) -> str:
     """An HTML table; ``rows`` cells are already-escaped HTML."""
     if not rows:
-        return "<p class=\"note\">none</p>"
+        return '<p class="note">none</p>'
     head = "".join(f"<th>{_e(h)}</th>" for h in headers)
     classes = row_classes or [""] * len(rows)
-    body = "".join(f"<tr class=\"{cls}\">" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>"
-                   for row, cls in zip(rows, classes))
+    body = "".join(
+        f'<tr class="{cls}">' + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row, cls in zip(rows, classes)
+    )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def _tampered_banner(summary: dict[str, Any]) -> str:
     bad = summary["tampered"]
     if not bad:
-        return (f"<p class=\"ok\">All {len(summary['peers'])} ledger(s) verified: hash chains intact, "
-                f"every entry signed by its owner.</p>")
-    items = "".join(f"<li><code>{_e(x['path'])}</code> (peer <code>{_e(x['peer'])}</code>, run "
-                    f"<code>{_e(x['run'])}</code>): {_e(x['problem'])}</li>" for x in bad)
-    return (f"<div class=\"alert\"><h2>&#9888; {len(bad)} of {len(summary['peers'])} ledger(s) FAILED "
-            f"verification</h2><p>Their entries may have been edited, deleted, reordered or forged. They are "
-            f"still shown below, marked UNVERIFIED, and must not be trusted.</p><ul>{items}</ul></div>")
+        return (
+            f'<p class="ok">All {len(summary["peers"])} ledger(s) verified: hash chains intact, '
+            f"every entry signed by its owner.</p>"
+        )
+    items = "".join(
+        f"<li><code>{_e(x['path'])}</code> (peer <code>{_e(x['peer'])}</code>, run "
+        f"<code>{_e(x['run'])}</code>): {_e(x['problem'])}</li>"
+        for x in bad
+    )
+    return (
+        f'<div class="alert"><h2>&#9888; {len(bad)} of {len(summary["peers"])} ledger(s) FAILED '
+        f"verification</h2><p>Their entries may have been edited, deleted, reordered or forged. They are "
+        f"still shown below, marked UNVERIFIED, and must not be trusted.</p><ul>{items}</ul></div>"
+    )
 
 
 def _cross_check_banner(summary: dict[str, Any]) -> str:
@@ -684,9 +806,11 @@ def _cross_check_banner(summary: dict[str, Any]) -> str:
     if not problems:
         return ""
     items = "".join(f"<li>{_e(p)}</li>" for p in problems[:_MAX_EVENT_ROWS])
-    return (f"<div class=\"alert\"><h2>&#9888; {len(problems)} receipt(s) contradict their signer's ledger</h2>"
-            f"<p>Another peer holds a receipt naming an entry of the signer's ledger that is missing or different "
-            f"there: the signer cut or rewrote its own history after the fact.</p><ul>{items}</ul></div>")
+    return (
+        f'<div class="alert"><h2>&#9888; {len(problems)} receipt(s) contradict their signer\'s ledger</h2>'
+        f"<p>Another peer holds a receipt naming an entry of the signer's ledger that is missing or different "
+        f"there: the signer cut or rewrote its own history after the fact.</p><ul>{items}</ul></div>"
+    )
 
 
 def _skipped_note(summary: dict[str, Any]) -> str:
@@ -696,31 +820,81 @@ def _skipped_note(summary: dict[str, Any]) -> str:
     for peer in summary["peers"]:
         reasons.update(peer["skipped_by_reason"])
     listed = ", ".join(f"{_e(reason)} &times;{n}" for reason, n in reasons.most_common(10))
-    return (f"<p class=\"warn\">{summary['skipped_entries']} entr(y/ies) skipped because of missing or "
-            f"mistyped fields: {listed}</p>")
+    return (
+        f'<p class="warn">{summary["skipped_entries"]} entr(y/ies) skipped because of missing or '
+        f"mistyped fields: {listed}</p>"
+    )
 
 
 def _runs_html(summary: dict[str, Any]) -> str:
-    headers = ["run", "peers", "ledgers verified", "duration (s)", "rounds", "last round", "first val loss",
-               "last val loss", "sealed checkpoints", "stopped", "vanished"]
-    rows = [[_e(r["run"]), _fmt(r["peers"]), f"{r['ledgers_verified']}/{r['ledgers']}",
-             _fmt(r["duration_s"]), _fmt(r["rounds"]), _fmt(r["last_round"]), _fmt(r["first_val_loss"]),
-             _fmt(r["last_val_loss"]), _fmt(r["sealed_checkpoints"]), _fmt(r["peers_stopped"]),
-             _fmt(r["peers_vanished"])] for r in summary["runs"].values()]
+    headers = [
+        "run",
+        "peers",
+        "ledgers verified",
+        "duration (s)",
+        "rounds",
+        "last round",
+        "first val loss",
+        "last val loss",
+        "sealed checkpoints",
+        "stopped",
+        "vanished",
+    ]
+    rows = [
+        [
+            _e(r["run"]),
+            _fmt(r["peers"]),
+            f"{r['ledgers_verified']}/{r['ledgers']}",
+            _fmt(r["duration_s"]),
+            _fmt(r["rounds"]),
+            _fmt(r["last_round"]),
+            _fmt(r["first_val_loss"]),
+            _fmt(r["last_val_loss"]),
+            _fmt(r["sealed_checkpoints"]),
+            _fmt(r["peers_stopped"]),
+            _fmt(r["peers_vanished"]),
+        ]
+        for r in summary["runs"].values()
+    ]
     return _table(headers, rows)
 
 
 def _peers_html(summary: dict[str, Any]) -> str:
-    headers = ["label", "run", "peer", "entries", "first entry", "last entry", "rounds",
-               "samples (self-reported)", "sent", "received", "stop", "skipped", "ledger verified"]
+    headers = [
+        "label",
+        "run",
+        "peer",
+        "entries",
+        "first entry",
+        "last entry",
+        "rounds",
+        "samples (self-reported)",
+        "sent",
+        "received",
+        "stop",
+        "skipped",
+        "ledger verified",
+    ]
     rows, classes = [], []
     for p in summary["peers"]:
         verified = "yes" if p["verified"] else f"<strong>NO</strong>: {_e(p['problem'])}"
-        rows.append([_e(p["label"]), _e(p["run"]), f"<code>{_e(p['peer'])}</code>", _fmt(p["entries"]),
-                     _fmt_time(p["first_t"]), _fmt_time(p["last_t"]), _fmt(p["rounds"]), _fmt(p["samples"]),
-                     _fmt_bytes(p["bytes_sent"]), _fmt_bytes(p["bytes_received"]),
-                     _stop_cell(p),
-                     _fmt(p["skipped_entries"]), verified])
+        rows.append(
+            [
+                _e(p["label"]),
+                _e(p["run"]),
+                f"<code>{_e(p['peer'])}</code>",
+                _fmt(p["entries"]),
+                _fmt_time(p["first_t"]),
+                _fmt_time(p["last_t"]),
+                _fmt(p["rounds"]),
+                _fmt(p["samples"]),
+                _fmt_bytes(p["bytes_sent"]),
+                _fmt_bytes(p["bytes_received"]),
+                _stop_cell(p),
+                _fmt(p["skipped_entries"]),
+                verified,
+            ]
+        )
         classes.append("" if p["verified"] else "bad")
     return _table(headers, rows, row_classes=classes)
 
@@ -733,14 +907,27 @@ def _stop_cell(peer: dict[str, Any]) -> str:
 
 def _contributions_html(summary: dict[str, Any]) -> str:
     headers = ["run", "peer", "rounds", "receipts", "samples", "sent", "received", "first round", "last round"]
-    rows = [[_e(run), f"<code>{_e(peer)}</code>", _fmt(c["rounds"]), _fmt(c["receipts"]), _fmt(c["samples"]),
-             _fmt_bytes(c["bytes_sent"]), _fmt_bytes(c["bytes_received"]), _fmt(c["first_round"]),
-             _fmt(c["last_round"])]
-            for run, peers in summary["contributions"].items() for peer, c in peers.items()]
+    rows = [
+        [
+            _e(run),
+            f"<code>{_e(peer)}</code>",
+            _fmt(c["rounds"]),
+            _fmt(c["receipts"]),
+            _fmt(c["samples"]),
+            _fmt_bytes(c["bytes_sent"]),
+            _fmt_bytes(c["bytes_received"]),
+            _fmt(c["first_round"]),
+            _fmt(c["last_round"]),
+        ]
+        for run, peers in summary["contributions"].items()
+        for peer, c in peers.items()
+    ]
     rejected = summary["receipts_rejected"]
     reasons = ", ".join(f"{_e(reason)} &times;{n}" for reason, n in sorted(rejected.items()))
-    note = (f"<p class=\"note\">{summary['receipts_verified']} receipt entr(y/ies) verified; "
-            f"{sum(rejected.values())} rejected{': ' + reasons if reasons else ''}.</p>")
+    note = (
+        f'<p class="note">{summary["receipts_verified"]} receipt entr(y/ies) verified; '
+        f"{sum(rejected.values())} rejected{': ' + reasons if reasons else ''}.</p>"
+    )
     return note + _table(headers, rows)
 
 
@@ -749,8 +936,16 @@ def _checkpoints_html(summary: dict[str, Any]) -> str:
     rows, classes = [], []
     for c in summary["checkpoints"]:
         flag = " <strong>(only in UNVERIFIED ledgers)</strong>" if c["only_unverified"] else ""
-        rows.append([_e(c["run"]), _fmt(c["step"]), f"<code>{_e(c['digest'][:16])}</code>", _fmt(c["signers"]),
-                     _e(c["metrics"]), _fmt(c["recorded_by"]) + flag])
+        rows.append(
+            [
+                _e(c["run"]),
+                _fmt(c["step"]),
+                f"<code>{_e(c['digest'][:16])}</code>",
+                _fmt(c["signers"]),
+                _e(c["metrics"]),
+                _fmt(c["recorded_by"]) + flag,
+            ]
+        )
         classes.append("bad" if c["only_unverified"] else "")
     return _table(headers, rows, row_classes=classes)
 
@@ -761,11 +956,12 @@ def _events_html(summary: dict[str, Any]) -> str:
     rows, classes = [], []
     for ev in events[:_MAX_EVENT_ROWS]:
         warn = "" if ev["verified"] else " <strong>&#9888; UNVERIFIED ledger</strong>"
-        rows.append([_e(ev["run"]), _fmt(round(ev["t_s"], 1)), _e(ev["label"]), _e(ev["kind"]) + warn,
-                     _e(ev["detail"])])
+        rows.append(
+            [_e(ev["run"]), _fmt(round(ev["t_s"], 1)), _e(ev["label"]), _e(ev["kind"]) + warn, _e(ev["detail"])]
+        )
         classes.append("bad" if not ev["verified"] else ("warn" if ev["kind"] in ("failure", VANISHED) else ""))
     more = len(events) - _MAX_EVENT_ROWS
-    tail = f"<p class=\"note\">{more} more event(s) in summary.json</p>" if more > 0 else ""
+    tail = f'<p class="note">{more} more event(s) in summary.json</p>' if more > 0 else ""
     return _table(headers, rows, row_classes=classes) + tail
 
 
@@ -789,8 +985,10 @@ def _figures_html(pngs: dict[str, Path], html_dir: Path) -> str:
     parts = []
     for key, path in pngs.items():
         href = urllib.parse.quote(Path(os.path.relpath(path, html_dir)).as_posix())
-        parts.append(f"<figure><img src=\"{_e(href)}\" alt=\"{_e(_AXES[key].title)}\">"
-                     f"<figcaption>{_e(_AXES[key].title)}</figcaption></figure>")
+        parts.append(
+            f'<figure><img src="{_e(href)}" alt="{_e(_AXES[key].title)}">'
+            f"<figcaption>{_e(_AXES[key].title)}</figcaption></figure>"
+        )
     return "".join(parts)
 
 
@@ -807,14 +1005,17 @@ def render_html(summary: dict[str, Any], *, title: str, pngs: dict[str, Path], h
     ]
     body = "".join(f"<h2>{_e(name)}</h2>{content}" for name, content in sections)
     generated = _fmt_time(datetime.datetime.now(tz=datetime.timezone.utc).timestamp())
-    return (f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{_e(title)}</title>"
-            f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1>"
-            f"<p class=\"note\">Generated {_e(generated)} from {len(summary['peers'])} ledger(s).</p>"
-            f"{_tampered_banner(summary)}{_cross_check_banner(summary)}{_skipped_note(summary)}{body}"
-            f"</body></html>\n")
+    return (
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
+        f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1>"
+        f'<p class="note">Generated {_e(generated)} from {len(summary["peers"])} ledger(s).</p>'
+        f"{_tampered_banner(summary)}{_cross_check_banner(summary)}{_skipped_note(summary)}{body}"
+        f"</body></html>\n"
+    )
 
 
 # ---------------------------------------------------------------- entry points
+
 
 def _png_folder(out: Path) -> Path:
     if out.suffix.lower() not in (".html", ".htm"):
@@ -850,9 +1051,12 @@ def write_report(root: Path, *, out: Path | None = None, title: str | None = Non
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m swarm.report", description=__doc__.splitlines()[0])
     parser.add_argument("dir", type=Path, help="folder holding the ledgers (searched recursively)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="HTML file to write (default: DIR/report.html); its PNGs go in a folder beside it "
-                             "named after it")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="HTML file to write (default: DIR/report.html); its PNGs go in a folder beside it named after it",
+    )
     parser.add_argument("--title", default=None, help="page title (default: names the run(s))")
     return parser
 
@@ -866,8 +1070,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     summary = result.summary
     print(f"wrote {result.html} and {len(result.pngs)} figures in {result.html.with_suffix('')}/")
-    print(f"{len(summary['peers'])} ledger(s), {summary['receipts_verified']} verified receipt entries, "
-          f"{summary['skipped_entries']} skipped entries")
+    print(
+        f"{len(summary['peers'])} ledger(s), {summary['receipts_verified']} verified receipt entries, "
+        f"{summary['skipped_entries']} skipped entries"
+    )
     for bad in summary["tampered"]:
         print(_printable(f"WARNING: ledger {bad['path']} failed verification: {bad['problem']}"), file=sys.stderr)
     for problem in summary["cross_check_problems"]:

@@ -7,8 +7,10 @@ with what a round returned, and tests call them with plain values.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +18,8 @@ from typing import Any
 
 from averaging import Group, RoundRecord
 from bootstrap.identity import PeerBinding
+
+logger = logging.getLogger(__name__)
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _MAX_SAMPLES = 2**40
@@ -66,11 +70,40 @@ class RoundBook:
     solo_streak: int = 0
 
 
-def gather_metadata(*, round_: int, samples: int, binding: PeerBinding, state_digest: str, now: int,
-                    sealed: tuple[int, str] | None, fresh: bool) -> dict:
+def gather_metadata(
+    round_: int,
+    samples: int,
+    binding: PeerBinding,
+    state_digest: str,
+    sealed: tuple[int, str] | None,
+    *,
+    fresh: bool,
+    now: float | None = None,
+) -> dict:
     """What this member sends beside its tensors (every member checks it with `gathered_problem`)."""
-    return {"round": round_, "samples": int(samples), "binding": binding.to_dict(), "base": state_digest,
-            "t": int(now), "sealed": list(sealed) if sealed else None, "fresh": fresh}
+    return {
+        "round": round_,
+        "samples": int(samples),
+        "binding": binding.to_dict(),
+        "base": state_digest,
+        "t": int(time.time() if now is None else now),
+        "sealed": list(sealed) if sealed else None,
+        "fresh": fresh,
+    }
+
+
+def joined_entry(
+    *, round_: int, step: int, counters: TrainerCounters, join_s: float, newest: tuple[int, str] | None
+) -> dict:
+    """The ledger's "joined" entry."""
+    return {
+        "round": round_,
+        "step": step,
+        "state_loaded": counters.state_loaded > 0,
+        "state_verified": counters.state_verified > 0,
+        "join_s": join_s,
+        "manifest": newest[1] if newest and counters.state_verified else None,
+    }
 
 
 def gathered_problem(peer_id: str, data: Any) -> str | None:
@@ -145,9 +178,15 @@ def seal_fields(group: Group, val_loss: float | None) -> SealFields:
     are dropped here, or one member could stop the group's seal)."""
     gathered = [g for g in group.gathered.values() if isinstance(g, dict)]
     times = [g["t"] for g in gathered if isinstance(g.get("t"), int) and 0 < g["t"] < 2**63]
-    parents = [tuple(g["sealed"]) for g in gathered if isinstance(g.get("sealed"), list)
-               and len(g["sealed"]) == 2 and isinstance(g["sealed"][0], int)
-               and isinstance(g["sealed"][1], str) and _SHA256_HEX.fullmatch(g["sealed"][1])]
+    parents = [
+        tuple(g["sealed"])
+        for g in gathered
+        if isinstance(g.get("sealed"), list)
+        and len(g["sealed"]) == 2
+        and isinstance(g["sealed"][0], int)
+        and isinstance(g["sealed"][1], str)
+        and _SHA256_HEX.fullmatch(g["sealed"][1])
+    ]
     parent = max(parents, key=lambda sealed: (sealed[0], sealed[1]))[1] if parents else ""
     samples = sum(s for g in gathered if (s := _samples(g.get("samples"))) is not None)
     metrics = {"round_samples": samples, "group_size": len(group.members)}
@@ -155,14 +194,31 @@ def seal_fields(group: Group, val_loss: float | None) -> SealFields:
     # signed value agree across hardware (a rare disagreement only skips one seal)
     if val_loss is not None and math.isfinite(val_loss):
         metrics["val_loss_milli"] = round(val_loss * 1000)
-    contributions = {peer: s for peer, g in group.gathered.items() if peer in group.members
-                     and isinstance(g, dict) and (s := _samples(g.get("samples"))) is not None}
-    return SealFields(participants=tuple(group.members), created_at=min(times, default=0), parent=parent,
-                      metrics=metrics, contributions=contributions)
+    contributions = {
+        peer: s
+        for peer, g in group.gathered.items()
+        if peer in group.members and isinstance(g, dict) and (s := _samples(g.get("samples"))) is not None
+    }
+    return SealFields(
+        participants=tuple(group.members),
+        created_at=min(times, default=0),
+        parent=parent,
+        metrics=metrics,
+        contributions=contributions,
+    )
 
 
-def participation_receipt(*, run: str, round_: int, group: Group, record: RoundRecord | None, peer_id: str,
-                          samples: int, ledger_head: tuple[int, str], now: int) -> Any:
+def participation_receipt(
+    *,
+    run: str,
+    round_: int,
+    group: Group,
+    record: RoundRecord | None,
+    peer_id: str,
+    samples: int,
+    ledger_head: tuple[int, str],
+    now: int,
+) -> Any:
     """This peer's (unsigned) participation receipt of a grouped round, or None without a group id.
     Raises ValueError when a field is out of a receipt's bounds (e.g. a group larger than it may name)."""
     from swarm.ledger.receipts import Receipt
@@ -170,9 +226,45 @@ def participation_receipt(*, run: str, round_: int, group: Group, record: RoundR
     if record is None or not record.group_id:
         return None
     seq, head = ledger_head
-    return Receipt(v=1, run=run, round=round_, group_id=record.group_id, members=tuple(sorted(group.members)),
-                   peer=peer_id, samples=samples, bytes_sent=int(record.bytes_sent),
-                   bytes_received=int(record.bytes_received), ledger_seq=seq, ledger_head=head, t=int(now))
+    return Receipt(
+        v=1,
+        run=run,
+        round=round_,
+        group_id=record.group_id,
+        members=tuple(sorted(group.members)),
+        peer=peer_id,
+        samples=samples,
+        bytes_sent=int(record.bytes_sent),
+        bytes_received=int(record.bytes_received),
+        ledger_seq=seq,
+        ledger_head=head,
+        t=int(now),
+    )
+
+
+def sign_participation(
+    identity: Any, run: str, round_: int, group: Group, record: RoundRecord | None, samples: int, *, ledger: Any
+) -> Any:
+    """``identity``'s signed participation receipt of a grouped round, naming the head of its ``ledger``
+    (None: no ledger); None when there is none to sign (logged: evidence is skipped, training goes on)."""
+    from swarm.ledger import GENESIS
+    from swarm.ledger.receipts import sign_receipt
+
+    try:
+        receipt = participation_receipt(
+            run=run,
+            round_=round_,
+            group=group,
+            record=record,
+            peer_id=identity.peer_id,
+            samples=samples,
+            ledger_head=ledger.head() if ledger is not None else (0, GENESIS),
+            now=int(time.time()),
+        )
+        return sign_receipt(receipt, identity) if receipt is not None else None
+    except ValueError as e:  # e.g. a group larger than a receipt may name
+        logger.warning(f"round {round_}: no participation receipt: {e}")
+        return None
 
 
 def seal_request(group: Group, val_loss: float | None, *, state: Callable[[], dict], step: int) -> Any:
@@ -181,8 +273,15 @@ def seal_request(group: Group, val_loss: float | None, *, state: Callable[[], di
     from swarm.checkpoint.sync import SealRequest
 
     fields = seal_fields(group, val_loss)
-    return SealRequest(state=state(), step=step, participants=fields.participants, created_at=fields.created_at,
-                       parent=fields.parent, metrics=fields.metrics, contributions=fields.contributions)
+    return SealRequest(
+        state=state(),
+        step=step,
+        participants=fields.participants,
+        created_at=fields.created_at,
+        parent=fields.parent,
+        metrics=fields.metrics,
+        contributions=fields.contributions,
+    )
 
 
 class Replacements:
@@ -195,12 +294,14 @@ class Replacements:
 
     def observe(self, *, round_: int, peer_id: str, group: Group, failures: Iterable[dict]) -> dict | None:
         members = set(group.members)
-        self.lost.update({f["peer"]: round_ for f in failures
-                          if isinstance(f.get("peer"), str) and f["peer"] not in members})
+        self.lost.update(
+            {f["peer"]: round_ for f in failures if isinstance(f.get("peer"), str) and f["peer"] not in members}
+        )
         for peer in members:
             self.lost.pop(peer, None)
-        joined = sorted(p for p, g in group.gathered.items()
-                        if p != peer_id and isinstance(g, dict) and g.get("fresh") is True)
+        joined = sorted(
+            p for p, g in group.gathered.items() if p != peer_id and isinstance(g, dict) and g.get("fresh") is True
+        )
         if not joined or not self.lost:
             return None
         event = {"round": round_, "left": sorted(self.lost), "joined": joined}
@@ -226,22 +327,48 @@ class RecentPeers:
         return list(reversed(self._peers))
 
 
-def round_entry(*, round_: int, step: int, group_size: int, duration_s: float, samples: int, samples_per_s: float,
-                val_loss: float | None, solo: bool, rejected: Sequence[str], record: RoundRecord | None) -> dict:
+def round_entry(
+    result: RoundResult, step: int, samples: int, samples_per_s: float, val_loss: float | None, solo: bool
+) -> dict:
     """The ledger's "round" entry."""
-    body = {"round": round_, "step": step, "group_size": group_size, "duration_s": duration_s, "samples": samples,
-            "samples_per_s": samples_per_s,
-            "val_loss": val_loss if val_loss is None or math.isfinite(val_loss) else None,
-            "solo": solo, "rejected_metadata": list(rejected)}
-    if record is not None:
-        full = record.to_dict()
-        body.update({k: full[k] for k in ("group_id", "members", "included", "outcome", "bytes_sent",
-                                          "bytes_received", "failures", "rejected")})
+    body = {
+        "round": result.round,
+        "step": step,
+        "group_size": result.group_size,
+        "duration_s": result.duration_s,
+        "samples": samples,
+        "samples_per_s": samples_per_s,
+        "val_loss": val_loss if val_loss is None or math.isfinite(val_loss) else None,
+        "solo": solo,
+        "rejected_metadata": list(result.rejected),
+    }
+    if result.record is not None:
+        full = result.record.to_dict()
+        body.update(
+            {
+                k: full[k]
+                for k in (
+                    "group_id",
+                    "members",
+                    "included",
+                    "outcome",
+                    "bytes_sent",
+                    "bytes_received",
+                    "failures",
+                    "rejected",
+                )
+            }
+        )
     return body
 
 
 def group_summary(group: Group, record: RoundRecord, duration_s: float) -> dict:
     """The status board's "last group" of this peer."""
-    return {"group_id": record.group_id, "members": sorted(group.members), "outcome": record.outcome,
-            "duration_ms": int(duration_s * 1000), "bytes_sent": int(record.bytes_sent),
-            "bytes_received": int(record.bytes_received)}
+    return {
+        "group_id": record.group_id,
+        "members": sorted(group.members),
+        "outcome": record.outcome,
+        "duration_ms": int(duration_s * 1000),
+        "bytes_sent": int(record.bytes_sent),
+        "bytes_received": int(record.bytes_received),
+    }

@@ -17,7 +17,7 @@ the entry expires ``expiry_s`` after it was stored, so a dead peer's status vani
 Reading. Entries are untrusted: :func:`parse_status` accepts one only if it has exactly the fields
 above with their types and sizes, is canonical, names this run and the subkey's peer, carries a
 valid signature by the key inside that peer ID, and is not from the future. Every refusal is
-counted by reason in :data:`STATUS_REJECTIONS` and logged once per (reason, peer).
+counted by reason in the reader's counter and logged once per (reason, peer).
 
 Snapshot. :func:`snapshot` joins the capability records (:class:`peers.ResourceGraph`), the status
 entries and the newest sealed checkpoint of the run's manifest index into one JSON-able dict
@@ -76,16 +76,13 @@ from hivemind import DHT
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from bootstrap import DHTStartError, parse_initial_peers, stop_dht
+from bootstrap.envelope import INT64_MAX, check_int, check_str, expect_keys, unwrap_signed
+from bootstrap.errors import Rejected
 from bootstrap.identity import Identity, canonical_json, verify
 from bootstrap.records import PeerRecord
 from peers.graph import ResourceGraph
 from swarm.checkpoint.gossip import index_key
-from swarm.checkpoint.manifest import (
-    ManifestRejected,
-    SignedManifest,
-    public_key_from_peer_id,
-    verify_manifest,
-)
+from swarm.checkpoint.manifest import ManifestRejected, SignedManifest, public_key_from_peer_id, verify_manifest
 
 logger = logging.getLogger("swarm.status")  # the same name when run as __main__
 
@@ -107,16 +104,14 @@ is ~20 KB of traversal for a ~700-byte entry: at 0.5 s a peer published after ev
 DEFAULT_HEARTBEAT_S = 15.0
 MAX_TIMELINE_EVENTS = 30
 MAX_GROUPS = 32
-SNAPSHOT_FIELDS = frozenset({"state", "round", "step", "samples_per_s_milli", "loss_milli", "val_loss_milli",
-                             "last_group"})
+SNAPSHOT_FIELDS = frozenset(
+    {"state", "round", "step", "samples_per_s_milli", "loss_milli", "val_loss_milli", "last_group"}
+)
 """The keys a publisher's ``snapshot()`` callback returns (the payload less v, peer, run, t, events)."""
 
-STATUS_REJECTIONS: Counter[str] = Counter()
-"""Status entries refused by this process, by reason (see :func:`parse_status`)."""
 _LOGGED: set[tuple[str, str]] = set()
 _MAX_ID_CHARS = 128
 _MAX_STATE_CHARS = 32
-_INT64 = 2**63
 _PAYLOAD_KEYS = frozenset({"v", "peer", "run", "t", "events"}) | SNAPSHOT_FIELDS
 _GROUP_KEYS = frozenset({"group_id", "members", "outcome", "duration_ms", "bytes_sent", "bytes_received"})
 _EVENT_KEYS = frozenset({"t", "kind", "detail"})
@@ -131,22 +126,10 @@ def milli(value: float | None) -> int | None:
     """``value`` in integer thousandths (signed payloads hold no floats); None for None, NaN or inf."""
     if value is None or not math.isfinite(value):
         return None
-    return max(-_INT64 + 1, min(_INT64 - 1, round(value * 1000)))
+    return max(-INT64_MAX, min(INT64_MAX, round(value * 1000)))
 
 
 # ------------------------------------------------------------------------------------------ schema
-def _check_int(name: str, value: Any, *, minimum: int = 0) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < _INT64:
-        raise ValueError(f"{name} must be an int in [{minimum}, 2**63), got {value!r:.80}")
-
-
-def _check_str(name: str, value: Any, *, max_chars: int, allow_empty: bool = True) -> None:
-    # printable only: these strings end up in terminals, where escape sequences could forge the display
-    if not isinstance(value, str) or len(value) > max_chars or not value.isprintable() or not (value or allow_empty):
-        raise ValueError(f"{name} must be a printable string of at most {max_chars} characters"
-                         f"{'' if allow_empty else ' (not empty)'}, got {value!r:.80}")
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StatusEvent:
     """Something a peer noted about itself (joined, checkpoint sealed, failure, ...)."""
@@ -159,9 +142,9 @@ class StatusEvent:
     """Free text, at most :data:`MAX_DETAIL_CHARS` characters."""
 
     def __post_init__(self) -> None:
-        _check_int("event t", self.t)
-        _check_str("event kind", self.kind, max_chars=MAX_KIND_CHARS, allow_empty=False)
-        _check_str("event detail", self.detail, max_chars=MAX_DETAIL_CHARS)
+        check_int("event t", self.t)
+        check_str("event kind", self.kind, max_chars=MAX_KIND_CHARS, allow_empty=False, printable=True)
+        check_str("event detail", self.detail, max_chars=MAX_DETAIL_CHARS, allow_empty=True, printable=True)
 
     def to_dict(self) -> dict[str, Any]:
         return {"t": self.t, "kind": self.kind, "detail": self.detail}
@@ -185,21 +168,28 @@ class LastGroup:
     """What this peer received during the round."""
 
     def __post_init__(self) -> None:
-        _check_str("last_group.group_id", self.group_id, max_chars=_MAX_ID_CHARS)
-        _check_str("last_group.outcome", self.outcome, max_chars=MAX_KIND_CHARS)
+        check_str("last_group.group_id", self.group_id, max_chars=_MAX_ID_CHARS, allow_empty=True, printable=True)
+        check_str("last_group.outcome", self.outcome, max_chars=MAX_KIND_CHARS, allow_empty=True, printable=True)
         if not isinstance(self.members, tuple) or len(self.members) > MAX_GROUP_MEMBERS:
-            raise ValueError(f"last_group.members must be a tuple of at most {MAX_GROUP_MEMBERS} peer IDs, "
-                             f"got {self.members!r:.80}")
+            raise ValueError(
+                f"last_group.members must be a tuple of at most {MAX_GROUP_MEMBERS} peer IDs, got {self.members!r:.80}"
+            )
         for member in self.members:
-            _check_str("last_group.members[]", member, max_chars=_MAX_ID_CHARS, allow_empty=False)
+            check_str("last_group.members[]", member, max_chars=_MAX_ID_CHARS, allow_empty=False, printable=True)
         if len(set(self.members)) != len(self.members):
             raise ValueError(f"last_group.members must be unique, got {self.members!r:.80}")
         for name in ("duration_ms", "bytes_sent", "bytes_received"):
-            _check_int(f"last_group.{name}", getattr(self, name))
+            check_int(f"last_group.{name}", getattr(self, name))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"group_id": self.group_id, "members": list(self.members), "outcome": self.outcome,
-                "duration_ms": self.duration_ms, "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
+        return {
+            "group_id": self.group_id,
+            "members": list(self.members),
+            "outcome": self.outcome,
+            "duration_ms": self.duration_ms,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+        }
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -232,15 +222,15 @@ class PeerStatus:
     """The last :data:`MAX_EVENTS` events the peer noted, oldest first."""
 
     def __post_init__(self) -> None:
-        _check_int("v", self.v)
-        _check_str("peer", self.peer, max_chars=_MAX_ID_CHARS, allow_empty=False)
-        _check_str("run", self.run, max_chars=_MAX_ID_CHARS, allow_empty=False)
-        _check_str("state", self.state, max_chars=_MAX_STATE_CHARS, allow_empty=False)
+        check_int("v", self.v)
+        check_str("peer", self.peer, max_chars=_MAX_ID_CHARS, allow_empty=False, printable=True)
+        check_str("run", self.run, max_chars=_MAX_ID_CHARS, allow_empty=False, printable=True)
+        check_str("state", self.state, max_chars=_MAX_STATE_CHARS, allow_empty=False, printable=True)
         for name in ("t", "round", "step", "samples_per_s_milli"):
-            _check_int(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         for name in ("loss_milli", "val_loss_milli"):
             if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), minimum=-_INT64 + 1)
+                check_int(name, getattr(self, name), minimum=-INT64_MAX)
         if self.last_group is not None and not isinstance(self.last_group, LastGroup):
             raise ValueError(f"last_group must be a LastGroup or None, got {self.last_group!r:.80}")
         if not isinstance(self.events, tuple) or len(self.events) > MAX_EVENTS:
@@ -249,11 +239,20 @@ class PeerStatus:
             raise ValueError("events must hold StatusEvent items")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"v": self.v, "peer": self.peer, "run": self.run, "t": self.t, "state": self.state,
-                "round": self.round, "step": self.step, "samples_per_s_milli": self.samples_per_s_milli,
-                "loss_milli": self.loss_milli, "val_loss_milli": self.val_loss_milli,
-                "last_group": None if self.last_group is None else self.last_group.to_dict(),
-                "events": [e.to_dict() for e in self.events]}
+        return {
+            "v": self.v,
+            "peer": self.peer,
+            "run": self.run,
+            "t": self.t,
+            "state": self.state,
+            "round": self.round,
+            "step": self.step,
+            "samples_per_s_milli": self.samples_per_s_milli,
+            "loss_milli": self.loss_milli,
+            "val_loss_milli": self.val_loss_milli,
+            "last_group": None if self.last_group is None else self.last_group.to_dict(),
+            "events": [e.to_dict() for e in self.events],
+        }
 
     def payload(self) -> bytes:
         """Canonical JSON bytes: what is signed."""
@@ -271,27 +270,23 @@ def sign_status(status: PeerStatus, identity: Identity) -> dict[str, bytes]:
 
 
 # ------------------------------------------------------------------------------------------ parsing
-class StatusRejected(ValueError):
+class StatusRejected(Rejected):
     """A status entry was refused; ``reason`` is a short fixed label (the counter key)."""
 
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
 
-
-def parse_status(subkey: Any, value: Any, *, run: str, now: float | None = None,
-                 counter: Counter[str] | None = None) -> PeerStatus:
+def parse_status(
+    subkey: Any, value: Any, *, run: str, now: float | None = None, counter: Counter[str] | None = None
+) -> PeerStatus:
     """Validate one untrusted board entry of run ``run``; raise StatusRejected (counted, logged once).
 
     Reasons: ``malformed``, ``oversized``, ``version``, ``non-canonical``, ``another run``,
     ``peer mismatch``, ``bad peer id``, ``bad signature``, ``from the future``, ``stale``. Each
-    refusal is counted in ``counter`` (default :data:`STATUS_REJECTIONS`).
+    refusal is counted in the caller's ``counter`` (if given).
     """
     try:
         return _parse(subkey, value, run=run, now=time.time() if now is None else now)
     except StatusRejected as e:
-        _count(e, subkey, STATUS_REJECTIONS if counter is None else counter)
+        _count(e, subkey, Counter() if counter is None else counter)
         raise
 
 
@@ -304,7 +299,7 @@ def _count(error: StatusRejected, subkey: Any, counter: Counter[str]) -> None:
 
 
 def _parse(subkey: Any, value: Any, *, run: str, now: float) -> PeerStatus:
-    payload, signature = _unwrap(value)
+    payload, signature = unwrap_signed(value, max_bytes=MAX_STATUS_BYTES, rejected=StatusRejected)
     status = _status_from_payload(payload)
     if status.v != STATUS_VERSION:
         raise StatusRejected("version", f"v={status.v}")
@@ -324,45 +319,33 @@ def _parse(subkey: Any, value: Any, *, run: str, now: float) -> PeerStatus:
     return status
 
 
-def _unwrap(value: Any) -> tuple[bytes, bytes]:
-    if not isinstance(value, dict) or set(value) != {"p", "s"}:
-        raise StatusRejected("malformed", "value is not {p, s}")
-    payload, signature = value["p"], value["s"]
-    if not isinstance(payload, bytes) or not isinstance(signature, bytes):
-        raise StatusRejected("malformed", "payload or signature is not bytes")
-    if len(payload) + len(signature) > MAX_STATUS_BYTES:
-        raise StatusRejected("oversized", f"{len(payload) + len(signature)} bytes > {MAX_STATUS_BYTES}")
-    return payload, signature
-
-
 def _status_from_payload(payload: bytes) -> PeerStatus:
     try:
         obj = json.loads(payload)
-        _expect_keys(obj, _PAYLOAD_KEYS, "status")
+        expect_keys(obj, set(_PAYLOAD_KEYS), "status", StatusRejected)
         group, events = obj["last_group"], obj["events"]
         if not isinstance(events, list) or len(events) > MAX_EVENTS:
             raise ValueError(f"events must be a list of at most {MAX_EVENTS}")
-        return PeerStatus(**{**obj, "last_group": None if group is None else _group_from_obj(group),
-                             "events": tuple(_event_from_obj(e) for e in events)})
+        return PeerStatus(
+            **{
+                **obj,
+                "last_group": None if group is None else _group_from_obj(group),
+                "events": tuple(_event_from_obj(e) for e in events),
+            }
+        )
     except (ValueError, TypeError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise StatusRejected("malformed", str(e)[:200]) from None
 
 
-def _expect_keys(obj: Any, keys: frozenset[str], where: str) -> None:
-    if not isinstance(obj, dict) or set(obj) != keys:
-        found = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-        raise ValueError(f"{where}: expected the fields {sorted(keys)}, got {found}")
-
-
 def _group_from_obj(obj: Any) -> LastGroup:
-    _expect_keys(obj, _GROUP_KEYS, "last_group")
+    expect_keys(obj, set(_GROUP_KEYS), "last_group", StatusRejected)
     if not isinstance(obj["members"], list):
         raise ValueError("last_group.members must be a list")
     return LastGroup(**{**obj, "members": tuple(obj["members"])})
 
 
 def _event_from_obj(obj: Any) -> StatusEvent:
-    _expect_keys(obj, _EVENT_KEYS, "event")
+    expect_keys(obj, set(_EVENT_KEYS), "event", StatusRejected)
     return StatusEvent(**obj)
 
 
@@ -383,9 +366,18 @@ class StatusPublisher:
     :data:`MIN_PUBLISH_INTERVAL_S`). :meth:`close` withdraws nothing: the entry expires.
     """
 
-    def __init__(self, dht: DHT, identity: Identity, *, run: str, snapshot: Callable[[], dict[str, Any]],
-                 refresh_s: float = 15.0, expiry_s: float = 45.0, store_timeout_s: float = 10.0):
-        _check_str("run", run, max_chars=_MAX_ID_CHARS, allow_empty=False)
+    def __init__(
+        self,
+        dht: DHT,
+        identity: Identity,
+        *,
+        run: str,
+        snapshot: Callable[[], dict[str, Any]],
+        refresh_s: float = 15.0,
+        expiry_s: float = 45.0,
+        store_timeout_s: float = 10.0,
+    ):
+        check_str("run", run, max_chars=_MAX_ID_CHARS, allow_empty=False, printable=True)
         if not 0 < refresh_s < expiry_s:
             raise ValueError(f"refresh_s must be in (0, expiry_s={expiry_s!r}), got {refresh_s!r}")
         if not store_timeout_s > 0:
@@ -413,7 +405,7 @@ class StatusPublisher:
 
     def note(self, kind: str, detail: str = "") -> None:
         """Record an event (the last :data:`MAX_EVENTS` are kept) and publish soon."""
-        _check_str("kind", kind, max_chars=MAX_KIND_CHARS, allow_empty=False)
+        check_str("kind", kind, max_chars=MAX_KIND_CHARS, allow_empty=False, printable=True)
         clean = "".join(c if c.isprintable() else " " for c in str(detail))[:MAX_DETAIL_CHARS]
         with self._events_lock:
             self._events.append(StatusEvent(t=int(time.time()), kind=kind, detail=clean))
@@ -434,9 +426,13 @@ class StatusPublisher:
             try:
                 status = self._build()
                 expiration = max(time.time() + self.expiry_s, self._last_expiration + 0.001)
-                ok = self.dht.store(status_key(self.run), sign_status(status, self.identity),
-                                    expiration_time=expiration, subkey=self.identity.peer_id,
-                                    return_future=True).result(timeout=self.store_timeout_s)
+                ok = self.dht.store(
+                    status_key(self.run),
+                    sign_status(status, self.identity),
+                    expiration_time=expiration,
+                    subkey=self.identity.peer_id,
+                    return_future=True,
+                ).result(timeout=self.store_timeout_s)
             except Exception as e:  # the next heartbeat tries again
                 self._failed(repr(e))
                 return False
@@ -462,8 +458,13 @@ class StatusPublisher:
         group = fields["last_group"]
         if isinstance(group, dict):
             group = LastGroup(**{**group, "members": tuple(group.get("members", ()))})
-        return PeerStatus(peer=self.identity.peer_id, run=self.run, t=int(time.time()), events=self.events(),
-                          **{**fields, "last_group": group})
+        return PeerStatus(
+            peer=self.identity.peer_id,
+            run=self.run,
+            t=int(time.time()),
+            events=self.events(),
+            **{**fields, "last_group": group},
+        )
 
     def _failed(self, why: str) -> None:
         self.failures += 1
@@ -482,11 +483,12 @@ class StatusPublisher:
 
 
 # ------------------------------------------------------------------------------------------ reading
-def read_statuses(dht: DHT, run: str, *, timeout_s: float = 10.0,
-                  now: float | None = None) -> tuple[dict[str, PeerStatus], Counter[str]]:
+def read_statuses(
+    dht: DHT, run: str, *, timeout_s: float = 10.0, now: float | None = None
+) -> tuple[dict[str, PeerStatus], Counter[str]]:
     """The valid status entries of ``run`` by peer ID, and the refused ones counted by reason.
 
-    Refusals are also added to :data:`STATUS_REJECTIONS`. Raises TimeoutError if the DHT does not answer.
+    Raises TimeoutError if the DHT does not answer.
     """
     found = dht.get(status_key(run), latest=True, return_future=True).result(timeout=timeout_s)
     statuses: dict[str, PeerStatus] = {}
@@ -499,7 +501,6 @@ def read_statuses(dht: DHT, run: str, *, timeout_s: float = 10.0,
             statuses[subkey] = parse_status(subkey, value, run=run, now=now, counter=rejected)
         except StatusRejected:
             continue
-    STATUS_REJECTIONS.update(rejected)
     return statuses, rejected
 
 
@@ -517,9 +518,14 @@ def _checked_manifest(data: Any, run: str) -> dict[str, Any] | None:
             manifest = verify_manifest(data, run_id=run)
             signers = sorted(SignedManifest.from_bytes(data).signatures)
             _MANIFEST_CACHE[key] = {
-                "step": manifest.step, "round": manifest.round, "digest": manifest.digest(), "signers": signers,
-                "participants": list(manifest.participants), "metrics": dict(manifest.metrics),
-                "created_at": manifest.created_at}
+                "step": manifest.step,
+                "round": manifest.round,
+                "digest": manifest.digest(),
+                "signers": signers,
+                "participants": list(manifest.participants),
+                "metrics": dict(manifest.metrics),
+                "created_at": manifest.created_at,
+            }
         except (ManifestRejected, ValueError):  # counted and logged by verify_manifest
             _MANIFEST_CACHE[key] = None
         while len(_MANIFEST_CACHE) > _MANIFEST_CACHE_SIZE:
@@ -562,12 +568,17 @@ def _device(record: PeerRecord | None) -> dict[str, Any] | None:
     if record is None:
         return None
     hw = record.hardware
-    return {"accelerator": hw.accelerator, "name": hw.name, "count": hw.count,
-            "memory_total_bytes": hw.memory_total_bytes}
+    return {
+        "accelerator": hw.accelerator,
+        "name": hw.name,
+        "count": hw.count,
+        "memory_total_bytes": hw.memory_total_bytes,
+    }
 
 
-def _peer_row(peer: str, record: PeerRecord | None, status: PeerStatus | None, *, now: float,
-              heartbeat_s: float) -> dict[str, Any]:
+def _peer_row(
+    peer: str, record: PeerRecord | None, status: PeerStatus | None, *, now: float, heartbeat_s: float
+) -> dict[str, Any]:
     status_age_s = None if status is None else round(now - status.t, 1)
     run_info = record.run if record is not None else None
     if status is not None:
@@ -581,11 +592,15 @@ def _peer_row(peer: str, record: PeerRecord | None, status: PeerStatus | None, *
     else:
         state = record.state if record is not None else "unknown"
     return {
-        "peer": peer, "state": state,
-        "round": round_, "step": step, "samples_per_s": speed,
+        "peer": peer,
+        "state": state,
+        "round": round_,
+        "step": step,
+        "samples_per_s": speed,
         "loss": _from_milli(status.loss_milli) if status else None,
         "val_loss": _from_milli(status.val_loss_milli) if status else None,
-        "device": _device(record), "region": record.network.region if record is not None else None,
+        "device": _device(record),
+        "region": record.network.region if record is not None else None,
         "record_age_s": None if record is None else round(now - record.issued_at, 1),
         "status_age_s": status_age_s,
         "heartbeat_missed": status_age_s is not None and status_age_s > 2 * heartbeat_s,
@@ -599,9 +614,19 @@ def _groups(statuses: dict[str, PeerStatus]) -> list[dict[str, Any]]:
         group = status.last_group
         if group is None:
             continue
-        entry = by_id.setdefault(group.group_id, {
-            "group_id": group.group_id, "round": status.round, "members": sorted(group.members), "outcome": "",
-            "duration_s": 0.0, "bytes_sent": 0, "bytes_received": 0, "reported_by": []})
+        entry = by_id.setdefault(
+            group.group_id,
+            {
+                "group_id": group.group_id,
+                "round": status.round,
+                "members": sorted(group.members),
+                "outcome": "",
+                "duration_s": 0.0,
+                "bytes_sent": 0,
+                "bytes_received": 0,
+                "reported_by": [],
+            },
+        )
         entry["round"] = max(entry["round"], status.round)
         entry["duration_s"] = max(entry["duration_s"], group.duration_ms / 1000)
         entry["bytes_sent"] += group.bytes_sent
@@ -624,9 +649,14 @@ def _latest(statuses: dict[str, PeerStatus], field: str) -> float | None:
 def _progress(peers: list[dict[str, Any]], statuses: dict[str, PeerStatus]) -> dict[str, Any]:
     rounds = [p["round"] for p in peers if p["round"] is not None]
     steps = [p["step"] for p in peers if p["step"] is not None]
-    return {"round": max(rounds, default=None), "step": max(steps, default=None),
-            "loss": _latest(statuses, "loss_milli"), "val_loss": _latest(statuses, "val_loss_milli"),
-            "samples_per_s": round(sum(p["samples_per_s"] or 0.0 for p in peers), 3), "num_peers": len(peers)}
+    return {
+        "round": max(rounds, default=None),
+        "step": max(steps, default=None),
+        "loss": _latest(statuses, "loss_milli"),
+        "val_loss": _latest(statuses, "val_loss_milli"),
+        "samples_per_s": round(sum(p["samples_per_s"] or 0.0 for p in peers), 3),
+        "num_peers": len(peers),
+    }
 
 
 def _observer_event(now: float, peer: str, kind: str, detail: str) -> dict[str, Any]:
@@ -635,9 +665,13 @@ def _observer_event(now: float, peer: str, kind: str, detail: str) -> dict[str, 
 
 def _said_left(events: list[dict[str, Any]], peer: str) -> bool:
     """Whether ``peer``'s own last word was that it left (and not that it joined again)."""
+
     def last(kind: str) -> float:
-        return max((e["t"] for e in events if e["peer"] == peer and e["kind"] == kind and e["source"] == "peer"),
-                   default=-math.inf)
+        return max(
+            (e["t"] for e in events if e["peer"] == peer and e["kind"] == kind and e["source"] == "peer"),
+            default=-math.inf,
+        )
+
     return last("left") > -math.inf and last("left") >= last("joined")
 
 
@@ -654,8 +688,9 @@ def _peer_changes(board: dict[str, Any], previous: dict[str, Any]) -> list[dict[
             events.append(_observer_event(now, peer, "heartbeat missed", "its record and status vanished"))
     for peer in sorted(after.keys() & before.keys()):
         if after[peer]["heartbeat_missed"] and not before[peer]["heartbeat_missed"]:
-            events.append(_observer_event(now, peer, "heartbeat missed",
-                                          f"status is {after[peer]['status_age_s']:.0f} s old"))
+            events.append(
+                _observer_event(now, peer, "heartbeat missed", f"status is {after[peer]['status_age_s']:.0f} s old")
+            )
     return events
 
 
@@ -671,8 +706,10 @@ def _group_changes(board: dict[str, Any], previous: dict[str, Any]) -> list[dict
         was = set().union(*(old["members"] for old in olds))
         now_members = set(group["members"])
         if olds and was != now_members:
-            detail = (f"round {group['round']}: {len(now_members)} members (+{len(now_members - was)} "
-                      f"-{len(was - now_members)}), group {group['group_id'][:12]}")
+            detail = (
+                f"round {group['round']}: {len(now_members)} members (+{len(now_members - was)} "
+                f"-{len(was - now_members)}), group {group['group_id'][:12]}"
+            )
             events.append(_observer_event(board["t"], "", "group re-formed", detail))
     return events
 
@@ -685,10 +722,14 @@ def _checkpoint_change(board: dict[str, Any], previous: dict[str, Any]) -> list[
     return [_observer_event(board["t"], "", "checkpoint sealed", detail)]
 
 
-def _timeline(board: dict[str, Any], statuses: dict[str, PeerStatus],
-              previous: dict[str, Any] | None) -> list[dict[str, Any]]:
-    events = [{"t": e.t, "peer": peer, "kind": e.kind, "detail": e.detail, "source": "peer"}
-              for peer, status in statuses.items() for e in status.events]
+def _timeline(
+    board: dict[str, Any], statuses: dict[str, PeerStatus], previous: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    events = [
+        {"t": e.t, "peer": peer, "kind": e.kind, "detail": e.detail, "source": "peer"}
+        for peer, status in statuses.items()
+        for e in status.events
+    ]
     if previous is not None:
         events += previous.get("events", [])
         events += _peer_changes(board, previous) + _group_changes(board, previous) + _checkpoint_change(board, previous)
@@ -715,8 +756,14 @@ def _read_parts(dht: DHT, run: str, *, timeout_s: float, now: float) -> tuple[di
     return records, statuses, rejected, checkpoint, errors
 
 
-def snapshot(dht: DHT, run: str, *, previous: dict[str, Any] | None = None,
-             heartbeat_s: float = DEFAULT_HEARTBEAT_S, timeout_s: float = 10.0) -> dict[str, Any]:
+def snapshot(
+    dht: DHT,
+    run: str,
+    *,
+    previous: dict[str, Any] | None = None,
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+    timeout_s: float = 10.0,
+) -> dict[str, Any]:
     """The run as the swarm sees it now (schema in the module docstring); never raises on DHT content.
 
     With ``previous`` (the last snapshot), changes since then are added to the event timeline and
@@ -724,12 +771,23 @@ def snapshot(dht: DHT, run: str, *, previous: dict[str, Any] | None = None,
     """
     now = time.time()
     records, statuses, rejected, checkpoint, errors = _read_parts(dht, run, timeout_s=timeout_s, now=now)
-    peers = [_peer_row(peer, records.get(peer), statuses.get(peer), now=now, heartbeat_s=heartbeat_s)
-             for peer in sorted(records.keys() | statuses.keys())]
+    peers = [
+        _peer_row(peer, records.get(peer), statuses.get(peer), now=now, heartbeat_s=heartbeat_s)
+        for peer in sorted(records.keys() | statuses.keys())
+    ]
     board: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION, "run": run, "t": round(now, 3), "heartbeat_s": heartbeat_s,
-        "peers": peers, "groups": _groups(statuses), "progress": _progress(peers, statuses),
-        "checkpoint": checkpoint, "events": [], "rejected": dict(rejected), "errors": errors}
+        "schema_version": SCHEMA_VERSION,
+        "run": run,
+        "t": round(now, 3),
+        "heartbeat_s": heartbeat_s,
+        "peers": peers,
+        "groups": _groups(statuses),
+        "progress": _progress(peers, statuses),
+        "checkpoint": checkpoint,
+        "events": [],
+        "rejected": dict(rejected),
+        "errors": errors,
+    }
     board["events"] = _timeline(board, statuses, previous)
     return board
 
@@ -758,7 +816,7 @@ class BoardConfig:
     """The peers' status refresh period: a status older than twice this is a missed heartbeat."""
 
     def __post_init__(self) -> None:
-        _check_str("run", self.run, max_chars=_MAX_ID_CHARS, allow_empty=False)
+        check_str("run", self.run, max_chars=_MAX_ID_CHARS, allow_empty=False, printable=True)
         for name in ("refresh_s", "timeout_s", "heartbeat_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -768,11 +826,13 @@ class BoardConfig:
 def build_parser() -> Any:
     import argparse
 
-    from swarm._private.cli import add_dataclass_arguments
+    from bootstrap.cli import add_dataclass_arguments
 
-    parser = argparse.ArgumentParser(prog="python -m swarm.status",
-                                     description="Live status board of one run: peers, groups, progress, "
-                                                 "the last sealed checkpoint and recent events.")
+    parser = argparse.ArgumentParser(
+        prog="python -m swarm.status",
+        description="Live status board of one run: peers, groups, progress, "
+        "the last sealed checkpoint and recent events.",
+    )
     add_dataclass_arguments(parser, BoardConfig)
     return parser
 
@@ -807,8 +867,13 @@ def _start_client(config: BoardConfig) -> DHT:
     from bootstrap.network import start_swarm_dht
 
     # a throwaway key: the board only reads, and must not claim the user's peer identity
-    return start_swarm_dht(Identity.generate(), initial_peers=config.initial_peers, client_mode=True,
-                           host_maddrs=("/ip4/127.0.0.1/tcp/0",), connect_timeout_s=config.timeout_s)
+    return start_swarm_dht(
+        Identity.generate(),
+        initial_peers=config.initial_peers,
+        client_mode=True,
+        host_maddrs=("/ip4/127.0.0.1/tcp/0",),
+        connect_timeout_s=config.timeout_s,
+    )
 
 
 def _show(dht: DHT, config: BoardConfig, stop: threading.Event) -> None:
@@ -817,8 +882,7 @@ def _show(dht: DHT, config: BoardConfig, stop: threading.Event) -> None:
     from swarm._private.status_view import render_board
 
     def take(previous: dict[str, Any] | None) -> dict[str, Any]:
-        return snapshot(dht, config.run, previous=previous, heartbeat_s=config.heartbeat_s,
-                        timeout_s=config.timeout_s)
+        return snapshot(dht, config.run, previous=previous, heartbeat_s=config.heartbeat_s, timeout_s=config.timeout_s)
 
     board = take(None)
     if config.json:
@@ -853,7 +917,7 @@ def _live(console: Any, board: dict[str, Any], take: Callable, refresh_s: float,
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m swarm.status`; returns the exit code (0, or 2 on bad input)."""
-    from swarm._private.cli import dataclass_from_args
+    from bootstrap.cli import dataclass_from_args
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

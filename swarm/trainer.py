@@ -24,13 +24,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from hivemind import DHT
 
-from averaging import GroupAverager, RoundRecord
+from averaging import GroupAverager
 from bootstrap import start_reaper, stop_dht
 from bootstrap.identity import Identity
 from bootstrap.network import start_swarm_dht
@@ -38,11 +37,8 @@ from peers import ResourceGraph
 from swarm import rounds
 from swarm._private.divergence import DivergenceGuard
 from swarm._private.evidence import Evidence, milli, open_evidence
-from swarm.checkpoint.manifest import MANIFEST_REJECTIONS
 from swarm.checkpoint.sync import CheckpointManager
 from swarm.config import RunMismatch, TaskInfo, TrainerConfig
-from swarm.ledger import GENESIS
-from swarm.ledger.receipts import sign_receipt
 from swarm.outer import DiLoCo
 from swarm.presence import PeerView, Presence, RunFacts, check_run
 from swarm.recipe import step_with_lr_factor, warmup_factor
@@ -63,9 +59,18 @@ class Trainer:
     value is sealed into each checkpoint and shown on the status board.
     """
 
-    def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
-                 config: TrainerConfig | None = None, dht: DHT | None = None, identity: Identity | None = None,
-                 task_info: TaskInfo | None = None, evaluate: Callable[[], float] | None = None, **overrides: Any):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        config: TrainerConfig | None = None,
+        dht: DHT | None = None,
+        identity: Identity | None = None,
+        task_info: TaskInfo | None = None,
+        evaluate: Callable[[], float] | None = None,
+        **overrides: Any,
+    ):
         if config is None:
             config = TrainerConfig.create(**overrides)
         elif overrides:
@@ -80,23 +85,21 @@ class Trainer:
         self.before_sync: list[Callable[[int, list[torch.Tensor]], None]] = []
         """Callbacks run with (round, local parameters) right before each averaging round."""
         names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
-        self.outer = DiLoCo(names, params, self.config.outer())
+        self.outer = DiLoCo(names, params, config.outer())
         """The outer optimizer: global parameters, outer momentum, the run's round counter."""
         self.task_info = (task_info or TaskInfo()).for_params(names, params)
         self.evidence = Evidence()
         """This trainer's ledger, status board entry and metrics (see ``swarm._private.evidence``)."""
-        self._book = rounds.RoundBook(started_at=time.time(), last_sync_end=time.perf_counter(),
-                                      divergence=DivergenceGuard(rounds=self.config.divergence_rounds))
+        guard = DivergenceGuard(rounds=config.divergence_rounds)
+        self._book = rounds.RoundBook(started_at=time.time(), last_sync_end=time.perf_counter(), divergence=guard)
         self.presence: Presence | None = None
         self.group_averager: GroupAverager | None = None
         self.checkpoints: CheckpointManager | None = None
         self.identity.lock()
         start_reaper()
         self._owns_dht = dht is None
-        net = self.config.network
-        self.dht = dht if dht is not None else start_swarm_dht(
-            self.identity, initial_peers=self.config.initial_peers, host_maddrs=net.host_maddrs,
-            announce_maddrs=net.announce_maddrs, connect_timeout_s=net.connect_timeout_s)
+        net = config.network.dht_kwargs()
+        self.dht = dht if dht is not None else start_swarm_dht(self.identity, initial_peers=config.initial_peers, **net)
         self.binding = self.identity.bind(self.peer_id)
         try:
             self._wire()
@@ -105,38 +108,37 @@ class Trainer:
             raise
 
     def _wire(self) -> None:
-        cfg, own = self.config, self.identity.peer_id == self.peer_id
+        cfg, task, own = self.config, self.task_info, self.identity.peer_id == self.peer_id
         if not own:
-            logger.warning("no ledger, record or sealed checkpoints: the DHT's peer ID is not this trainer's "
-                           "identity (pass no dht=)")
-        self.evidence = open_evidence(self.identity, run=cfg.run, task=self.task_info.name, ledger_dir=(
-            cfg.checkpoint.ledger_dir if own else ""), metrics=cfg.metrics)
+            logger.warning(
+                "no ledger, record or checkpoints: the DHT's peer ID is not this trainer's identity (pass no dht=)"
+            )
+        ledger_dir = cfg.checkpoint.ledger_dir if own else ""
+        self.evidence = open_evidence(
+            self.identity, run=cfg.run, task=task.name, ledger_dir=ledger_dir, metrics=cfg.metrics
+        )
         graph = ResourceGraph(self.dht)
-        requirements = check_run(graph, run=cfg.run, task=self.task_info, device=self.device,
-                                 own=cfg.requirements.requirements())
-        run = RunFacts(name=cfg.run, task=self.task_info.name, preset=self.task_info.preset,
-                       config_digest=self.task_info.config_digest, requirements=requirements)
-        self.presence = Presence(self.dht, self.identity, graph, config=cfg.presence, run=run, device=self.device,
-                                 view=self._view, status_snapshot=self._status_snapshot,
-                                 initial_peers=cfg.initial_peers)
+        requirements = check_run(graph, run=cfg.run, task=task, device=self.device, own=cfg.requirements.requirements())
+        run = RunFacts.of(cfg.run, task, requirements, self.device)
+        self.presence = Presence(
+            self.dht, self.identity, graph, cfg, run, view=self._view, status=self._status_snapshot
+        )
         self.evidence.status = self.presence.status
-        self.group_averager = GroupAverager(self.dht, prefix=f"swarm_{cfg.run}", config=cfg.averaging,
-                                            bandwidth_mbps=self.presence.bandwidth_mbps, region=cfg.presence.region)
+        bandwidth, prefix = self.presence.bandwidth_mbps, f"swarm_{cfg.run}"
+        self.group_averager = GroupAverager(
+            self.dht, prefix=prefix, config=cfg.averaging, bandwidth_mbps=bandwidth, region=cfg.presence.region
+        )
         if own:
-            ck = cfg.checkpoint
-            self.checkpoints = CheckpointManager(
-                self.dht, identity=self.identity, run_id=cfg.run, task=self.task_info.name,
-                config_digest=self.task_info.config_digest, keep_last=ck.keep_checkpoints,
-                directory=Path(ck.checkpoint_dir).expanduser() / cfg.run / self.peer_id,
-                run_peers=self.presence.run_peers, on_event=self.evidence.checkpoint_event)
+            on_event = self.evidence.checkpoint_event
+            self.checkpoints = CheckpointManager.for_run(
+                self.dht, self.identity, cfg, task, self.presence.run_peers, on_event
+            )
         if cfg.load_state:
             self.load_state(timeout_s=cfg.load_state_timeout_s)
         self._set_state("training")
         newest = self.checkpoints.newest_digest() if self.checkpoints is not None else None
-        self.evidence.record("joined", {
-            "round": self.round, "step": self.local_step, "state_loaded": self.counters.state_loaded > 0,
-            "state_verified": self.counters.state_verified > 0, "join_s": time.time() - self._book.started_at,
-            "manifest": newest[1] if newest and self.counters.state_verified else None})
+        join_s = time.time() - self._book.started_at
+        self.evidence.record("joined", rounds.joined_entry(self.round, self.local_step, self.counters, join_s, newest))
 
     @property
     def peer_id(self) -> str:
@@ -153,19 +155,27 @@ class Trainer:
 
     samples_per_s = property(lambda self: self._book.samples_per_s, doc="Samples/s over the last round's steps.")
     last_loss = property(lambda self: self._book.last_loss, doc="The last training loss passed to :meth:`step`.")
-    last_val_loss = property(lambda self: self._book.last_val_loss,
-                             lambda self, value: setattr(self._book, "last_val_loss", value),
-                             doc="The last value of ``evaluate()``, taken after each grouped round (None once cleared).")
+    last_val_loss = property(
+        lambda self: self._book.last_val_loss,
+        lambda self, value: setattr(self._book, "last_val_loss", value),
+        doc="The last value of ``evaluate()``, taken after each grouped round (None once cleared).",
+    )
 
     def _view(self) -> PeerView:
-        return PeerView(state=self.state, round=self.round, step=self.local_step, samples_per_s=self.samples_per_s,
-                        rounds_completed=self.counters.rounds_ok,
-                        checkpoints_cosigned=self.checkpoints.sealed if self.checkpoints is not None else 0)
+        sealed = self.checkpoints.sealed if self.checkpoints is not None else 0
+        return PeerView(self.state, self.round, self.local_step, self.samples_per_s, self.counters.rounds_ok, sealed)
 
     def _status_snapshot(self) -> dict:
-        return {"state": self.state, "round": self.round, "step": self.local_step,
-                "samples_per_s_milli": milli(self.samples_per_s) or 0, "loss_milli": milli(self.last_loss),
-                "val_loss_milli": milli(self._book.shown_val_loss), "last_group": self.evidence.last_group}
+        book = self._book
+        return {
+            "state": self.state,
+            "round": self.round,
+            "step": self.local_step,
+            "last_group": self.evidence.last_group,
+            "samples_per_s_milli": milli(book.samples_per_s) or 0,
+            "loss_milli": milli(book.last_loss),
+            "val_loss_milli": milli(book.shown_val_loss),
+        }
 
     def _set_state(self, state: str) -> None:
         self.state = state
@@ -185,9 +195,10 @@ class Trainer:
         if loss is not None:
             book.last_loss = float(loss)
         if self.evidence.metrics is not None:
-            elapsed = max(time.perf_counter() - book.last_sync_end, 1e-9)
-            self.evidence.metrics.observe_step(step=self.local_step, samples=num_samples, loss=book.last_loss,
-                                               samples_per_s=book.samples_since_sync / elapsed)
+            rate = book.samples_since_sync / max(time.perf_counter() - book.last_sync_end, 1e-9)
+            self.evidence.metrics.observe_step(
+                step=self.local_step, samples=num_samples, loss=book.last_loss, samples_per_s=rate
+            )
         return self.sync() if self.local_step % self.config.sync_every == 0 else None
 
     def inner_lr_factor(self) -> float:
@@ -206,12 +217,12 @@ class Trainer:
             hook(self.round, local)
         pseudo = self.outer.pseudo_gradient(local)
         newest = self.checkpoints.newest_digest() if self.checkpoints is not None else None
-        gather = rounds.gather_metadata(round_=self.round, samples=samples, binding=self.binding,
-                                        state_digest=pseudo.digest, now=int(time.time()), sealed=newest,
-                                        fresh=self.counters.rounds_ok + self.counters.rounds_solo == 0)
+        fresh = self.counters.rounds_ok + self.counters.rounds_solo == 0
+        gather = rounds.gather_metadata(self.round, samples, self.binding, pseudo.digest, newest, fresh=fresh)
         try:
-            averaged, record, group = self.group_averager.step(pseudo.delta, weight=weight, gather=gather,
-                                                               timeout_s=timeout_s)
+            averaged, record, group = self.group_averager.step(
+                pseudo.delta, weight=weight, gather=gather, timeout_s=timeout_s
+            )
         except Exception as e:  # a failed round must not kill training; the update is applied alone
             logger.warning(f"averaging round failed: {e!r}; applying this peer's update alone")
             averaged, record, group = None, None, None
@@ -226,8 +237,9 @@ class Trainer:
             rejected = tuple(problems)
             agree = rounds.base_agreement_group(group, record, self.peer_id)
             if agree is not None:
-                new_state, agreement = self.group_averager.average_in_group(agree, pseudo.state, weight=1.0,
-                                                                            codec="fp32", timeout_s=timeout_s)
+                new_state, agreement = self.group_averager.average_in_group(
+                    agree, pseudo.state, weight=1.0, codec="fp32", timeout_s=timeout_s
+                )
                 if new_state is None:
                     logger.info(f"round {self.round}: could not average the diverged bases: {agreement.failures[:3]}")
             next_round = rounds.next_round(self.round, group.gathered)
@@ -241,42 +253,46 @@ class Trainer:
             self.presence.reconnect()
         self.outer.step(averaged, next_round=next_round, new_state=new_state)
         book.samples_since_sync = 0
-        self.last_round = RoundResult(round=self.round, group_size=len(group.members) if grouped else 1,
-                                      weight=weight, duration_s=time.perf_counter() - started, rejected=rejected,
-                                      record=record)
-        val_loss = float(self.evaluate()) if grouped and self.evaluate is not None else None  # the new global params
-        if val_loss is not None:
+        size, duration = len(group.members) if grouped else 1, time.perf_counter() - started
+        self.last_round = RoundResult(
+            round=self.round, group_size=size, weight=weight, duration_s=duration, rejected=rejected, record=record
+        )
+        self._after_round(group if grouped else None, record, samples=samples)
+        return self.last_round
+
+    def _after_round(self, group: Any | None, record: Any | None, *, samples: int) -> None:
+        """Evaluate, watch for divergence, keep the evidence, seal and swap receipts; resync a lagging peer."""
+        book = self._book
+        val_loss = float(self.evaluate()) if group is not None and self.evaluate is not None else None
+        if val_loss is not None:  # the new global parameters, the same on every member
             book.last_val_loss = book.shown_val_loss = val_loss
         rising = book.divergence.observe(val_loss, round_=self.round)
         if rising is not None:
             logger.warning(rising.message(sync_every=self.config.sync_every, outer=self.outer.settings))
             self.evidence.record("diverging", rising.to_dict())
-        self.evidence.round(rounds.round_entry(
-            round_=self.round, step=self.local_step, group_size=self.last_round.group_size,
-            duration_s=self.last_round.duration_s, samples=samples, samples_per_s=book.samples_per_s,
-            val_loss=val_loss, solo=not grouped, rejected=rejected, record=record),
-            group=group if grouped else None, record=record, peer_id=self.peer_id)
-        if grouped and self.checkpoints is not None:
+        entry = rounds.round_entry(
+            self.last_round, self.local_step, samples, book.samples_per_s, val_loss, group is None
+        )
+        self.evidence.round(entry, group=group, record=record, peer_id=self.peer_id)
+        if group is not None and self.checkpoints is not None:
             every = self.config.checkpoint.checkpoint_every
-            seal = rounds.seal_request(group, val_loss, state=self.outer.state_dict, step=self.round) \
-                if every and self.round % every == 0 else None
-            self.checkpoints.finish_round_async(receipt=self._sign_receipt(group, record, samples=samples), seal=seal)
-        self._record_rejections()
+            sealing = bool(every) and self.round % every == 0
+            seal = (
+                rounds.seal_request(group, val_loss, state=self.outer.state_dict, step=self.round) if sealing else None
+            )
+            receipt = rounds.sign_participation(
+                self.identity, self.config.run, self.round, group, record, samples, ledger=self.evidence.ledger
+            )
+            self.checkpoints.finish_round_async(receipt=receipt, seal=seal)
+        sources = {"metadata": self.counters.rejected, "record": self.presence.graph.rejections.counts}
+        if self.checkpoints is not None:
+            sources.update(self.checkpoints.rejections())
+        for what, counts in sources.items():
+            self.evidence.rejections(what, counts, round_=self.round)
         if self.evidence.metrics is not None:
             self.evidence.metrics.set_peers_known(len(self.presence.run_peers()))
         self._resync_if_lagging()
         book.last_sync_end = time.perf_counter()
-        return self.last_round
-
-    def _record_rejections(self) -> None:
-        """Rejected untrusted input seen since the last round, by source and reason, into the ledger."""
-        sources = {"metadata": self.counters.rejected, "record": self.presence.graph.rejections.counts,
-                   "manifest": MANIFEST_REJECTIONS}
-        if self.checkpoints is not None:
-            sources["receipt"] = self.checkpoints.receipt_rejections
-            sources["gossip"] = self.checkpoints.gossip.rejected
-        for what, counts in sources.items():
-            self.evidence.rejections(what, counts, round_=self.round)
 
     def _resync_if_lagging(self, max_solo_rounds: int = 3) -> None:
         """A peer cut off from the others for a few rounds takes the run's newest sealed state again, but
@@ -287,42 +303,24 @@ class Trainer:
         streak, before = self._book.solo_streak, self.round
         self._book.solo_streak = 0  # looked again after another max_solo_rounds solo rounds
         if self.load_state(timeout_s=self.config.load_state_timeout_s, reason="resync", newer_than=before):
-            logger.info(f"was cut off for {streak} rounds: re-synced from round {before} to the run's newer "
-                        f"sealed round {self.round}")
-
-    def _sign_receipt(self, group: Any, record: RoundRecord | None, *, samples: int) -> Any:
-        """This peer's signed participation receipt of a grouped round (None: no evidence, training goes on)."""
-        ledger = self.evidence.ledger
-        try:
-            receipt = rounds.participation_receipt(
-                run=self.config.run, round_=self.round, group=group, record=record, peer_id=self.peer_id,
-                samples=samples, ledger_head=ledger.head() if ledger is not None else (0, GENESIS), now=time.time())
-            return sign_receipt(receipt, self.identity) if receipt is not None else None
-        except ValueError as e:  # e.g. a group larger than a receipt may name
-            logger.warning(f"round {self.round}: no participation receipt: {e}")
-            return None
+            logger.info(f"was cut off for {streak} rounds: re-synced from round {before} to sealed round {self.round}")
 
     def load_state(self, *, timeout_s: float, reason: str = "join", newer_than: int | None = None) -> bool:
         """Resume from the run's newest sealed checkpoint, verified end to end; True if one was loaded. With
         ``newer_than`` only one sealed after that round is taken (never an older state than this peer's).
         Nothing unverified is ever loaded: before the first seal every peer starts from the same seeded
-        model, the run's genesis state."""
-        started = time.monotonic()
-        manifest, problem = (None, None) if self.checkpoints is None else self.checkpoints.resume(
-            self.outer, timeout_s=timeout_s, newer_than=newer_than)
+        model, the run's genesis state. The checkpoint manager records it ("state_synced")."""
+        if self.checkpoints is None:
+            return False
+        manifest, problem = self.checkpoints.resume(
+            self.outer, timeout_s=timeout_s, newer_than=newer_than, reason=reason
+        )
         if problem is not None:
             self.counters.rejected[problem] += 1
-        if manifest is None:
-            logger.info("no sealed checkpoint of this run yet: starting from the model as given (the run's genesis)"
-                        if newer_than is None else f"no sealed checkpoint of this run after round {newer_than}: "
-                        f"training on from this peer's own")
-            return False
-        self.counters.state_loaded += 1
-        self.counters.state_verified += 1
-        self.evidence.record("state_synced", {
-            "round": self.round, "step": manifest.step, "manifest": manifest.digest(),
-            "seconds": time.monotonic() - started, "reason": reason, "participants": len(manifest.participants)})
-        return True
+        if manifest is not None:
+            self.counters.state_loaded += 1
+            self.counters.state_verified += 1
+        return manifest is not None
 
     def interrupt(self) -> None:
         """Abandon the averaging round in progress at once (the update is applied alone); for Ctrl+C."""
@@ -333,9 +331,8 @@ class Trainer:
         """Leave the run: withdraw the record, stop the averager, then the DHT if this trainer started it.
         The ledger's last entry is "stop" with ``reason`` (e.g. the signal's name). Idempotent."""
         for part in ("presence", "checkpoints", "group_averager"):
-            component = getattr(self, part, None)
-            if component is not None:
-                component.close()
+            if getattr(self, part, None) is not None:
+                getattr(self, part).close()
         if getattr(self, "evidence", None) is not None:
             if self.evidence.ledger is not None:
                 self.evidence.record("stop", {"step": self.local_step, "round": self.round, "signal": reason})

@@ -28,9 +28,16 @@ def main() -> None:
     args = parser.parse_args()
     start_reaper()
     dht = start_dht(args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
-    config = AveragingConfig(matchmaking_time_s=2.0, sender_timeout_s=4.0, reducer_timeout_s=8.0,
-                             agreement_timeout_s=2.0, round_timeout_s=40.0, aggregator="mean", min_group_size=2,
-                             codec="fp32")
+    config = AveragingConfig(
+        matchmaking_time_s=2.0,
+        sender_timeout_s=4.0,
+        reducer_timeout_s=8.0,
+        agreement_timeout_s=2.0,
+        round_timeout_s=40.0,
+        aggregator="mean",
+        min_group_size=2,
+        codec="fp32",
+    )
     averager = GroupAverager(dht, prefix="killtest", config=config)
     if args.kill_phase:
         faults = FaultInjector()

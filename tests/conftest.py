@@ -28,11 +28,7 @@ from helpers import free_port as _free_port
 SESSION_ENV = "SWARM_TEST_SESSION"
 _LEAK_GRACE_S = 5.0
 # interpreter-lifetime helpers that exit with pytest itself
-_BENIGN_CMDLINE_PARTS = (
-    "multiprocessing.resource_tracker",
-    "multiprocessing.forkserver",
-    "torch_shm_manager",
-)
+_BENIGN_CMDLINE_PARTS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "torch_shm_manager")
 
 
 def _cmdline(proc: psutil.Process) -> str:

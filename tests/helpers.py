@@ -168,15 +168,11 @@ def read_line_matching(
                 raise AssertionError(f"process exited before printing {regex.pattern!r}\n{child.describe()}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(
-                    f"no line matching {regex.pattern!r} within {timeout_s:.1f} s\n{child.describe()}"
-                )
+                raise TimeoutError(f"no line matching {regex.pattern!r} within {timeout_s:.1f} s\n{child.describe()}")
             child._cond.wait(min(remaining, 0.1))
 
 
-def terminate(
-    child: Child | subprocess.Popen, timeout_s: float = 10.0, *, sig: int | None = signal.SIGTERM
-) -> int:
+def terminate(child: Child | subprocess.Popen, timeout_s: float = 10.0, *, sig: int | None = signal.SIGTERM) -> int:
     """Send `sig` (unless already exited; None sends nothing), wait up to `timeout_s`, return the exit code.
 
     If the process is still running after `timeout_s`, it is SIGKILLed and `AssertionError` is
@@ -190,9 +186,7 @@ def terminate(
     except subprocess.TimeoutExpired:
         popen.kill()
         popen.wait(timeout=10)
-        raise AssertionError(
-            f"pid {popen.pid} did not exit within {timeout_s:.1f} s of signal {sig}"
-        ) from None
+        raise AssertionError(f"pid {popen.pid} did not exit within {timeout_s:.1f} s of signal {sig}") from None
 
 
 def descendants(pid: int) -> list[psutil.Process]:
@@ -253,11 +247,7 @@ class BootstrapNode:
 
 
 def start_bootstrap(
-    identity: str | os.PathLike[str],
-    *,
-    port: int | None = None,
-    extra: Sequence[str] = (),
-    timeout_s: float = 30.0,
+    identity: str | os.PathLike[str], *, port: int | None = None, extra: Sequence[str] = (), timeout_s: float = 30.0
 ) -> BootstrapNode:
     """Spawn a bootstrap node and wait (up to `timeout_s`) for its `--initial-peers` line.
 

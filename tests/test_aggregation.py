@@ -49,9 +49,7 @@ def _honest(num: int, *, seed: int, numel: int = NUMEL, spread: float = 0.01, sc
     contributions = [
         Contribution(
             sender=f"honest-{i}",
-            tensor=(
-                (mu + spread * torch.randn(numel, generator=generator, dtype=torch.float64)) * scale
-            ).float(),
+            tensor=((mu + spread * torch.randn(numel, generator=generator, dtype=torch.float64)) * scale).float(),
             weight=float(i + 1),
         )
         for i in range(num)
@@ -76,9 +74,7 @@ def test_identical_inputs_come_back_exactly(aggregator: Aggregator, num: int) ->
     seed = 100 + num
     x = torch.randn(NUMEL, generator=_generator(seed)) * 1e3
     weights = torch.rand(num, generator=_generator(seed + 1)) * 10 + 0.01
-    contributions = [
-        Contribution(sender=f"p{i}", tensor=x.clone(), weight=float(w)) for i, w in enumerate(weights)
-    ]
+    contributions = [Contribution(sender=f"p{i}", tensor=x.clone(), weight=float(w)) for i, w in enumerate(weights)]
     result = aggregate(contributions, numel=NUMEL, aggregator=aggregator)
     assert torch.equal(result.tensor, x), f"seed={seed}"
     assert result.included == tuple(f"p{i}" for i in range(num)) and result.rejected == {}
@@ -107,8 +103,7 @@ def test_trimmed_mean_trims_at_least_one_from_three_on() -> None:
     assert [trimmed.num_trimmed(n) for n in (1, 2, 3, 4, 5, 9, 10, 20)] == [0, 0, 1, 1, 1, 1, 2, 4]
     assert TrimmedMean(trim_fraction=0.45).num_trimmed(4) == 1  # at least one value is kept
     values = [
-        Contribution(sender=f"p{i}", tensor=torch.tensor([float(v)]), weight=1.0)
-        for i, v in enumerate([1, 2, 30])
+        Contribution(sender=f"p{i}", tensor=torch.tensor([float(v)]), weight=1.0) for i, v in enumerate([1, 2, 30])
     ]
     assert trimmed(values).tensor.item() == 2.0
 
@@ -157,15 +152,9 @@ def test_aggregate_rejects_poisoned_contributions(aggregator: Aggregator, poison
             "list tensor": base.tolist(),
         }[poison]
     elif poison.startswith("weight"):
-        weight = {
-            "nan": math.nan,
-            "inf": math.inf,
-            "-1": -1.0,
-            "0": 0.0,
-            "1e30": 1e30,
-            "str": "5",
-            "bool": True,
-        }[poison.split()[1]]
+        weight = {"nan": math.nan, "inf": math.inf, "-1": -1.0, "0": 0.0, "1e30": 1e30, "str": "5", "bool": True}[
+            poison.split()[1]
+        ]
     else:
         sender = ""
     bad = Contribution(sender=sender, tensor=tensor, weight=weight)  # type: ignore[arg-type]
@@ -215,13 +204,7 @@ def test_registry_and_settings() -> None:
     assert get_aggregator("trimmed_mean", trim_fraction=0.3) == TrimmedMean(trim_fraction=0.3)
     with pytest.raises(ValueError, match="mean, trimmed_mean, centered_clip"):
         get_aggregator("median")
-    for bad in (
-        {"tau": -1.0},
-        {"tau": math.inf},
-        {"tau_scale": 0.0},
-        {"max_iterations": 0},
-        {"tolerance": math.nan},
-    ):
+    for bad in ({"tau": -1.0}, {"tau": math.inf}, {"tau_scale": 0.0}, {"max_iterations": 0}, {"tolerance": math.nan}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             CenteredClip(**bad)
     for trim in (0.0, 0.5, -0.1):
@@ -297,9 +280,7 @@ def test_huge_weight_inside_the_bound_needs_the_median_cap(seed: int) -> None:
 def test_poisoned_weights_are_rejected_and_counted(seed: int) -> None:
     honest, _ = _honest(4, seed=seed)
     claims = {"nan": math.nan, "negative": -3.0, "zero": 0.0, "1e30": 1e30}
-    poisoned = [
-        Contribution(sender=f"liar-{k}", tensor=honest[0].tensor, weight=v) for k, v in claims.items()
-    ]
+    poisoned = [Contribution(sender=f"liar-{k}", tensor=honest[0].tensor, weight=v) for k, v in claims.items()]
     for name in AGGREGATOR_NAMES:
         result = aggregate([*poisoned, *honest], numel=NUMEL, aggregator=name)
         assert len(result.rejected) == len(claims), f"seed={seed}: {result.rejected}"

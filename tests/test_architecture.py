@@ -39,8 +39,13 @@ def _attribute_count(cls: ast.ClassDef) -> int:
     """Distinct ``self.X`` assigned anywhere in the class, plus its annotated (dataclass) fields."""
     names = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
     for node in ast.walk(cls):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-            node, (ast.AnnAssign, ast.AugAssign)) else []
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+            else []
+        )
         for target in targets:
             for part in ast.walk(target):
                 if isinstance(part, ast.Attribute) and isinstance(part.value, ast.Name) and part.value.id == "self":
@@ -49,8 +54,13 @@ def _attribute_count(cls: ast.ClassDef) -> int:
 
 
 def test_imports_point_down_the_floors() -> None:
-    upward = [f"{path.relative_to(ROOT)} imports {name}" for package, floor in FLOORS.items()
-              for path in _modules(package) for name in _imported_packages(path) if FLOORS[name] > floor]
+    upward = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for package, floor in FLOORS.items()
+        for path in _modules(package)
+        for name in _imported_packages(path)
+        if FLOORS[name] > floor
+    ]
     assert upward == []
 
 
@@ -62,12 +72,17 @@ def test_an_upward_import_would_be_caught(tmp_path) -> None:
 
 def test_the_trainer_is_small_and_no_class_holds_more_than_20_attributes() -> None:
     assert len((ROOT / "swarm" / "trainer.py").read_text().splitlines()) <= MAX_TRAINER_LINES
-    big = [f"{path.relative_to(ROOT)}:{node.name} ({_attribute_count(node)})"
-           for package in ("swarm", "peers", "averaging", "bootstrap") for path in _modules(package)
-           for node in ast.walk(ast.parse(path.read_text()))
-           if isinstance(node, ast.ClassDef) and _attribute_count(node) > MAX_ATTRIBUTES]
+    big = [
+        f"{path.relative_to(ROOT)}:{node.name} ({_attribute_count(node)})"
+        for package in ("swarm", "peers", "averaging", "bootstrap")
+        for path in _modules(package)
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and _attribute_count(node) > MAX_ATTRIBUTES
+    ]
     assert big == []
-    crowded = ast.parse("class C:\n    def __init__(self):\n" + "".join(f"        self.a{i} = {i}\n" for i in range(21)))
+    crowded = ast.parse(
+        "class C:\n    def __init__(self):\n" + "".join(f"        self.a{i} = {i}\n" for i in range(21))
+    )
     assert _attribute_count(crowded.body[0]) == 21  # the count sees them
 
 
@@ -78,8 +93,11 @@ def _running_loops() -> list[asyncio.AbstractEventLoop]:
 def _live_replicas() -> list:
     from hivemind.p2p import P2P
 
-    return [o for o in gc.get_objects() if isinstance(o, P2P) and getattr(o, "_alive", True)
-            and getattr(o, "_client", None) is not None]
+    return [
+        o
+        for o in gc.get_objects()
+        if isinstance(o, P2P) and getattr(o, "_alive", True) and getattr(o, "_client", None) is not None
+    ]
 
 
 @pytest.mark.timeout(120)
@@ -90,10 +108,19 @@ def test_one_trainer_process_runs_one_event_loop_over_one_p2p_replica(tmp_path) 
     threads_before = set(threading.enumerate())
     assert NetworkRuntime.count() == 0 and _running_loops() == []
     model = torch.nn.Linear(4, 2)
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), run="one-loop",
-                      host_maddrs=["/ip4/127.0.0.1/tcp/0"], checkpoint_dir=str(tmp_path / "ck"),
-                      ledger_dir=str(tmp_path / "ledgers"), matchmaking_time_s=0.3, join_timeout_s=0.5,
-                      round_timeout_s=5.0, bandwidth_probe_period_s=1.0, load_state=False)
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        run="one-loop",
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        checkpoint_dir=str(tmp_path / "ck"),
+        ledger_dir=str(tmp_path / "ledgers"),
+        matchmaking_time_s=0.3,
+        join_timeout_s=0.5,
+        round_timeout_s=5.0,
+        bandwidth_probe_period_s=1.0,
+        load_state=False,
+    )
     try:
         # every network part is up: averager, gossip, shard exchange, bandwidth prober, advertiser, status
         assert trainer.group_averager is not None and trainer.checkpoints is not None

@@ -42,12 +42,23 @@ def make_group(dhts):
     made = []
 
     def make(**config):
-        cfg = AveragingConfig(**{"codec": "fp32", "max_weight_ratio": None, "matchmaking_time_s": 1.0, "sender_timeout_s": 4.0, "reducer_timeout_s": 8.0,
-                                 "agreement_timeout_s": 2.0, "round_timeout_s": 30.0, **config})
+        cfg = AveragingConfig(
+            **{
+                "codec": "fp32",
+                "max_weight_ratio": None,
+                "matchmaking_time_s": 1.0,
+                "sender_timeout_s": 4.0,
+                "reducer_timeout_s": 8.0,
+                "agreement_timeout_s": 2.0,
+                "round_timeout_s": 30.0,
+                **config,
+            }
+        )
         prefix = f"test{next(_prefixes)}"
         averagers = [GroupAverager(dht, prefix=prefix, config=cfg) for dht in dhts]
         made.extend(averagers)
         return averagers
+
     yield make
     for averager in made:
         averager.close()
@@ -60,11 +71,13 @@ def _inputs(numel=10_003, scale=1.0):
 
 def _run(averagers, tensors, weights, *, timeout_s=40.0):
     """All peers step at once; a crashed peer's step raises Crashed, reported as None."""
+
     def one(i):
         try:
             return averagers[i].step(tensors[i], weight=weights[i], gather={"i": i}, timeout_s=timeout_s)
         except Crashed:
             return None
+
     with ThreadPoolExecutor(len(averagers)) as pool:
         return list(pool.map(one, range(len(averagers))))
 
@@ -220,6 +233,7 @@ def test_a_poisoned_weight_is_rejected_and_the_sender_dropped(make_group, bad_we
 
     async def lying_step(tensor, weight, gather, record, deadline):
         return await original_step(tensor, bad_weight, gather, record, deadline)
+
     attacker._step = lying_step
     results = _run(averagers, tensors, weights)
     reference = _weighted_mean(tensors, weights, [0, 1, 2])
@@ -228,8 +242,7 @@ def test_a_poisoned_weight_is_rejected_and_the_sender_dropped(make_group, bad_we
         assert out is not None, record.to_dict()
         assert attacker.peer_id in record.rejected, record.to_dict()
         assert (out - reference).abs().max().item() < 1e-5
-    assert sum(a.rejected.total() for a in averagers[:3]) >= 1 or all(
-        results[i][1].rejected for i in range(3))
+    assert sum(a.rejected.total() for a in averagers[:3]) >= 1 or all(results[i][1].rejected for i in range(3))
 
 
 def test_group_drawing_is_deterministic_bounded_and_bandwidth_aware():
@@ -242,7 +255,8 @@ def test_group_drawing_is_deterministic_bounded_and_bandwidth_aware():
     mixed = [g for g in groups if set(g) & slow and set(g) - slow]
     assert len(mixed) <= 1, f"fast and slow peers should be grouped apart: {groups}"
     assert draw_groups({"a": 0, "b": 0, "c": 0}, target_size=2, min_size=2) == [
-        draw_groups({"a": 0, "b": 0, "c": 0}, target_size=2, min_size=2)[0]], "3 peers, min 2: one group of 3"
+        draw_groups({"a": 0, "b": 0, "c": 0}, target_size=2, min_size=2)[0]
+    ], "3 peers, min 2: one group of 3"
     assert slice_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
     regions = {f"p{i}": ("eu" if i % 2 else "us", 1) for i in range(8)}
     by_region = draw_groups(regions, target_size=4, min_size=2)
@@ -264,15 +278,30 @@ def test_sigkilled_peer_process_mid_round(tmp_path, phase):
     try:
         for i in range(NUM_PEERS):
             kill = ["--kill-phase", phase] if i == NUM_PEERS - 1 else []
-            children.append(spawn(python_cmd(script, "--initial-peers", *node.maddrs, "--index", str(i),
-                                             "--out", str(tmp_path), "--seed", str(SEED), *kill)))
+            children.append(
+                spawn(
+                    python_cmd(
+                        script,
+                        "--initial-peers",
+                        *node.maddrs,
+                        "--index",
+                        str(i),
+                        "--out",
+                        str(tmp_path),
+                        "--seed",
+                        str(SEED),
+                        *kill,
+                    )
+                )
+            )
         for child in children:
             wait_until(lambda c=child: c.returncode is not None, timeout_s=120, message=child.describe)
         assert children[-1].returncode == -9, "the fault must have fired: " + children[-1].describe()
         for child in children[:-1]:
             assert child.returncode == 0, child.describe()
-        tensors = [torch.randn(50_000, generator=torch.Generator().manual_seed(SEED * 1000 + i))
-                   for i in range(NUM_PEERS)]
+        tensors = [
+            torch.randn(50_000, generator=torch.Generator().manual_seed(SEED * 1000 + i)) for i in range(NUM_PEERS)
+        ]
         reference = _weighted_mean(tensors, [1.0, 2.0, 3.0, 4.0], range(NUM_PEERS - 1))
         for i in range(NUM_PEERS - 1):
             record = json.loads((tmp_path / f"record{i}.json").read_text())
@@ -297,6 +326,9 @@ def test_a_peer_nobody_else_looks_for_stops_waiting_after_two_windows(make_group
     out, record, group = averagers[0].step(tensors[0], weight=weights[0], timeout_s=40.0)
     elapsed = time.monotonic() - started
     assert out is None and group is None
-    assert {"peer": averagers[0].peer_id, "phase": "matchmaking",
-            "reason": "no other peer looking for a group"} in record.failures, record.to_dict()
+    assert {
+        "peer": averagers[0].peer_id,
+        "phase": "matchmaking",
+        "reason": "no other peer looking for a group",
+    } in record.failures, record.to_dict()
     assert elapsed < 10, f"waited {elapsed:.1f}s for nobody (round deadline 40 s)"

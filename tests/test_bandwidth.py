@@ -21,13 +21,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from bootstrap.node import start_dht, stop_dht, visible_maddrs
 from bootstrap.runtime import open_p2p_replica
-from peers.bandwidth import (
-    PROTOCOL,
-    BandwidthProber,
-    ProbeConfig,
-    ProbeError,
-    probe_peer,
-)
+from peers.bandwidth import PROTOCOL, BandwidthProber, ProbeConfig, ProbeError, probe_peer
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -154,9 +148,7 @@ def test_summary_is_empty_before_any_probe(dhts, make_prober) -> None:
 
 def test_server_refuses_request_over_its_cap(dhts, make_prober) -> None:
     server = make_prober(dhts[1], SMALL).server
-    greedy = ProbeConfig(
-        probe_bytes=2 * SMALL.max_request_bytes, max_request_bytes=2 * SMALL.max_request_bytes
-    )
+    greedy = ProbeConfig(probe_bytes=2 * SMALL.max_request_bytes, max_request_bytes=2 * SMALL.max_request_bytes)
 
     async def scenario(p2p: P2P) -> None:
         with pytest.raises(ProbeError, match="closed the probe stream.*download") as caught:

@@ -14,12 +14,48 @@ from averaging.group import slice_bounds
 from benchmarks import averaging_round
 from benchmarks._avg_worker import checksum, make_tensor, sample_indices
 
-TOP_KEYS = {"benchmark", "date", "machine", "cpus", "python", "torch", "hivemind", "command", "config",
-            "elapsed_s", "ok", "rows", "skipped", "sender_death"}
-ROW_KEYS = {"setting", "rate_mbit", "peers", "numel", "payload_bytes", "method", "codec", "round_s", "median_s",
-            "min_s", "floor_s", "floor_wire_s", "over_floor", "over_hivemind", "over_gloo", "tx_bytes_per_peer",
-            "rx_bytes_per_peer", "app_bytes_sent_per_peer", "check_ok", "check", "error", "warmup_round_s",
-            "warmup", "repeats"}
+TOP_KEYS = {
+    "benchmark",
+    "date",
+    "machine",
+    "cpus",
+    "python",
+    "torch",
+    "hivemind",
+    "command",
+    "config",
+    "elapsed_s",
+    "ok",
+    "rows",
+    "skipped",
+    "sender_death",
+}
+ROW_KEYS = {
+    "setting",
+    "rate_mbit",
+    "peers",
+    "numel",
+    "payload_bytes",
+    "method",
+    "codec",
+    "round_s",
+    "median_s",
+    "min_s",
+    "floor_s",
+    "floor_wire_s",
+    "over_floor",
+    "over_hivemind",
+    "over_gloo",
+    "tx_bytes_per_peer",
+    "rx_bytes_per_peer",
+    "app_bytes_sent_per_peer",
+    "check_ok",
+    "check",
+    "error",
+    "warmup_round_s",
+    "warmup",
+    "repeats",
+}
 
 
 def _exact_mean(numel: int, num_peers: int) -> torch.Tensor:
@@ -39,8 +75,9 @@ def test_check_accepts_the_mean_within_codec_bounds_and_rejects_a_wrong_value() 
 
     # int8: the result as a member receives it (each slice encoded on its own) is within the bound...
     codec = get_codec("int8")
-    received = torch.cat([codec.decode(codec.encode(mean[a:b].contiguous()), numel=b - a)
-                          for a, b in slice_bounds(numel, num_peers)])
+    received = torch.cat(
+        [codec.decode(codec.encode(mean[a:b].contiguous()), numel=b - a) for a, b in slice_bounds(numel, num_peers)]
+    )
     int8 = averaging_round.reference(numel, tuple(range(num_peers)), num_peers, "int8")
     assert averaging_round.check([{"rank": 0, "outcome": "ok", "checksum": checksum(received)}], int8)["ok"]
     # ...but the mean of the wrong peers is not
@@ -51,8 +88,24 @@ def test_check_accepts_the_mean_within_codec_bounds_and_rejects_a_wrong_value() 
 @pytest.mark.timeout(90)
 def test_tiny_run_passes_its_result_checks_and_writes_the_documented_json(tmp_path) -> None:
     out = tmp_path / "averaging_round.json"
-    code = averaging_round.main(["--peers", "2", "--numel", "200000", "--settings", "loopback", "--repeats", "1",
-                                 "--methods", "ours-fp32", "gloo", "hivemind", "--out", str(out)])
+    code = averaging_round.main(
+        [
+            "--peers",
+            "2",
+            "--numel",
+            "200000",
+            "--settings",
+            "loopback",
+            "--repeats",
+            "1",
+            "--methods",
+            "ours-fp32",
+            "gloo",
+            "hivemind",
+            "--out",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())
     assert code == 0, [(r["method"], r["error"], r["check"]) for r in result["rows"]]
     assert TOP_KEYS <= set(result)

@@ -21,8 +21,9 @@ from benchmarks.byzantine import CLIPPED_PULL, CONTROL_FACTOR, ByzantineConfig, 
 SEED = 0
 ROBUST_BOUND = 1.5
 """CenteredClip's val loss under attack, as a multiple of the clean run's (see the module docstring)."""
-CONFIG = ByzantineConfig(peers=4, rounds=4, sync_every=8, attack="sign_flip_x10",
-                         aggregators=("centered_clip", "mean"), seed=SEED)
+CONFIG = ByzantineConfig(
+    peers=4, rounds=4, sync_every=8, attack="sign_flip_x10", aggregators=("centered_clip", "mean"), seed=SEED
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,8 @@ def test_the_attack_fires_every_round_and_breaks_the_plain_mean(arms):
     assert robust["clipped"] == robust["attacked_rounds"] and robust["mean_pull"] < CLIPPED_PULL, robust
     assert mean["passed"] == mean["attacked_rounds"], mean
     assert not mean["final_finite"] or mean["final_val_loss"] >= CONTROL_FACTOR * clean["final_val_loss"], (
-        "the negative control must fail; " + _context(arms))
+        "the negative control must fail; " + _context(arms)
+    )
 
 
 @pytest.mark.timeout(240)
@@ -57,7 +59,8 @@ def test_the_default_robust_aggregator_bounds_the_damage(arms):
     assert robust["final_finite"], _context(arms)
     ratio = robust["final_val_loss"] / clean["final_val_loss"]
     assert ratio <= ROBUST_BOUND, (
-        f"CenteredClip ended at {ratio:.2f}x the clean val loss (pull {robust['mean_pull']:.2f}); " + _context(arms))
+        f"CenteredClip ended at {ratio:.2f}x the clean val loss (pull {robust['mean_pull']:.2f}); " + _context(arms)
+    )
 
 
 @pytest.mark.parametrize("codec", ["fp32", "fp16", "int8"])

@@ -10,15 +10,32 @@ import pytest
 from benchmarks.convergence import ARMS, ConvergenceConfig, Plan, main, samples_to_reach
 
 TABLE_KEYS = {
-    "arm", "peers", "samples", "final_val_loss", "rising", "loss_ratio_to_dp", "bytes_reduction_vs_dp", "samples_to_solo_loss", "samples_ratio_to_solo", "bytes_sent",
-    "bytes_source", "bytes_per_sample", "fp32_every_step_bytes_per_sample", "bytes_reduction_vs_fp32_every_step",
-    "wall_s", "train_s",
+    "arm",
+    "peers",
+    "samples",
+    "final_val_loss",
+    "rising",
+    "loss_ratio_to_dp",
+    "bytes_reduction_vs_dp",
+    "samples_to_solo_loss",
+    "samples_ratio_to_solo",
+    "bytes_sent",
+    "bytes_source",
+    "bytes_per_sample",
+    "fp32_every_step_bytes_per_sample",
+    "bytes_reduction_vs_fp32_every_step",
+    "wall_s",
+    "train_s",
 }
 
 
 def test_samples_to_reach_interpolates_the_first_crossing():
-    curve = [{"samples": 0, "val_loss": 4.0}, {"samples": 100, "val_loss": 3.0}, {"samples": 200, "val_loss": 2.0},
-             {"samples": 300, "val_loss": 2.5}]
+    curve = [
+        {"samples": 0, "val_loss": 4.0},
+        {"samples": 100, "val_loss": 3.0},
+        {"samples": 200, "val_loss": 2.0},
+        {"samples": 300, "val_loss": 2.5},
+    ]
     assert samples_to_reach(curve, 2.5) == pytest.approx(150.0)
     assert samples_to_reach(curve, 4.0) == 0.0
     assert samples_to_reach(curve, 1.9) is None
@@ -35,8 +52,26 @@ def test_plan_gives_every_arm_the_same_whole_rounds():
 @pytest.mark.timeout(150)
 def test_four_arms_on_loopback_write_curves_and_table(tmp_path):
     out = tmp_path / "convergence.json"
-    code = main(["--preset", "tiny", "--peers", "2", "--samples", "640", "--sync-every", "5",
-                 "--setting", "loopback", "--eval-batches", "2", "--arm-timeout-s", "120", "--out", str(out)])
+    code = main(
+        [
+            "--preset",
+            "tiny",
+            "--peers",
+            "2",
+            "--samples",
+            "640",
+            "--sync-every",
+            "5",
+            "--setting",
+            "loopback",
+            "--eval-batches",
+            "2",
+            "--arm-timeout-s",
+            "120",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     result = json.loads(out.read_text())
     assert result["setting"] == "loopback"

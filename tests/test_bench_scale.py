@@ -26,8 +26,26 @@ def _read(path: Path) -> dict:
 
 def test_churn_observes_the_kill_and_the_replacements_state_sync(tmp_path: Path) -> None:
     out = tmp_path / "churn.json"
-    code = churn.main(["--peers", "3", "--lab", "loopback", "--sync-every", "5", "--matchmaking-time-s", "1",
-                       "--warmup-rounds", "1", "--sender-timeout-s", "5", "--phase-timeout-s", "50", "--out", str(out)])
+    code = churn.main(
+        [
+            "--peers",
+            "3",
+            "--lab",
+            "loopback",
+            "--sync-every",
+            "5",
+            "--matchmaking-time-s",
+            "1",
+            "--warmup-rounds",
+            "1",
+            "--sender-timeout-s",
+            "5",
+            "--phase-timeout-s",
+            "50",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     result = _read(out)
     assert result["lab"] == "loopback" and result["config"]["peers"] == 3
@@ -41,8 +59,13 @@ def test_churn_observes_the_kill_and_the_replacements_state_sync(tmp_path: Path)
     assert replacement["state_loaded"] and replacement["state_verified"], replacement
     assert replacement["state_bytes"] > 0 and replacement["sealed_step"] >= 1
     phases = replacement["phases_s"]
-    assert set(phases) == {"interpreter_and_imports", "dht_join_and_setup", "state_download",
-                           "state_lookup_verify_load", "first_eval_and_step"}
+    assert set(phases) == {
+        "interpreter_and_imports",
+        "dht_join_and_setup",
+        "state_download",
+        "state_lookup_verify_load",
+        "first_eval_and_step",
+    }
     assert all(v is not None and v >= 0 for v in phases.values()), phases
     assert sum(phases.values()) <= replacement["time_to_train_s"] + 0.5
     assert replacement["floor_s"] is None and replacement["target_s"] == 5.0  # loopback: no link rate

@@ -270,22 +270,16 @@ def test_signal_leaves_no_p2pd(tmp_path: Path, how: str) -> None:
     exited_s = time.monotonic() - started
     assert returncode == (-signal.SIGKILL if how == "SIGKILL" else 0), child.describe()
     wait_until(
-        lambda: not alive(tree),
-        timeout_s=5.0,
-        message=lambda: f"node's children {[p.pid for p in alive(tree)]} gone",
+        lambda: not alive(tree), timeout_s=5.0, message=lambda: f"node's children {[p.pid for p in alive(tree)]} gone"
     )
-    print(
-        f"{how}: exit {returncode} after {exited_s:.2f} s, children gone after {time.monotonic() - started:.2f} s"
-    )
+    print(f"{how}: exit {returncode} after {exited_s:.2f} s, children gone after {time.monotonic() - started:.2f} s")
 
 
 # --- bad input --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("bad", ["garbage", "/ip4/127.0.0.1/tcp/5"])
-def test_malformed_initial_peers_exit_2_naming_the_address(
-    bad: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_malformed_initial_peers_exit_2_naming_the_address(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
     # in-process: `python -m bootstrap` exits with main()'s return value; nothing starts before the check
     started = time.monotonic()
     assert main(["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--initial-peers", bad]) == 2
@@ -318,9 +312,7 @@ def test_port_in_use_exit_2(tmp_path: Path) -> None:
         sock.bind(("127.0.0.1", 0))
         sock.listen(1)
         port = sock.getsockname()[1]
-        returncode, stderr, _ = _run_to_exit(
-            bootstrap_cmd(port=port, identity=tmp_path / "id"), BAD_INPUT_DEADLINE_S
-        )
+        returncode, stderr, _ = _run_to_exit(bootstrap_cmd(port=port, identity=tmp_path / "id"), BAD_INPUT_DEADLINE_S)
     assert returncode == 2, stderr
     errors = _error_lines(stderr)
     assert len(errors) == 1 and "address already in use" in errors[0] and f"/tcp/{port}" in errors[0], stderr
@@ -332,9 +324,7 @@ def test_corrupt_identity_exit_2_and_file_untouched(tmp_path: Path) -> None:
     identity.write_bytes(b"\x08\x00\x12\x05not a key")
     identity.chmod(0o600)
     before = identity.read_bytes()
-    returncode, stderr, _ = _run_to_exit(
-        bootstrap_cmd(port=free_port(), identity=identity), BAD_INPUT_DEADLINE_S
-    )
+    returncode, stderr, _ = _run_to_exit(bootstrap_cmd(port=free_port(), identity=identity), BAD_INPUT_DEADLINE_S)
     assert returncode == 2, stderr
     errors = _error_lines(stderr)
     assert len(errors) == 1 and f"cannot read identity file {identity}" in errors[0], stderr

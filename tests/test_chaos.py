@@ -33,13 +33,30 @@ def _passing_summary() -> dict:
         "stops": {"peers": 4, "exit_0": 4, "clean": 4, "max_seconds": 3.0, "max_children_gone_s": 0.2},
         "rss": {"peers_measured": 2, "growth_mib": {}, "max_growth_mib": 20.0},
         "rounds": {"attempted": 40, "grouped": 36, "ratio": 0.9},
-        "partition": {"slot": 2, "isolated_side_steps": 120, "other_side_grouped_rounds": 5, "rounds_to_remerge": 1,
-                      "seconds_to_remerge": 4.0},
-        "restarts": {"settled": 3, "settled_joined": 3, "settled_state_verified": 3, "after_bootstrap_loss": 1,
-                     "after_bootstrap_loss_joined": 1, "after_bootstrap_loss_grouped": 1},
+        "partition": {
+            "slot": 2,
+            "isolated_side_steps": 120,
+            "other_side_grouped_rounds": 5,
+            "rounds_to_remerge": 1,
+            "seconds_to_remerge": 4.0,
+        },
+        "restarts": {
+            "settled": 3,
+            "settled_joined": 3,
+            "settled_state_verified": 3,
+            "after_bootstrap_loss": 1,
+            "after_bootstrap_loss_joined": 1,
+            "after_bootstrap_loss_grouped": 1,
+        },
         "bootstrap_killed_at_s": 60.0,
         "joiners": {"joiners": 3, "verified": 3, "join_s_max": 9.0, "download_x_floor_max": 1.3},
-        "slow_host": {"slot": 1, "mbit": 10.0, "grouped_rounds": 6, "median_round_s": 4.0, "others_median_round_s": 3.0},
+        "slow_host": {
+            "slot": 1,
+            "mbit": 10.0,
+            "grouped_rounds": 6,
+            "median_round_s": 4.0,
+            "others_median_round_s": 3.0,
+        },
     }
 
 
@@ -50,8 +67,11 @@ _BREAKAGES = [
     ("bad checkpoint", lambda s: s["checkpoints"]["problems"].append("x: bad signature"), "every checkpoint verifies"),
     ("no checkpoint", lambda s: s["checkpoints"].update(manifests=0, complete=0), "every checkpoint verifies"),
     ("bad ledger", lambda s: s["ledgers"]["problems"].append("x: edited"), "every ledger verifies"),
-    ("peer crashed", lambda s: s["exits"].append({"peer": "peer2.0", "exit_code": 1, "last_line": "Traceback"}),
-     "no peer exited on its own"),
+    (
+        "peer crashed",
+        lambda s: s["exits"].append({"peer": "peer2.0", "exit_code": 1, "last_line": "Traceback"}),
+        "no peer exited on its own",
+    ),
     ("orphan", lambda s: s["orphans"].append("peer1.0: pid 7 p2pd"), "no orphaned process"),
     ("slow reaper", lambda s: s["kills"][0].update(vanish_s=9.0), "no orphaned process"),
     ("unclean stop", lambda s: s["stops"].update(exit_0=3, clean=3), "SIGTERM stops every peer cleanly"),
@@ -59,8 +79,11 @@ _BREAKAGES = [
     ("rounds failed", lambda s: s["rounds"].update(grouped=4, ratio=0.1), "rounds grouped / attempted"),
     ("never re-merged", lambda s: s["partition"].update(rounds_to_remerge=None), "re-merge after partition"),
     ("late re-merge", lambda s: s["partition"].update(rounds_to_remerge=3), "re-merge after partition"),
-    ("cut-off side stalled", lambda s: s["partition"].update(isolated_side_steps=0),
-     "both sides trained during the partition"),
+    (
+        "cut-off side stalled",
+        lambda s: s["partition"].update(isolated_side_steps=0),
+        "both sides trained during the partition",
+    ),
     ("no kill fired", lambda s: s.update(kills=[s["kills"][1]]), "peers killed and restarted"),
     ("restart never joined", lambda s: s["restarts"].update(settled_joined=2), "peers killed and restarted"),
     ("no join after loss", lambda s: s["restarts"].update(after_bootstrap_loss_joined=0), "joins after bootstrap loss"),
@@ -97,13 +120,27 @@ def test_progress_is_judged_against_the_no_chaos_arm() -> None:
 # the kills land (three runs here: a cut inside a round stalled the majority side for the whole cut; a
 # re-merge took 4 rounds; no restart after the bootstrap's death lived 30 s), so the test checks weaker
 # forms of them below.
-_TIMING_SENSITIVE = {"re-merge after partition", "both sides trained during the partition", "joins after bootstrap loss"}
+_TIMING_SENSITIVE = {
+    "re-merge after partition",
+    "both sides trained during the partition",
+    "joins after bootstrap loss",
+}
 
 
 @pytest.mark.skipif(not _NETNS, reason="the chaos run needs network namespaces (root, ip, tc)")
 def test_two_minute_chaos_run_survives_every_fault(tmp_path) -> None:
-    config = ChaosConfig(duration_s=120, peers=4, seed=7, baseline_s=0, kill_every_s=18, partition_s=40,
-                         joiners=0, lab="netns", sync_every=10, averaging_timeout_s=15)
+    config = ChaosConfig(
+        duration_s=120,
+        peers=4,
+        seed=7,
+        baseline_s=0,
+        kill_every_s=18,
+        partition_s=40,
+        joiners=0,
+        lab="netns",
+        sync_every=10,
+        averaging_timeout_s=15,
+    )
     result = run(config, work=tmp_path, console=Console(width=200))
     chaos = result["chaos"]
     # the faults fired: kills (and restarts), the partition, the slow host, the bootstrap node's death

@@ -1,6 +1,5 @@
 """`python -m swarm.checkpoint list|show|verify|export` on a store holding a chain of sealed manifests."""
 
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -17,10 +16,19 @@ def sealed_store(tmp_path):
     parent = ""
     for step in (1, 2, 3):
         state = {"param/w": torch.full((4, 4), float(step)), "momentum/w": torch.zeros(4, 4)}
-        manifest = Manifest(version=1, run_id="cli", step=step, round=step, task="charlm", config_digest="c" * 64,
-                            parent=parent, shards=tuple(store.put_tensors(state)),
-                            participants=tuple(sorted(s.peer_id for s in signers)), metrics={},
-                            created_at=1_800_000_000 + step)
+        manifest = Manifest(
+            version=1,
+            run_id="cli",
+            step=step,
+            round=step,
+            task="charlm",
+            config_digest="c" * 64,
+            parent=parent,
+            shards=tuple(store.put_tensors(state)),
+            participants=tuple(sorted(s.peer_id for s in signers)),
+            metrics={},
+            created_at=1_800_000_000 + step,
+        )
         signed = SignedManifest(manifest=manifest, signatures={})
         for signer in signers:
             signed = signed.with_signature(*sign_manifest(manifest, signer))
@@ -65,11 +73,19 @@ def test_verify_takes_the_newest_checkpoint_held_whole(sealed_store, tmp_path, c
     store, folder = sealed_store
     elsewhere = CheckpointStore(tmp_path / "elsewhere")
     signers = [Identity.generate(), Identity.generate()]
-    manifest = Manifest(version=1, run_id="cli", step=4, round=4, task="charlm", config_digest="c" * 64,
-                        parent=store.list_manifests()[-1],
-                        shards=tuple(elsewhere.put_tensors({"param/w": torch.full((4, 4), 4.0)})),
-                        participants=tuple(sorted(s.peer_id for s in signers)), metrics={},
-                        created_at=1_800_000_004)
+    manifest = Manifest(
+        version=1,
+        run_id="cli",
+        step=4,
+        round=4,
+        task="charlm",
+        config_digest="c" * 64,
+        parent=store.list_manifests()[-1],
+        shards=tuple(elsewhere.put_tensors({"param/w": torch.full((4, 4), 4.0)})),
+        participants=tuple(sorted(s.peer_id for s in signers)),
+        metrics={},
+        created_at=1_800_000_004,
+    )
     signed = SignedManifest(manifest=manifest, signatures={})
     for signer in signers:
         signed = signed.with_signature(*sign_manifest(manifest, signer))

@@ -17,14 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save as safetensors_save
 
-from swarm.checkpoint import (
-    CheckpointStore,
-    Manifest,
-    ShardInfo,
-    ShardRejected,
-    SignedManifest,
-    TensorInfo,
-)
+from swarm.checkpoint import CheckpointStore, Manifest, ShardInfo, ShardRejected, SignedManifest, TensorInfo
 from swarm.checkpoint import store as store_module
 
 
@@ -99,7 +92,9 @@ def test_put_refuses_disallowed_dtype(store, value):
 def test_put_shard_bytes_checks_digest_size_and_header(store):
     data = safetensors_save({"x": torch.ones(3)})
     digest = hashlib.sha256(data).hexdigest()
-    assert store.put_shard_bytes(data, expected_digest=digest, expected_size_bytes=len(data)) == store.shard_path(digest)
+    assert store.put_shard_bytes(data, expected_digest=digest, expected_size_bytes=len(data)) == store.shard_path(
+        digest
+    )
     assert store.read_shard(digest) == data
 
     other = safetensors_save({"x": torch.zeros(3)})
@@ -113,16 +108,19 @@ def test_put_shard_bytes_checks_digest_size_and_header(store):
     assert store.rejected == {"digest mismatch": 1, "size mismatch": 1}
 
 
-@pytest.mark.parametrize(("data", "reason"), [
-    (safetensors_save({"x": torch.zeros(3, dtype=torch.float64)}), "unexpected dtype"),
-    (safetensors_save({"x": torch.zeros(3, dtype=torch.int8)}), "unexpected dtype"),
-    (b"", "not safetensors"),
-    (b"garbage!" * 10, "not safetensors"),
-    ((10).to_bytes(8, "little") + b"[1,2,3,4,5]", "not safetensors"),
-    ((2**40).to_bytes(8, "little") + b"{}", "not safetensors"),
-    (safetensors_save({"x": torch.zeros(3)}) + b"trailing", "not safetensors"),
-    (safetensors_save({"x": torch.zeros(3)})[:-1], "not safetensors"),
-])
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (safetensors_save({"x": torch.zeros(3, dtype=torch.float64)}), "unexpected dtype"),
+        (safetensors_save({"x": torch.zeros(3, dtype=torch.int8)}), "unexpected dtype"),
+        (b"", "not safetensors"),
+        (b"garbage!" * 10, "not safetensors"),
+        ((10).to_bytes(8, "little") + b"[1,2,3,4,5]", "not safetensors"),
+        ((2**40).to_bytes(8, "little") + b"{}", "not safetensors"),
+        (safetensors_save({"x": torch.zeros(3)}) + b"trailing", "not safetensors"),
+        (safetensors_save({"x": torch.zeros(3)})[:-1], "not safetensors"),
+    ],
+)
 def test_put_shard_bytes_refuses_unsafe_or_broken_files(store, data, reason):
     digest = hashlib.sha256(data).hexdigest()
     with pytest.raises(ShardRejected) as info:
@@ -184,8 +182,11 @@ def _pickle_payloads(marker: str) -> dict[str, bytes]:
     zipped, legacy = io.BytesIO(), io.BytesIO()
     torch.save({"w": torch.ones(3), "evil": _Exploit(marker)}, zipped)
     torch.save({"w": torch.ones(3)}, legacy, _use_new_zipfile_serialization=False)
-    return {"torch.save": zipped.getvalue(), "legacy torch.save": legacy.getvalue(),
-            "raw pickle": pickle.dumps(_Exploit(marker))}
+    return {
+        "torch.save": zipped.getvalue(),
+        "legacy torch.save": legacy.getvalue(),
+        "raw pickle": pickle.dumps(_Exploit(marker)),
+    }
 
 
 @pytest.mark.parametrize("kind", ["torch.save", "legacy torch.save", "raw pickle"])
@@ -201,8 +202,12 @@ def test_pickle_placed_as_a_shard_is_refused_and_never_run(store, tmp_path, monk
     monkeypatch.setattr(torch, "load", forbidden)
     monkeypatch.setattr(pickle, "loads", forbidden)
     monkeypatch.setattr(pickle, "load", forbidden)
-    info = ShardInfo(name="shard-00000", digest=digest, size_bytes=len(data),
-                     tensors=(TensorInfo(name="w", dtype="float32", shape=(3,)),))
+    info = ShardInfo(
+        name="shard-00000",
+        digest=digest,
+        size_bytes=len(data),
+        tensors=(TensorInfo(name="w", dtype="float32", shape=(3,)),),
+    )
     with pytest.raises(ShardRejected, match=r"not a safetensors file \(pickle is never loaded\)") as err:
         store.load_tensors(info)
     assert err.value.reason == "not safetensors"
@@ -212,15 +217,20 @@ def test_pickle_placed_as_a_shard_is_refused_and_never_run(store, tmp_path, monk
     assert not marker.exists()
 
 
-@pytest.mark.parametrize(("edit", "reason"), [
-    ({"dtype": "float16"}, "unexpected dtype"),
-    ({"shape": (3, 1)}, "shape mismatch"),
-    ({"name": "other"}, "tensor names mismatch"),
-])
+@pytest.mark.parametrize(
+    ("edit", "reason"),
+    [
+        ({"dtype": "float16"}, "unexpected dtype"),
+        ({"shape": (3, 1)}, "shape mismatch"),
+        ({"name": "other"}, "tensor names mismatch"),
+    ],
+)
 def test_load_refuses_a_shard_that_differs_from_its_manifest_entry(store, edit, reason):
     shard = store.put_tensors({"w": torch.ones(3), "b": torch.zeros(2)})[0]
-    tensors = tuple(TensorInfo(**{"name": t.name, "dtype": t.dtype, "shape": t.shape, **edit}) if t.name == "w"
-                    else t for t in shard.tensors)
+    tensors = tuple(
+        TensorInfo(**{"name": t.name, "dtype": t.dtype, "shape": t.shape, **edit}) if t.name == "w" else t
+        for t in shard.tensors
+    )
     lying = ShardInfo(name=shard.name, digest=shard.digest, size_bytes=shard.size_bytes, tensors=tensors)
     with pytest.raises(ShardRejected) as info:
         store.load_tensors(lying)
@@ -233,8 +243,7 @@ def test_load_refuses_missing_extra_tensor_and_wrong_size(store):
     fewer = ShardInfo(name=shard.name, digest=shard.digest, size_bytes=shard.size_bytes, tensors=shard.tensors[:1])
     with pytest.raises(ShardRejected, match="tensor names mismatch"):
         store.load_tensors(fewer)
-    wrong_size = ShardInfo(name=shard.name, digest=shard.digest, size_bytes=shard.size_bytes + 1,
-                           tensors=shard.tensors)
+    wrong_size = ShardInfo(name=shard.name, digest=shard.digest, size_bytes=shard.size_bytes + 1, tensors=shard.tensors)
     with pytest.raises(ShardRejected, match="size mismatch"):
         store.load_tensors(wrong_size)
 
@@ -335,15 +344,26 @@ def test_missing_shards_of_a_manifest(store, tmp_path):
     manifest = _manifest(shards)
     assert other.missing_shards(manifest) == list(shards) and store.missing_shards(manifest) == []
     for shard in other.missing_shards(manifest):
-        other.put_shard_bytes(store.read_shard(shard.digest), expected_digest=shard.digest,
-                              expected_size_bytes=shard.size_bytes)
+        other.put_shard_bytes(
+            store.read_shard(shard.digest), expected_digest=shard.digest, expected_size_bytes=shard.size_bytes
+        )
     assert other.missing_shards(manifest) == []
     assert torch.equal(other.load_state_dict(manifest)["b"], torch.ones(300))
 
 
 def _manifest(shards, *, step: int = 1, parent: str = "") -> Manifest:
-    return Manifest(run_id="run-a", step=step, round=0, task="mlp-demo", config_digest="cd" * 32, parent=parent,
-                    shards=tuple(shards), participants=(), metrics={}, created_at=1_700_000_000)
+    return Manifest(
+        run_id="run-a",
+        step=step,
+        round=0,
+        task="mlp-demo",
+        config_digest="cd" * 32,
+        parent=parent,
+        shards=tuple(shards),
+        participants=(),
+        metrics={},
+        created_at=1_700_000_000,
+    )
 
 
 def _signed_bytes(manifest: Manifest) -> bytes:

@@ -6,39 +6,101 @@ import time
 
 import pytest
 
-from swarm._private.cli import dataclass_flags
+from bootstrap.cli import dataclass_flags
 from swarm.peer import PeerConfig, build_parser
 from swarm.trainer import TrainerConfig
 from tests.helpers import free_port, python_cmd, spawn, wait_until
 
 # Adding, renaming or removing a flag is a decision: update this list in the same change.
 PEER_FLAGS = [
-    "--run", "--initial-peers", "--sync-every", "--inner-warmup-steps", "--outer-lr", "--outer-momentum",
-    "--divergence-rounds", "--load-state", "--load-state-timeout-s",
-    "--min-group-size", "--target-group-size", "--matchmaking-time-s", "--join-timeout-s", "--sender-timeout-s",
-    "--reducer-timeout-s", "--agreement-timeout-s", "--round-timeout-s", "--max-attempts", "--codec", "--aggregator",
-    "--max-weight", "--max-weight-ratio",
-    "--host-maddrs", "--announce-maddrs", "--connect-timeout-s",
-    "--checkpoint-dir", "--checkpoint-every", "--keep-checkpoints", "--ledger-dir",
-    "--advertise", "--record-refresh-s", "--record-expiry-s", "--bandwidth-probe-period-s", "--region",
+    "--run",
+    "--initial-peers",
+    "--sync-every",
+    "--inner-warmup-steps",
+    "--outer-lr",
+    "--outer-momentum",
+    "--divergence-rounds",
+    "--load-state",
+    "--load-state-timeout-s",
+    "--min-group-size",
+    "--target-group-size",
+    "--matchmaking-time-s",
+    "--join-timeout-s",
+    "--sender-timeout-s",
+    "--reducer-timeout-s",
+    "--agreement-timeout-s",
+    "--round-timeout-s",
+    "--max-attempts",
+    "--codec",
+    "--aggregator",
+    "--max-weight",
+    "--max-weight-ratio",
+    "--host-maddrs",
+    "--announce-maddrs",
+    "--connect-timeout-s",
+    "--checkpoint-dir",
+    "--checkpoint-every",
+    "--keep-checkpoints",
+    "--ledger-dir",
+    "--advertise",
+    "--record-refresh-s",
+    "--record-expiry-s",
+    "--bandwidth-probe-period-s",
+    "--region",
     "--available-until",
-    "--require-memory-gb", "--require-dtype", "--require-swarm-version", "--require-torch-version",
-    "--metrics-port", "--metrics-host",
-    "--task", "--task-preset", "--device", "--optimizer", "--lr", "--weight-decay", "--num-shards",
-    "--shard-index", "--seed", "--max-steps", "--max-rounds", "--duration-s", "--eval-batches",
-    "--torch-threads", "--identity-key", "--events", "--dump-dir", "--progress",
+    "--require-memory-gb",
+    "--require-dtype",
+    "--require-swarm-version",
+    "--require-torch-version",
+    "--metrics-port",
+    "--metrics-host",
+    "--task",
+    "--task-preset",
+    "--device",
+    "--optimizer",
+    "--lr",
+    "--weight-decay",
+    "--num-shards",
+    "--shard-index",
+    "--seed",
+    "--max-steps",
+    "--max-rounds",
+    "--duration-s",
+    "--eval-batches",
+    "--torch-threads",
+    "--identity-key",
+    "--events",
+    "--dump-dir",
+    "--progress",
 ]
 
 
 def test_peer_flags_are_frozen_and_map_onto_config_fields():
     assert dataclass_flags(TrainerConfig) + dataclass_flags(PeerConfig) == PEER_FLAGS
     parser_flags = {s for a in build_parser()._actions for s in a.option_strings if s.startswith("--")}
-    assert parser_flags == set(PEER_FLAGS) | {"--help", "--log-level", "--no-load-state", "--no-progress",
-                                              "--no-advertise", "--averaging-timeout-s"}  # the last: renamed, kept
+    assert parser_flags == set(PEER_FLAGS) | {
+        "--help",
+        "--log-level",
+        "--no-load-state",
+        "--no-progress",
+        "--no-advertise",
+        "--averaging-timeout-s",
+    }  # the last: renamed, kept
 
 
-@pytest.mark.parametrize("module", ["bootstrap", "swarm.peer", "swarm.demo", "peers", "swarm.checkpoint", "swarm.ledger",
-                                    "swarm.status", "swarm.report"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "bootstrap",
+        "swarm.peer",
+        "swarm.demo",
+        "peers",
+        "swarm.checkpoint",
+        "swarm.ledger",
+        "swarm.status",
+        "swarm.report",
+    ],
+)
 def test_help(module):
     child = spawn(python_cmd("-m", module, "--help"))
     wait_until(lambda: child.returncode is not None, timeout_s=60, message=child.describe)
@@ -63,8 +125,18 @@ def test_malformed_initial_peer_is_named_and_exits_2(tmp_path):
 
 def test_unreachable_initial_peer_is_named_within_the_timeout(tmp_path):
     addr = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/QmVekjsvS68BRG1RfmybbEmgNmt8Yk1Anpan5uqYmkmczq"
-    child, elapsed_s = _run_peer("--run", "x", "--identity-key", str(tmp_path / "k"), "--initial-peers", addr,
-                                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--connect-timeout-s", "10")
+    child, elapsed_s = _run_peer(
+        "--run",
+        "x",
+        "--identity-key",
+        str(tmp_path / "k"),
+        "--initial-peers",
+        addr,
+        "--host-maddrs",
+        "/ip4/127.0.0.1/tcp/0",
+        "--connect-timeout-s",
+        "10",
+    )
     assert child.returncode == 2, child.describe()
     assert addr in " ".join(child.stderr().split()), child.describe()
     assert elapsed_s < 30
@@ -97,8 +169,16 @@ def test_port_in_use_is_a_clear_error(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        child, _ = _run_peer("--run", "x", "--identity-key", str(tmp_path / "k"),
-                             "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--connect-timeout-s", "15")
+        child, _ = _run_peer(
+            "--run",
+            "x",
+            "--identity-key",
+            str(tmp_path / "k"),
+            "--host-maddrs",
+            f"/ip4/127.0.0.1/tcp/{port}",
+            "--connect-timeout-s",
+            "15",
+        )
     assert child.returncode == 2, child.describe()
     assert str(port) in child.stderr()
 

@@ -17,15 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from averaging.compression import (
-    CODEC_NAMES,
-    FP16_MAX,
-    MAX_NUMEL,
-    Codec,
-    Int8Codec,
-    get_codec,
-    wire_bytes,
-)
+from averaging.compression import CODEC_NAMES, FP16_MAX, MAX_NUMEL, Codec, Int8Codec, get_codec, wire_bytes
 
 CODECS: list[Codec] = [get_codec(name) for name in CODEC_NAMES] + [Int8Codec(blocksize=64)]
 CODEC_IDS = [f"{codec.name}-{getattr(codec, 'blocksize', '')}".rstrip("-") for codec in CODECS]

@@ -20,8 +20,17 @@ from helpers import p2pd_pids
 from benchmarks.dht_churn import DHTChurnConfig, run
 
 SEED = 16_17
-CONFIG = DHTChurnConfig(peers=20, kill_fraction=0.1, keys=40, baseline_lookups=0, lookups=100, queries=10,
-                        parallel=8, phase_timeout_s=30.0, seed=SEED)
+CONFIG = DHTChurnConfig(
+    peers=20,
+    kill_fraction=0.1,
+    keys=40,
+    baseline_lookups=0,
+    lookups=100,
+    queries=10,
+    parallel=8,
+    phase_timeout_s=30.0,
+    seed=SEED,
+)
 
 
 def _running(entry: dict[str, Any]) -> bool:
@@ -67,8 +76,9 @@ def test_dht_survives_churn_and_a_new_peer_joins_after_bootstrap_loss() -> None:
     join, joining = result["join"], seen["joining"]
     assert "p2pd" in [p["name"] for p in seen["bootstrap_procs"]], seen["bootstrap_procs"]  # its whole tree
     assert seen["bootstrap_running"] == [] and join["bootstrap_alive_at_join"] == [], (seen["bootstrap_running"], join)
-    assert joining["initial_peers"] and all(m.endswith(f"/p2p/{joining['via_peer_id']}")
-                                            for m in joining["initial_peers"]), joining
+    assert joining["initial_peers"] and all(
+        m.endswith(f"/p2p/{joining['via_peer_id']}") for m in joining["initial_peers"]
+    ), joining
     assert joining["via_peer_id"] not in result["kill"]["victim_peer_ids"]
     assert not any(joining["bootstrap_peer_id"] in m for m in joining["initial_peers"]), joining
     assert join["joined"] and join["record_published"], join

@@ -44,24 +44,28 @@ def test_demo_run_leaves_verifiable_ledgers_receipts_and_a_report(tmp_path):
     killed = [path for path, es in entries.items() if es[-1].kind != "stop"]
     assert len(killed) == 1, "exactly the SIGKILLed peer's ledger ends without a stop entry"
 
-    receipts = spawn(python_cmd("-m", "swarm.ledger", "receipts", "--run", "demo", "--dir", str(out / "ledgers"),
-                                "--json"))
+    receipts = spawn(
+        python_cmd("-m", "swarm.ledger", "receipts", "--run", "demo", "--dir", str(out / "ledgers"), "--json")
+    )
     wait_until(lambda: receipts.returncode is not None, timeout_s=60, message=receipts.describe)
     assert receipts.returncode == 0, receipts.describe()
     receipts.join_output()
     rows = json.loads(receipts.stdout())["peers"]
     assert len(rows) == 4 and all(row["samples"] > 0 and row["rounds"] > 0 for row in rows), rows
     assert all(row["witnessed"] >= 1 for row in rows), "each peer's receipts are held by another member too"
-    own_rounds = {path: {e.body["round"] for e in es if e.kind == "round" and not e.body["solo"]}
-                  for path, es in entries.items()}
+    own_rounds = {
+        path: {e.body["round"] for e in es if e.kind == "round" and not e.body["solo"]} for path, es in entries.items()
+    }
     for path, es in entries.items():  # every grouped round of a peer that finished is backed by its receipt
-        mine = {e.body["receipt"]["round"] for e in es if e.kind == "receipt"
-                and e.body["receipt"]["peer"] == es[0].peer}
+        mine = {
+            e.body["receipt"]["round"] for e in es if e.kind == "receipt" and e.body["receipt"]["peer"] == es[0].peer
+        }
         if path not in killed:
             assert own_rounds[path] == mine, (path.name, own_rounds[path] - mine)
 
-    sealed = [SignedManifest.from_bytes(f.read_bytes())
-              for f in (out / "checkpoints" / "demo").glob("*/manifests/*.json")]
+    sealed = [
+        SignedManifest.from_bytes(f.read_bytes()) for f in (out / "checkpoints" / "demo").glob("*/manifests/*.json")
+    ]
     assert sealed, "no sealed manifest on disk"
     with_receipts = [s for s in sealed if s.receipts]
     assert with_receipts, "sealed manifests carry no receipts"
@@ -96,13 +100,46 @@ def test_metrics_and_status_board_of_a_live_run(bootstrap_node, tmp_path):
     peers = []
     for i in range(2):
         extra = ["--metrics-port", str(port)] if i == 0 else []
-        peers.append(spawn(python_cmd(
-            "-m", "swarm.peer", "--initial-peers", *bootstrap_node, "--run", "live", "--task-preset", "tiny",
-            "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--shard-index", str(i), "--num-shards", "2",
-            "--identity-key", str(tmp_path / f"p{i}.key"), "--torch-threads", "1", "--no-progress",
-            "--sync-every", "10", "--target-group-size", "2", "--record-refresh-s", "2", "--record-expiry-s", "8",
-            "--checkpoint-dir", str(tmp_path / "ckpt"), "--ledger-dir", str(tmp_path / "ledgers"),
-            "--duration-s", "120", *extra)))
+        peers.append(
+            spawn(
+                python_cmd(
+                    "-m",
+                    "swarm.peer",
+                    "--initial-peers",
+                    *bootstrap_node,
+                    "--run",
+                    "live",
+                    "--task-preset",
+                    "tiny",
+                    "--host-maddrs",
+                    "/ip4/127.0.0.1/tcp/0",
+                    "--shard-index",
+                    str(i),
+                    "--num-shards",
+                    "2",
+                    "--identity-key",
+                    str(tmp_path / f"p{i}.key"),
+                    "--torch-threads",
+                    "1",
+                    "--no-progress",
+                    "--sync-every",
+                    "10",
+                    "--target-group-size",
+                    "2",
+                    "--record-refresh-s",
+                    "2",
+                    "--record-expiry-s",
+                    "8",
+                    "--checkpoint-dir",
+                    str(tmp_path / "ckpt"),
+                    "--ledger-dir",
+                    str(tmp_path / "ledgers"),
+                    "--duration-s",
+                    "120",
+                    *extra,
+                )
+            )
+        )
     try:
         url = f"http://127.0.0.1:{port}/metrics"
         wait_until(lambda: _rounds_ok(url) >= 2, timeout_s=150, message=lambda: peers[0].describe())
@@ -116,8 +153,11 @@ def test_metrics_and_status_board_of_a_live_run(bootstrap_node, tmp_path):
         assert values["swarm_checkpoints_sealed_total"] >= 1
 
         def board() -> dict | None:
-            status = spawn(python_cmd("-m", "swarm.status", "--initial-peers", *bootstrap_node, "--run", "live",
-                                      "--once", "--json"))
+            status = spawn(
+                python_cmd(
+                    "-m", "swarm.status", "--initial-peers", *bootstrap_node, "--run", "live", "--once", "--json"
+                )
+            )
             wait_until(lambda: status.returncode is not None, timeout_s=60, message=status.describe)
             assert status.returncode == 0, status.describe()
             status.join_output()

@@ -78,9 +78,7 @@ from peers.bandwidth import ProbeConfig, ProbeError, ProbeServer, _probe
 from peers.testing import make_record
 from swarm import rounds
 from swarm.checkpoint._private import parse_header
-from swarm.checkpoint.exchange import (
-    PROTOCOL as SHARDS_PROTOCOL,
-)
+from swarm.checkpoint.exchange import PROTOCOL as SHARDS_PROTOCOL
 from swarm.checkpoint.exchange import (
     ExchangeConfig,
     MemoryShardSource,
@@ -112,8 +110,13 @@ RUN = "fuzz-run"
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 HANG_MARGIN_S = 3.0
 
-_PROFILE = settings(database=None, deadline=None, derandomize=False, print_blob=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_PROFILE = settings(
+    database=None,
+    deadline=None,
+    derandomize=False,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def fuzz(max_examples: int, **strategies: Any):
@@ -122,8 +125,10 @@ def fuzz(max_examples: int, **strategies: Any):
     def decorate(test):
         @functools.wraps(test)
         def noted(*args: Any, **kwargs: Any) -> Any:
-            note(f"fuzz seed {FUZZ_SEED}; rerun: SWARM_FUZZ_SEED={FUZZ_SEED} pytest tests/test_fuzz.py -k "
-                 f"{test.__name__}")
+            note(
+                f"fuzz seed {FUZZ_SEED}; rerun: SWARM_FUZZ_SEED={FUZZ_SEED} pytest tests/test_fuzz.py -k "
+                f"{test.__name__}"
+            )
             with peer_stack():
                 return test(*args, **kwargs)
 
@@ -158,16 +163,41 @@ OWNER, OTHER, THIRD, FOURTH = (identity(n) for n in ("owner", "other", "third", 
 
 # ------------------------------------------------------------------------------------------ strategies
 RAW_TOKENS = (
-    "1" * 5000,                       # over Python's 4300-digit int parsing limit: a ValueError, not JSON's
-    "[" * 1200 + "]" * 1200,          # deeper than the recursion limit: a RecursionError
-    "18446744073709551616", "-9223372036854775809", "1e999", "-1e999", "NaN", "Infinity", "-0", "0.5",
-    "true", "false", "null", '""', "{}", "[]", '"\\ud800"', '"\\u0000"', '"\\u001b[2J"', '"' + "x" * 3000 + '"',
+    "1" * 5000,  # over Python's 4300-digit int parsing limit: a ValueError, not JSON's
+    "[" * 1200 + "]" * 1200,  # deeper than the recursion limit: a RecursionError
+    "18446744073709551616",
+    "-9223372036854775809",
+    "1e999",
+    "-1e999",
+    "NaN",
+    "Infinity",
+    "-0",
+    "0.5",
+    "true",
+    "false",
+    "null",
+    '""',
+    "{}",
+    "[]",
+    '"\\ud800"',
+    '"\\u0000"',
+    '"\\u001b[2J"',
+    '"' + "x" * 3000 + '"',
 )
 _HUGE_INTS = st.sampled_from([2**63, 2**64, -(2**63) - 1, 10**30, -1, 0, 2**31, 2**53 + 1])
-json_leaves = st.one_of(st.none(), st.booleans(), st.integers(), _HUGE_INTS,
-                        st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=16))
-json_values = st.recursive(json_leaves, lambda children: st.lists(children, max_size=4)
-                           | st.dictionaries(st.text(max_size=8), children, max_size=4), max_leaves=10)
+json_leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    _HUGE_INTS,
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=16),
+)
+json_values = st.recursive(
+    json_leaves,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=10,
+)
 _PLACEHOLDER = "\x00fuzz-placeholder\x00"
 
 
@@ -236,8 +266,12 @@ def _same_type(value: Any) -> st.SearchStrategy[Any]:
     if isinstance(value, int):
         return st.one_of(st.integers(-5, 5).map(lambda d: value + d), st.integers(), _HUGE_INTS)
     if isinstance(value, str):
-        return st.one_of(st.text(max_size=70), st.just(value[:-1]), st.just(value + value[-1:]),
-                         st.sampled_from([OTHER.peer_id, "ab" * 32, "", "\x1b[2J"]))
+        return st.one_of(
+            st.text(max_size=70),
+            st.just(value[:-1]),
+            st.just(value + value[-1:]),
+            st.sampled_from([OTHER.peer_id, "ab" * 32, "", "\x1b[2J"]),
+        )
     if isinstance(value, list):
         return st.one_of(st.just(value[::-1]), st.just(value + value[-1:]), st.just(value[1:]))
     return json_values
@@ -253,8 +287,12 @@ def mutated_json(draw: Any, obj: Any, *, canonical: bool = True) -> bytes:
     value = _PLACEHOLDER if how == "raw" else draw(json_values)
     if how == "typed":  # a value of the same type, so that the checks behind the schema are reached too
         value = draw(_same_type(_get(obj, path)))
-    text = json.dumps(_edit(obj, path, how, value), sort_keys=canonical, ensure_ascii=False,
-                      separators=(",", ":") if canonical else (", ", ": "))
+    text = json.dumps(
+        _edit(obj, path, how, value),
+        sort_keys=canonical,
+        ensure_ascii=False,
+        separators=(",", ":") if canonical else (", ", ": "),
+    )
     if how == "raw":
         text = text.replace(json.dumps(_PLACEHOLDER), draw(st.sampled_from(RAW_TOKENS)))
     return text.encode("utf-8", "surrogatepass")
@@ -317,8 +355,16 @@ PEER = SimpleNamespace(peer_id=OTHER.peer_id)
 
 
 # ========================================================================================== records
-RECORD_REASONS = {"malformed", "oversized", "version", "peer id mismatch", "bad signature", "expired",
-                  "from the future", "bad lifetime"}
+RECORD_REASONS = {
+    "malformed",
+    "oversized",
+    "version",
+    "peer id mismatch",
+    "bad signature",
+    "expired",
+    "from the future",
+    "bad lifetime",
+}
 RECORD_VALUE = sign_record(make_record(OWNER, issued_at=NOW - 10, lifetime_s=120), OWNER)
 
 
@@ -328,10 +374,18 @@ def record_values(draw: Any) -> tuple[Any, Any]:
     kind = draw(st.sampled_from(("garbage", "payload", "resigned", "signature", "subkey")))
     subkey, value = OWNER.peer_id, dict(RECORD_VALUE)
     if kind == "garbage":
-        return draw(st.one_of(json_values, st.text(max_size=60))), draw(st.one_of(
-            json_values, st.binary(max_size=64),
-            st.fixed_dictionaries({"p": st.one_of(st.binary(max_size=300), json_values),
-                                   "s": st.one_of(st.binary(max_size=80), json_values)})))
+        return draw(st.one_of(json_values, st.text(max_size=60))), draw(
+            st.one_of(
+                json_values,
+                st.binary(max_size=64),
+                st.fixed_dictionaries(
+                    {
+                        "p": st.one_of(st.binary(max_size=300), json_values),
+                        "s": st.one_of(st.binary(max_size=80), json_values),
+                    }
+                ),
+            )
+        )
     if kind in ("payload", "resigned"):
         value["p"] = draw(mutated_payload(RECORD_VALUE["p"]))
         if kind == "resigned":
@@ -355,19 +409,24 @@ def test_parse_record_only_accepts_what_the_owner_signed(case):
         return
     event("accepted")
     assert subkey == record.peer_id == OWNER.peer_id and record.payload() == value["p"]
-    assert verify(public_key=OWNER.public_key, kind="swarm/record", run_id="", payload=value["p"],
-                  signature=value["s"])
+    assert verify(public_key=OWNER.public_key, kind="swarm/record", run_id="", payload=value["p"], signature=value["s"])
 
 
 _LIVE_RECORD = sign_record(make_record(OWNER, lifetime_s=300), OWNER)  # the validator uses the real clock
 _PEERS_KEY_ID = DHTID.generate(source=PEERS_KEY).to_bytes()
 
 
-@fuzz(200, subkey=st.one_of(st.binary(max_size=40), mutated_bytes(MSGPackSerializer.dumps(OWNER.peer_id))),
-      value=st.one_of(st.binary(max_size=200), mutated_bytes(MSGPackSerializer.dumps(_LIVE_RECORD), max_ops=2),
-                      mutated_json(json.loads(_LIVE_RECORD["p"])).map(
-                          lambda p: MSGPackSerializer.dumps({"p": p, "s": OWNER.sign(
-                              kind="swarm/record", run_id="", payload=p)}))))
+@fuzz(
+    200,
+    subkey=st.one_of(st.binary(max_size=40), mutated_bytes(MSGPackSerializer.dumps(OWNER.peer_id))),
+    value=st.one_of(
+        st.binary(max_size=200),
+        mutated_bytes(MSGPackSerializer.dumps(_LIVE_RECORD), max_ops=2),
+        mutated_json(json.loads(_LIVE_RECORD["p"])).map(
+            lambda p: MSGPackSerializer.dumps({"p": p, "s": OWNER.sign(kind="swarm/record", run_id="", payload=p)})
+        ),
+    ),
+)
 def test_record_validator_refuses_mutated_msgpack_and_counts_it(subkey, value):
     validator = PeerRecordValidator()
     record = DHTRecord(key=_PEERS_KEY_ID, subkey=subkey, value=value, expiration_time=time.time() + 30)
@@ -378,21 +437,53 @@ def test_record_validator_refuses_mutated_msgpack_and_counts_it(subkey, value):
 
 
 # ========================================================================================== status board
-STATUS_REASONS = {"malformed", "oversized", "version", "non-canonical", "another run", "peer mismatch",
-                  "bad peer id", "bad signature", "from the future", "stale"}
-_STATUS = PeerStatus(peer=OWNER.peer_id, run=RUN, t=NOW - 5, state="training", round=7, step=70,
-                     samples_per_s_milli=1500, loss_milli=2310, val_loss_milli=None,
-                     last_group=LastGroup(group_id="g7", members=(OWNER.peer_id, OTHER.peer_id), outcome="ok",
-                                          duration_ms=1200, bytes_sent=10, bytes_received=20),
-                     events=(StatusEvent(t=NOW - 6, kind="joined", detail="round 0"),))
+STATUS_REASONS = {
+    "malformed",
+    "oversized",
+    "version",
+    "non-canonical",
+    "another run",
+    "peer mismatch",
+    "bad peer id",
+    "bad signature",
+    "from the future",
+    "stale",
+}
+_STATUS = PeerStatus(
+    peer=OWNER.peer_id,
+    run=RUN,
+    t=NOW - 5,
+    state="training",
+    round=7,
+    step=70,
+    samples_per_s_milli=1500,
+    loss_milli=2310,
+    val_loss_milli=None,
+    last_group=LastGroup(
+        group_id="g7",
+        members=(OWNER.peer_id, OTHER.peer_id),
+        outcome="ok",
+        duration_ms=1200,
+        bytes_sent=10,
+        bytes_received=20,
+    ),
+    events=(StatusEvent(t=NOW - 6, kind="joined", detail="round 0"),),
+)
 STATUS_VALUE = sign_status(_STATUS, OWNER)
 
 
-@fuzz(250, subkey=st.one_of(st.just(OWNER.peer_id), st.just(OTHER.peer_id), json_values),
-      value=st.one_of(json_values, st.binary(max_size=64),
-                      mutated_payload(STATUS_VALUE["p"]).map(lambda p: {"p": p, "s": STATUS_VALUE["s"]}),
-                      mutated_payload(STATUS_VALUE["p"]).map(lambda p: {"p": p, "s": OWNER.sign(
-                          kind="swarm/status", run_id=RUN, payload=p)})))
+@fuzz(
+    250,
+    subkey=st.one_of(st.just(OWNER.peer_id), st.just(OTHER.peer_id), json_values),
+    value=st.one_of(
+        json_values,
+        st.binary(max_size=64),
+        mutated_payload(STATUS_VALUE["p"]).map(lambda p: {"p": p, "s": STATUS_VALUE["s"]}),
+        mutated_payload(STATUS_VALUE["p"]).map(
+            lambda p: {"p": p, "s": OWNER.sign(kind="swarm/status", run_id=RUN, payload=p)}
+        ),
+    ),
+)
 def test_parse_status_refuses_with_one_counted_reason(subkey, value):
     counter: Counter[str] = Counter()
     try:
@@ -406,15 +497,35 @@ def test_parse_status_refuses_with_one_counted_reason(subkey, value):
 
 
 # ========================================================================================== receipts
-RECEIPT_REASONS = {"malformed", "oversized", "unsupported version", "members not sorted and unique",
-                   "peer not a member", "bad signature", "another run"}
+RECEIPT_REASONS = {
+    "malformed",
+    "oversized",
+    "unsupported version",
+    "members not sorted and unique",
+    "peer not a member",
+    "bad signature",
+    "another run",
+}
 _MEMBERS = tuple(sorted(i.peer_id for i in (OWNER, OTHER, THIRD, FOURTH)))
 
 
 def _receipt(signer: Identity, *, round_: int = 5, run: str = RUN) -> Any:
-    return sign_receipt(Receipt(run=run, round=round_, group_id=f"group-{round_}", members=_MEMBERS,
-                                peer=signer.peer_id, samples=64, bytes_sent=1000, bytes_received=2000,
-                                ledger_seq=3, ledger_head="ab" * 32, t=NOW - 1), signer)
+    return sign_receipt(
+        Receipt(
+            run=run,
+            round=round_,
+            group_id=f"group-{round_}",
+            members=_MEMBERS,
+            peer=signer.peer_id,
+            samples=64,
+            bytes_sent=1000,
+            bytes_received=2000,
+            ledger_seq=3,
+            ledger_head="ab" * 32,
+            t=NOW - 1,
+        ),
+        signer,
+    )
 
 
 RECEIPT_DICT = _receipt(OWNER).to_dict()
@@ -432,9 +543,17 @@ def _dict_mutation(obj: Any) -> st.SearchStrategy[Any]:
     return build()
 
 
-@fuzz(250, data=st.one_of(json_values, st.binary(max_size=64), _dict_mutation(RECEIPT_DICT),
-                          mutated_bytes(canonical_json(RECEIPT_DICT)), mutated_json(RECEIPT_DICT)),
-      run_id=st.sampled_from([RUN, None, "another-run"]))
+@fuzz(
+    250,
+    data=st.one_of(
+        json_values,
+        st.binary(max_size=64),
+        _dict_mutation(RECEIPT_DICT),
+        mutated_bytes(canonical_json(RECEIPT_DICT)),
+        mutated_json(RECEIPT_DICT),
+    ),
+    run_id=st.sampled_from([RUN, None, "another-run"]),
+)
 def test_verify_receipt_refuses_with_one_counted_reason(data, run_id):
     counter: Counter[str] = Counter()
     try:
@@ -447,14 +566,37 @@ def test_verify_receipt_refuses_with_one_counted_reason(data, run_id):
 
 
 # ========================================================================================== manifests
-MANIFEST_REASONS = {"oversized", "malformed", "unsupported version", "bad receipt", "another run's manifest",
-                    "missing signature", "signer not a participant", "bad signature", "below quorum"}
+MANIFEST_REASONS = {
+    "oversized",
+    "malformed",
+    "unsupported version",
+    "bad receipt",
+    "another run's manifest",
+    "missing signature",
+    "signer not a participant",
+    "bad signature",
+    "below quorum",
+}
 _GROUP = sorted((OWNER, OTHER, THIRD, FOURTH), key=lambda i: i.peer_id)
-_SHARD = ShardInfo(name="shard-00000", digest="cd" * 32, size_bytes=4096,
-                   tensors=(TensorInfo(name="w", dtype="float32", shape=(16, 16)),))
-_MANIFEST = Manifest(run_id=RUN, step=5, round=5, task="charlm", config_digest="ef" * 32, parent="",
-                     shards=(_SHARD,), participants=_MEMBERS, metrics={"val_loss_milli": 2310},
-                     created_at=NOW - 2, contributions={p: 64 for p in _MEMBERS})
+_SHARD = ShardInfo(
+    name="shard-00000",
+    digest="cd" * 32,
+    size_bytes=4096,
+    tensors=(TensorInfo(name="w", dtype="float32", shape=(16, 16)),),
+)
+_MANIFEST = Manifest(
+    run_id=RUN,
+    step=5,
+    round=5,
+    task="charlm",
+    config_digest="ef" * 32,
+    parent="",
+    shards=(_SHARD,),
+    participants=_MEMBERS,
+    metrics={"val_loss_milli": 2310},
+    created_at=NOW - 2,
+    contributions={p: 64 for p in _MEMBERS},
+)
 
 
 def _sealed(manifest: Manifest = _MANIFEST, signers: list[Identity] = _GROUP[:3]) -> SignedManifest:
@@ -467,8 +609,10 @@ def _sealed(manifest: Manifest = _MANIFEST, signers: list[Identity] = _GROUP[:3]
 MANIFEST_BYTES = _sealed().to_bytes()
 
 
-@fuzz(200, data=st.one_of(st.binary(max_size=256), mutated_bytes(MANIFEST_BYTES),
-                          mutated_json(json.loads(MANIFEST_BYTES))))
+@fuzz(
+    200,
+    data=st.one_of(st.binary(max_size=256), mutated_bytes(MANIFEST_BYTES), mutated_json(json.loads(MANIFEST_BYTES))),
+)
 @example(data=MANIFEST_BYTES.replace(b'"step":5', b'"step":' + b"5" * 5000))
 @example(data=MANIFEST_BYTES.replace(b'"step":5', b'"step":' + b"[" * 1200 + b"]" * 1200))
 def test_manifest_parser_refuses_with_one_counted_reason(data):
@@ -488,15 +632,26 @@ def test_manifest_parser_refuses_with_one_counted_reason(data):
 
 # ========================================================================================== checkpoint shards
 SHARD_REASONS = {"not safetensors", "unexpected dtype", "size mismatch", "tensor names mismatch", "shape mismatch"}
-SHARD_BYTES = safetensors_save({"w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
-                                "steps": torch.arange(3, dtype=torch.int64), "mask": torch.tensor([True, False])})
+SHARD_BYTES = safetensors_save(
+    {
+        "w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        "steps": torch.arange(3, dtype=torch.int64),
+        "mask": torch.tensor([True, False]),
+    }
+)
 _HEADER_LEN = int.from_bytes(SHARD_BYTES[:8], "little")
 _SHARD_HEADER = json.loads(SHARD_BYTES[8 : 8 + _HEADER_LEN])
 _SHARD_DATA = SHARD_BYTES[8 + _HEADER_LEN :]
-_SHARD_INFO = ShardInfo(name="shard-00000", digest=hashlib.sha256(SHARD_BYTES).hexdigest(), size_bytes=len(SHARD_BYTES),
-                        tensors=(TensorInfo(name="w", dtype="float32", shape=(3, 4)),
-                                 TensorInfo(name="steps", dtype="int64", shape=(3,)),
-                                 TensorInfo(name="mask", dtype="bool", shape=(2,))))
+_SHARD_INFO = ShardInfo(
+    name="shard-00000",
+    digest=hashlib.sha256(SHARD_BYTES).hexdigest(),
+    size_bytes=len(SHARD_BYTES),
+    tensors=(
+        TensorInfo(name="w", dtype="float32", shape=(3, 4)),
+        TensorInfo(name="steps", dtype="int64", shape=(3,)),
+        TensorInfo(name="mask", dtype="bool", shape=(2,)),
+    ),
+)
 
 
 @st.composite
@@ -548,7 +703,10 @@ def test_shard_loading_refuses_mutated_safetensors_with_one_counted_reason(shard
         assert e.reason in SHARD_REASONS and store.rejected == Counter({e.reason: 1}), (e, store.rejected)
     else:
         assert {n: (str(t.dtype), tuple(t.shape)) for n, t in loaded.items()} == {
-            "w": ("torch.float32", (3, 4)), "steps": ("torch.int64", (3,)), "mask": ("torch.bool", (2,))}
+            "w": ("torch.float32", (3, 4)),
+            "steps": ("torch.int64", (3,)),
+            "mask": ("torch.bool", (2,)),
+        }
     store.shard_path(digest).unlink()
 
 
@@ -599,10 +757,31 @@ def test_mutated_ledger_files_are_reported_never_raised(pristine_ledger, data):
 _LEDGER_COLUMNS = ("seq", "t_ms", "kind", "peer", "run", "body", "prev", "digest", "signature")
 
 
-@fuzz(60, seq=st.integers(1, 5), column=st.sampled_from(_LEDGER_COLUMNS),
-      value=st.one_of(st.none(), st.integers(), st.floats(), st.text(max_size=80), st.binary(max_size=40),
-                      st.sampled_from(["{}", "[]", '{"a":' + "1" * 5000 + "}", "[" * 2000, "0" * 64, "f" * 128,
-                                       GENESIS, OTHER.peer_id, "other-run"])))
+@fuzz(
+    60,
+    seq=st.integers(1, 5),
+    column=st.sampled_from(_LEDGER_COLUMNS),
+    value=st.one_of(
+        st.none(),
+        st.integers(),
+        st.floats(),
+        st.text(max_size=80),
+        st.binary(max_size=40),
+        st.sampled_from(
+            [
+                "{}",
+                "[]",
+                '{"a":' + "1" * 5000 + "}",
+                "[" * 2000,
+                "0" * 64,
+                "f" * 128,
+                GENESIS,
+                OTHER.peer_id,
+                "other-run",
+            ]
+        ),
+    ),
+)
 def test_mutated_ledger_rows_are_blamed_never_raised(pristine_ledger, seq, column, value):
     pristine, folder = pristine_ledger
     # the owner's own file name in a folder of its own, so that only the edited row is wrong
@@ -666,7 +845,9 @@ def test_identity_key_loading_refuses_clearly_and_never_rewrites(tmp_path_factor
 
 # ========================================================================================== averaging codecs
 _CODEC_NUMEL = 300
-_CODEC_MESSAGES = {name: get_codec(name).encode(torch.linspace(-3, 3, _CODEC_NUMEL)) for name in ("fp32", "fp16", "int8")}
+_CODEC_MESSAGES = {
+    name: get_codec(name).encode(torch.linspace(-3, 3, _CODEC_NUMEL)) for name in ("fp32", "fp16", "int8")
+}
 
 
 @fuzz(150, name=st.sampled_from(sorted(_CODEC_MESSAGES)), data=st.data())
@@ -682,15 +863,36 @@ def test_codec_decode_of_mutated_messages_only_raises_value_error(name, data):
 # ========================================================================================== averaging wire
 AVG_NUMEL = 64
 AVG_GROUP = "a1" * 16
-_AVG_REASONS = {"truncated", "oversized header", "malformed header", "unknown op", "unknown group", "not a member",
-                "wrong slice", "wrong codec", "bad size", "undecodable part", "late part",
-                "duplicate part"}
+_AVG_REASONS = {
+    "truncated",
+    "oversized header",
+    "malformed header",
+    "unknown op",
+    "unknown group",
+    "not a member",
+    "wrong slice",
+    "wrong codec",
+    "bad size",
+    "undecodable part",
+    "late part",
+    "duplicate part",
+}
 
 
 def _valid_part(codec: str) -> tuple[dict, bytes]:
     payload = get_codec(codec).encode(torch.linspace(-1, 1, AVG_NUMEL))
-    return ({"op": "part", "group_id": AVG_GROUP, "index": 1, "numel": AVG_NUMEL, "weight": 2.0, "codec": codec,
-             "payload_bytes": len(payload)}, payload)
+    return (
+        {
+            "op": "part",
+            "group_id": AVG_GROUP,
+            "index": 1,
+            "numel": AVG_NUMEL,
+            "weight": 2.0,
+            "codec": codec,
+            "payload_bytes": len(payload),
+        },
+        payload,
+    )
 
 
 @st.composite
@@ -715,16 +917,23 @@ def averaging_streams(draw: Any) -> tuple[str, bytes]:
 def _bare_averager(codec: str) -> tuple[GroupAverager, _ReduceState]:
     """The server half of a GroupAverager with one open slice to reduce (member 1 of OTHER, OWNER)."""
     averager = object.__new__(GroupAverager)
-    averager.config = AveragingConfig(matchmaking_time_s=0.1, join_timeout_s=0.02, sender_timeout_s=0.02,
-                                      agreement_timeout_s=0.02, reducer_timeout_s=0.05, round_timeout_s=1.0,
-                                      codec=codec)
+    averager.config = AveragingConfig(
+        matchmaking_time_s=0.1,
+        join_timeout_s=0.02,
+        sender_timeout_s=0.02,
+        agreement_timeout_s=0.02,
+        reducer_timeout_s=0.05,
+        round_timeout_s=1.0,
+        codec=codec,
+    )
     averager.rejected, averager.fault_hook, averager._dead = Counter(), None, False
     averager._states, averager._lobbies, averager._state_added = {}, {}, asyncio.Event()
     averager._active_serves = 0
     averager.peer_id = OWNER.peer_id
     group = Group(group_id=AVG_GROUP, members=(OTHER.peer_id, OWNER.peer_id), gathered={})
-    state = _ReduceState(group=group, my_index=1, numel=AVG_NUMEL, weight=1.0, codec=codec,
-                         sender_deadline=time.monotonic() + 60)
+    state = _ReduceState(
+        group=group, my_index=1, numel=AVG_NUMEL, weight=1.0, codec=codec, sender_deadline=time.monotonic() + 60
+    )
     state.result.set_result(None)  # the slice "failed": a valid part is answered at once
     averager._states[AVG_GROUP] = state
     return averager, state
@@ -732,8 +941,10 @@ def _bare_averager(codec: str) -> tuple[GroupAverager, _ReduceState]:
 
 @fuzz(200, stream=averaging_streams(), outsider=st.booleans())
 @example(stream=("fp32", frame(b"[" * 1200 + b"]" * 1200)), outsider=False)
-@example(stream=("fp32", frame(canonical_json({**_valid_part("fp32")[0], "weight": 10**400}),
-                               _valid_part("fp32")[1])), outsider=False)
+@example(
+    stream=("fp32", frame(canonical_json({**_valid_part("fp32")[0], "weight": 10**400}), _valid_part("fp32")[1])),
+    outsider=False,
+)
 def test_averaging_handler_rejects_every_bad_stream_with_one_counted_reason(stream, outsider):
     codec, data = stream
 
@@ -768,8 +979,15 @@ def test_averaging_read_header_raises_only_protocol_errors(data):
 
 # ========================================================================================== group metadata
 _BINDING = OTHER.bind(OTHER.peer_id).to_dict()
-_GATHER = {"round": 3, "samples": 64, "binding": _BINDING, "base": "ab" * 32, "t": NOW, "sealed": [4, "cd" * 32],
-           "fresh": False}
+_GATHER = {
+    "round": 3,
+    "samples": 64,
+    "binding": _BINDING,
+    "base": "ab" * 32,
+    "t": NOW,
+    "sealed": [4, "cd" * 32],
+    "fresh": False,
+}
 
 
 @fuzz(150, gathered=st.one_of(json_values, _dict_mutation(_GATHER)))
@@ -782,8 +1000,9 @@ def test_group_metadata_checks_never_raise(gathered):
         binding = PeerBinding.from_dict(gathered["binding"])
         assert binding.peer_id == OTHER.peer_id and binding.is_valid()
     # what the trainer derives from every member's metadata once a round is done must not raise either
-    group = Group(group_id="g", members=(OTHER.peer_id, OWNER.peer_id),
-                  gathered={OTHER.peer_id: gathered, OWNER.peer_id: _GATHER})
+    group = Group(
+        group_id="g", members=(OTHER.peer_id, OWNER.peer_id), gathered={OTHER.peer_id: gathered, OWNER.peer_id: _GATHER}
+    )
     record = RoundRecord(round=3, included=[OTHER.peer_id, OWNER.peer_id])
     agree = rounds.base_agreement_group(group, record, OWNER.peer_id)
     assert agree is None or agree.members == group.members
@@ -791,9 +1010,19 @@ def test_group_metadata_checks_never_raise(gathered):
     # every member builds the same manifest from everyone's metadata: one member's bad values must not make
     # that manifest invalid (it would stop the whole group from sealing, and from swapping receipts)
     seal = rounds.seal_fields(group, 2.5)
-    Manifest(run_id=RUN, step=3, round=3, task="charlm", config_digest="ef" * 32, parent=seal.parent,
-             shards=(), participants=tuple(sorted(seal.participants)), metrics=seal.metrics,
-             created_at=seal.created_at, contributions=seal.contributions)
+    Manifest(
+        run_id=RUN,
+        step=3,
+        round=3,
+        task="charlm",
+        config_digest="ef" * 32,
+        parent=seal.parent,
+        shards=(),
+        participants=tuple(sorted(seal.participants)),
+        metrics=seal.metrics,
+        created_at=seal.created_at,
+        contributions=seal.contributions,
+    )
 
 
 # ========================================================================================== manifest gossip
@@ -814,12 +1043,19 @@ def _bare_gossip() -> ManifestGossip:
     return gossip
 
 
-@fuzz(150, data=st.one_of(st.binary(max_size=64), mutated_bytes(frame(MANIFEST_BYTES)),
-                          mutated_json(json.loads(MANIFEST_BYTES)).map(frame),
-                          st.integers(MAX_MANIFEST_BYTES + 1, 2**32 - 1).map(lambda n: n.to_bytes(4, "big"))))
+@fuzz(
+    150,
+    data=st.one_of(
+        st.binary(max_size=64),
+        mutated_bytes(frame(MANIFEST_BYTES)),
+        mutated_json(json.loads(MANIFEST_BYTES)).map(frame),
+        st.integers(MAX_MANIFEST_BYTES + 1, 2**32 - 1).map(lambda n: n.to_bytes(4, "big")),
+    ),
+)
 @example(data=frame(MANIFEST_BYTES))
 def test_gossip_handler_counts_every_refusal(data):
     gossip = _bare_gossip()
+
     async def serve_and_forward() -> None:  # the handler hands an accepted manifest to a forwarding task
         await gossip._serve(PEER, reader_of(data), FakeWriter())
         await asyncio.gather(*list(gossip._forwarding))
@@ -875,8 +1111,14 @@ def test_shard_server_counts_every_refusal_and_serves_good_requests(data):
 _OK_REPLY = {"status": "ok", "size": len(_EX_DATA), "length": 1024}
 
 
-@fuzz(150, reply=st.one_of(st.binary(max_size=64), mutated_json(_OK_REPLY).map(lambda h: frame(h, _EX_DATA[:1024])),
-                           mutated_bytes(frame(json.dumps(_OK_REPLY).encode(), _EX_DATA[:1024]))))
+@fuzz(
+    150,
+    reply=st.one_of(
+        st.binary(max_size=64),
+        mutated_json(_OK_REPLY).map(lambda h: frame(h, _EX_DATA[:1024])),
+        mutated_bytes(frame(json.dumps(_OK_REPLY).encode(), _EX_DATA[:1024])),
+    ),
+)
 @example(reply=frame(b'{"status":[]}'))
 def test_shard_client_reply_parser_fails_only_with_attempt_failed(reply):
     async def ask() -> Any:
@@ -895,8 +1137,15 @@ def test_shard_client_reply_parser_fails_only_with_attempt_failed(reply):
 
 # ========================================================================================== bandwidth probe
 _PROBE_CONFIG = ProbeConfig(probe_bytes=512, max_request_bytes=4096, timeout_s=0.5, num_pings=2)
-_PROBE_REASONS = {"unknown_op", "too_large", "truncated_header", "short_read", "timeout", "too_many_requests",
-                  "disconnected"}
+_PROBE_REASONS = {
+    "unknown_op",
+    "too_large",
+    "truncated_header",
+    "short_read",
+    "timeout",
+    "too_many_requests",
+    "disconnected",
+}
 _GOOD_PROBE = b"P" + bytes(8) + b"D" + (512).to_bytes(8, "big") + b"U" + (16).to_bytes(8, "big") + bytes(16)
 
 
@@ -947,8 +1196,9 @@ def run_with_replica(dht: Any, scenario: Any) -> Any:
     return asyncio.run(main())
 
 
-async def send_raw(p2p: Any, peer_id: str, handler: str, data: bytes, *, hang_up: bool,
-                   bound_s: float) -> tuple[bytes, float]:
+async def send_raw(
+    p2p: Any, peer_id: str, handler: str, data: bytes, *, hang_up: bool, bound_s: float
+) -> tuple[bytes, float]:
     """Open a stream to ``handler`` and send ``data``. With ``hang_up``, close at once; otherwise wait
     (at most ``bound_s``) for the server's first reply bytes or its end of the stream, then close.
     Returns (what was read, seconds until then)."""
@@ -967,6 +1217,7 @@ async def send_raw(p2p: Any, peer_id: str, handler: str, data: bytes, *, hang_up
 
 def moved(counter: Counter, before: Counter, reasons: tuple[str, ...], timeout_s: float = 5.0) -> str:
     """Wait until one of ``reasons`` was counted once more; return it."""
+
     def which() -> str | None:
         return next((r for r in reasons if counter[r] > before[r]), None)
 
@@ -997,9 +1248,11 @@ def test_live_gossip_handler_survives_garbage_and_still_takes_a_sealed_manifest(
         ((1000).to_bytes(4, "big") + b"x" * 10, True, ("truncated",)),  # the sender hangs up mid-frame
     ]
     try:
+
         async def scenario(p2p: Any) -> None:
-            await send_cases(p2p, gossip.peer_id, handler, gossip.rejected, cases,
-                             config.push_timeout_s + HANG_MARGIN_S)
+            await send_cases(
+                p2p, gossip.peer_id, handler, gossip.rejected, cases, config.push_timeout_s + HANG_MARGIN_S
+            )
             assert gossip.newest is None and gossip.received == 3
             await send_raw(p2p, gossip.peer_id, handler, frame(MANIFEST_BYTES), hang_up=False, bound_s=HANG_MARGIN_S)
 
@@ -1024,10 +1277,12 @@ def test_live_shard_server_survives_garbage_and_still_serves(live_dhts):
         (b"", False, ("timeout",)),  # a silent client: cut off at timeout_s
     ]
     try:
+
         async def scenario(p2p: Any) -> None:
             await send_cases(p2p, exchange.peer_id, SHARDS_PROTOCOL, rejected, cases, config.timeout_s + HANG_MARGIN_S)
-            reply = await request_chunk(p2p, exchange.peer_id, digest=_EX_DIGEST, offset=1000, length=1024,
-                                        timeout_s=5.0)
+            reply = await request_chunk(
+                p2p, exchange.peer_id, digest=_EX_DIGEST, offset=1000, length=1024, timeout_s=5.0
+            )
             assert reply.status == "ok" and reply.data == _EX_DATA[1000:2024]
 
         run_with_replica(live_dhts[1], scenario)
@@ -1039,14 +1294,29 @@ def test_live_shard_server_survives_garbage_and_still_serves(live_dhts):
 
 @pytest.mark.timeout(90)
 def test_live_averaging_handler_survives_garbage_and_still_averages(live_dhts, caplog):
-    config = AveragingConfig(matchmaking_time_s=1.0, join_timeout_s=2.0, sender_timeout_s=1.0, reducer_timeout_s=3.0,
-                             agreement_timeout_s=0.5, round_timeout_s=20.0, target_group_size=2, aggregator="mean",
-                             codec="fp32")
+    config = AveragingConfig(
+        matchmaking_time_s=1.0,
+        join_timeout_s=2.0,
+        sender_timeout_s=1.0,
+        reducer_timeout_s=3.0,
+        agreement_timeout_s=0.5,
+        round_timeout_s=20.0,
+        target_group_size=2,
+        aggregator="mean",
+        codec="fp32",
+    )
     prefix = f"fuzz{uuid.uuid4().hex[:8]}"
     averagers = [GroupAverager(dht, prefix=prefix, config=config) for dht in live_dhts]
     target, handler = averagers[0], f"swarm.avg.v1.{prefix}"
-    part = {"op": "part", "group_id": "no-such-group", "index": 0, "numel": 4, "weight": 1.0, "codec": "fp32",
-            "payload_bytes": 16}
+    part = {
+        "op": "part",
+        "group_id": "no-such-group",
+        "index": 0,
+        "numel": 4,
+        "weight": 1.0,
+        "codec": "fp32",
+        "payload_bytes": 16,
+    }
     cases = [
         (frame(b"{oops"), False, ("malformed header",)),
         (b"\x7f\xff\xff\xff", False, ("oversized header",)),
@@ -1057,6 +1327,7 @@ def test_live_averaging_handler_survives_garbage_and_still_averages(live_dhts, c
     ]
     bound_s = config.sender_timeout_s + config.agreement_timeout_s + HANG_MARGIN_S
     try:
+
         async def scenario(p2p: Any) -> float:
             await send_cases(p2p, target.peer_id, handler, target.rejected, cases, bound_s)
             reply, silent_s = await send_raw(p2p, target.peer_id, handler, b"", hang_up=False, bound_s=bound_s)
@@ -1066,8 +1337,11 @@ def test_live_averaging_handler_survives_garbage_and_still_averages(live_dhts, c
         with caplog.at_level(logging.DEBUG, logger="averaging.group"):
             silent_s = run_with_replica(live_dhts[1], scenario)
             assert config.sender_timeout_s - 0.5 < silent_s < bound_s  # ... at sender_timeout_s, and said why
-            wait_until(lambda: any("ended" in r.getMessage() and "TimeoutError" in r.getMessage()
-                                   for r in caplog.records), 5.0, message="the silent stream's logged reason")
+            wait_until(
+                lambda: any("ended" in r.getMessage() and "TimeoutError" in r.getMessage() for r in caplog.records),
+                5.0,
+                message="the silent stream's logged reason",
+            )
         assert "internal error" not in target.rejected and sum(target.rejected.values()) == len(cases)
 
         # the service still averages: a real round between the two peers gives the weighted mean
@@ -1085,7 +1359,9 @@ def test_live_averaging_handler_survives_garbage_and_still_averages(live_dhts, c
 
 def test_the_mutators_do_mutate():
     """A fuzzer that fed only valid input would pass anything: the mutations reach the nasty tokens."""
-    quiet = settings(database=None, max_examples=500, derandomize=True)  # a random search missed one token in a clean run
+    quiet = settings(
+        database=None, max_examples=500, derandomize=True
+    )  # a random search missed one token in a clean run
     assert find(mutated_bytes(b"abcdef"), lambda d: d != b"abcdef", settings=quiet) != b"abcdef"
     assert b"1" * 5000 in find(mutated_json({"a": [1]}), lambda d: b"1" * 5000 in d, settings=quiet)
     assert find(mutated_json({"a": [1]}), lambda d: b"[" * 1200 in d, settings=quiet)

@@ -17,9 +17,19 @@ LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
 def sealed_manifest(step: int, signers: list[Identity], *, run: str = RUN) -> bytes:
-    manifest = Manifest(version=1, run_id=run, step=step, round=step, task="charlm", config_digest="a" * 64,
-                        parent="", shards=(), participants=tuple(sorted(s.peer_id for s in signers)),
-                        metrics={"val_loss_micro": 2_500_000}, created_at=1_800_000_000 + step)
+    manifest = Manifest(
+        version=1,
+        run_id=run,
+        step=step,
+        round=step,
+        task="charlm",
+        config_digest="a" * 64,
+        parent="",
+        shards=(),
+        participants=tuple(sorted(s.peer_id for s in signers)),
+        metrics={"val_loss_micro": 2_500_000},
+        created_at=1_800_000_000 + step,
+    )
     signed = SignedManifest(manifest=manifest, signatures={})
     for signer in signers:
         signed = signed.with_signature(*sign_manifest(manifest, signer))
@@ -40,8 +50,9 @@ def swarm_of_gossips():
         dhts += [start_dht(initial, host_maddrs=LOOPBACK, nat_port_map=False) for _ in range(NUM_PEERS - 1)]
         ids: list[str] = []
         for dht in dhts:
-            gossips.append(ManifestGossip(dht, run_id=RUN, verify=verify, peers=lambda: ids,
-                                          config=GossipConfig(fanout=3)))
+            gossips.append(
+                ManifestGossip(dht, run_id=RUN, verify=verify, peers=lambda: ids, config=GossipConfig(fanout=3))
+            )
         ids.extend(g.peer_id for g in gossips)
         yield dhts, gossips
     finally:
@@ -58,8 +69,11 @@ def test_a_sealed_manifest_reaches_every_peer_and_forgeries_do_not(swarm_of_goss
     data = sealed_manifest(5, signers)
     started = time.monotonic()
     assert gossips[0].publish(data)
-    wait_until(lambda: all(g.newest is not None and g.newest[0] == 5 for g in gossips), timeout_s=30,
-               message=lambda: f"reached {sum(g.newest is not None for g in gossips)} of {NUM_PEERS}")
+    wait_until(
+        lambda: all(g.newest is not None and g.newest[0] == 5 for g in gossips),
+        timeout_s=30,
+        message=lambda: f"reached {sum(g.newest is not None for g in gossips)} of {NUM_PEERS}",
+    )
     print(f"sealed manifest reached all {NUM_PEERS} peers in {time.monotonic() - started:.3f} s")
     assert sum(g.received for g in gossips) >= NUM_PEERS - 1
 

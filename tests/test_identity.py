@@ -55,10 +55,12 @@ def test_signature_verifies_only_in_its_own_domain_and_run():
     assert verify(kind="swarm/manifest", run_id="run-a", **ok)
     assert not verify(kind="swarm/record", run_id="run-a", **ok)
     assert not verify(kind="swarm/manifest", run_id="run-b", **ok)
-    assert not verify(kind="swarm/manifest", run_id="run-a", public_key=ident.public_key,
-                      payload=payload + b" ", signature=sig)
-    assert not verify(kind="swarm/manifest", run_id="run-a", public_key=Identity.generate().public_key,
-                      payload=payload, signature=sig)
+    assert not verify(
+        kind="swarm/manifest", run_id="run-a", public_key=ident.public_key, payload=payload + b" ", signature=sig
+    )
+    assert not verify(
+        kind="swarm/manifest", run_id="run-a", public_key=Identity.generate().public_key, payload=payload, signature=sig
+    )
     # the separator cannot be smuggled in to make two domains collide
     with pytest.raises(ValueError):
         ident.sign(kind="swarm/manifest\x00run-a", run_id="", payload=payload)

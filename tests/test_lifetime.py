@@ -49,9 +49,7 @@ def test_sigkill_reaps_dht_child_and_p2pd() -> None:
     victim.popen.kill()
     assert victim.popen.wait(timeout=10) == -signal.SIGKILL
 
-    wait_until(
-        lambda: not alive(tree), timeout_s=5.0, message=lambda: f"orphans {[p.pid for p in alive(tree)]} gone"
-    )
+    wait_until(lambda: not alive(tree), timeout_s=5.0, message=lambda: f"orphans {[p.pid for p in alive(tree)]} gone")
     reaped_s = time.monotonic() - killed_at
     wait_until(lambda: not alive([reaper]), timeout_s=5.0, message="reaper exit")
     print(f"reaper removed {len(tree)} orphans ({sorted(names)}) {reaped_s:.2f} s after SIGKILL")

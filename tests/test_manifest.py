@@ -40,12 +40,27 @@ def group() -> list[Identity]:
 
 
 def make_manifest(group: list[Identity], *, step: int = 10, parent: str = "", run_id: str = RUN) -> Manifest:
-    shard = ShardInfo(name="shard-00000", digest=f"{step:064x}", size_bytes=128,
-                      tensors=(TensorInfo(name="w", dtype="float32", shape=(4, 4)),
-                               TensorInfo(name="b", dtype="bfloat16", shape=(4,))))
-    return Manifest(run_id=run_id, step=step, round=step // 2, task="mlp-demo", config_digest="ab" * 32,
-                    parent=parent, shards=(shard,), participants=tuple(i.peer_id for i in group),
-                    metrics={"val_loss_micro": 2_310_000, "num_samples": 4096}, created_at=1_700_000_000 + step)
+    shard = ShardInfo(
+        name="shard-00000",
+        digest=f"{step:064x}",
+        size_bytes=128,
+        tensors=(
+            TensorInfo(name="w", dtype="float32", shape=(4, 4)),
+            TensorInfo(name="b", dtype="bfloat16", shape=(4,)),
+        ),
+    )
+    return Manifest(
+        run_id=run_id,
+        step=step,
+        round=step // 2,
+        task="mlp-demo",
+        config_digest="ab" * 32,
+        parent=parent,
+        shards=(shard,),
+        participants=tuple(i.peer_id for i in group),
+        metrics={"val_loss_micro": 2_310_000, "num_samples": 4096},
+        created_at=1_700_000_000 + step,
+    )
 
 
 def seal(manifest: Manifest, signers: list[Identity]) -> SignedManifest:
@@ -226,11 +241,33 @@ def _mutations(group) -> dict[str, bytes]:
 
 
 MALFORMED_CASES = [
-    "not json", "not utf8", "top level list", "float step", "float metric", "string step", "bool step",
-    "negative step", "huge int", "extra field", "extra top field", "missing field", "bad parent",
-    "uppercase digest", "float64 dtype", "float in shape", "shape not list", "shard extra field",
-    "unsorted participants", "duplicate participant", "participants not list", "short signature",
-    "signature not str", "signatures not object", "empty run id", "NaN", "duplicate key",
+    "not json",
+    "not utf8",
+    "top level list",
+    "float step",
+    "float metric",
+    "string step",
+    "bool step",
+    "negative step",
+    "huge int",
+    "extra field",
+    "extra top field",
+    "missing field",
+    "bad parent",
+    "uppercase digest",
+    "float64 dtype",
+    "float in shape",
+    "shape not list",
+    "shard extra field",
+    "unsorted participants",
+    "duplicate participant",
+    "participants not list",
+    "short signature",
+    "signature not str",
+    "signatures not object",
+    "empty run id",
+    "NaN",
+    "duplicate key",
 ]
 
 

@@ -15,15 +15,7 @@ from collections import Counter
 
 import hivemind
 import pytest
-from helpers import (
-    bootstrap_cmd,
-    free_port,
-    read_line_matching,
-    spawn,
-    start_bootstrap,
-    terminate,
-    wait_until,
-)
+from helpers import bootstrap_cmd, free_port, read_line_matching, spawn, start_bootstrap, terminate, wait_until
 from hivemind.utils.timed_storage import get_dht_time
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -152,10 +144,7 @@ def test_peer_metrics_scraped_over_http_show_every_documented_metric(peer_metric
         ("swarm_samples_per_second", ()): 90.0,
         ("swarm_checkpoints_sealed_total", ()): 1,
         ("swarm_state_syncs_total", (("reason", "join"),)): 1,
-        (
-            "swarm_info",
-            (("peer_id", PEER_ID), ("run", "demo-run"), ("task", "charlm"), ("version", "9.9.9")),
-        ): 1,
+        ("swarm_info", (("peer_id", PEER_ID), ("run", "demo-run"), ("task", "charlm"), ("version", "9.9.9"))): 1,
     }
     for (name, labels), value in expected.items():
         assert _value(samples, name, **dict(labels)) == pytest.approx(value), (name, labels)
@@ -171,9 +160,7 @@ def test_documented_names_match_the_module() -> None:
 
 def test_add_rejections_adds_only_the_growth_of_a_cumulative_tally(peer_metrics: PeerMetrics) -> None:
     def value(what: str, reason: str) -> float | None:
-        return peer_metrics.registry.get_sample_value(
-            "swarm_rejections_total", {"what": what, "reason": reason}
-        )
+        return peer_metrics.registry.get_sample_value("swarm_rejections_total", {"what": what, "reason": reason})
 
     tally: Counter = Counter()
     tally["bad signature"] += 2
@@ -210,26 +197,15 @@ def test_non_finite_losses_are_exported_as_nan_without_raising(peer_metrics: Pee
     ("call", "field_name"),
     [
         (lambda m: m.observe_round(outcome="great", duration_s=1, bytes_sent=0, bytes_received=0), "outcome"),
-        (
-            lambda m: m.observe_round(outcome="ok", duration_s=-1, bytes_sent=0, bytes_received=0),
-            "duration_s",
-        ),
-        (
-            lambda m: m.observe_round(outcome="ok", duration_s=math.nan, bytes_sent=0, bytes_received=0),
-            "duration_s",
-        ),
-        (
-            lambda m: m.observe_round(outcome="ok", duration_s=1, bytes_sent=-5, bytes_received=0),
-            "bytes_sent",
-        ),
+        (lambda m: m.observe_round(outcome="ok", duration_s=-1, bytes_sent=0, bytes_received=0), "duration_s"),
+        (lambda m: m.observe_round(outcome="ok", duration_s=math.nan, bytes_sent=0, bytes_received=0), "duration_s"),
+        (lambda m: m.observe_round(outcome="ok", duration_s=1, bytes_sent=-5, bytes_received=0), "bytes_sent"),
         (lambda m: m.observe_step(step=1, samples=True, loss=None, samples_per_s=1), "samples"),
         (lambda m: m.set_round(1.5), "number"),
         (lambda m: m.state_synced(""), "reason"),
     ],
 )
-def test_bad_updates_raise_value_error_naming_the_argument(
-    peer_metrics: PeerMetrics, call, field_name: str
-) -> None:
+def test_bad_updates_raise_value_error_naming_the_argument(peer_metrics: PeerMetrics, call, field_name: str) -> None:
     with pytest.raises(ValueError, match=field_name):
         call(peer_metrics)
 
@@ -299,9 +275,7 @@ def test_bootstrap_config_rejects_bad_metrics_options(kwargs: dict, field_name: 
 def test_bootstrap_node_serves_its_metrics_and_frees_the_port_on_sigterm(tmp_path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}/metrics"
-    node = start_bootstrap(
-        tmp_path / "bootstrap.id", extra=["--metrics-port", str(port), "--refresh-period-s", "0.5"]
-    )
+    node = start_bootstrap(tmp_path / "bootstrap.id", extra=["--metrics-port", str(port), "--refresh-period-s", "0.5"])
     client = None
     try:
         read_line_matching(node.child, f"metrics at {url}", timeout_s=10, stream="stderr")
@@ -309,16 +283,12 @@ def test_bootstrap_node_serves_its_metrics_and_frees_the_port_on_sigterm(tmp_pat
         client = hivemind.DHT(
             initial_peers=node.maddrs, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False
         )
-        client.store(
-            PEERS_KEY, {"p": b"garbage", "s": b"x" * 64}, expiration_time=get_dht_time() + 30, subkey=PEER_ID
-        )
+        client.store(PEERS_KEY, {"p": b"garbage", "s": b"x" * 64}, expiration_time=get_dht_time() + 30, subkey=PEER_ID)
 
         def caught_up() -> Samples | None:
             samples = _try_scrape(url)
             peers = samples and _value(samples, "swarm_bootstrap_peers_known")
-            rejected = samples and _value(
-                samples, "swarm_bootstrap_record_rejections_total", reason="malformed"
-            )
+            rejected = samples and _value(samples, "swarm_bootstrap_record_rejections_total", reason="malformed")
             return samples if peers and peers >= 1 and rejected and rejected >= 1 else None
 
         samples = wait_until(
@@ -344,9 +314,7 @@ def test_bootstrap_metrics_port_in_use_exits_2_naming_the_port(tmp_path) -> None
         sock.bind(("127.0.0.1", 0))
         sock.listen(1)
         port = sock.getsockname()[1]
-        child = spawn(
-            bootstrap_cmd(port=free_port(), identity=tmp_path / "id", extra=["--metrics-port", str(port)])
-        )
+        child = spawn(bootstrap_cmd(port=free_port(), identity=tmp_path / "id", extra=["--metrics-port", str(port)]))
         try:
             returncode = child.popen.wait(timeout=40)
         finally:
@@ -355,6 +323,4 @@ def test_bootstrap_metrics_port_in_use_exits_2_naming_the_port(tmp_path) -> None
     child.join_output()
     assert returncode == 2, child.describe()
     errors = [line for line in child.stderr_lines if line.startswith("bootstrap: error:")]
-    assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0] and "already in use" in errors[0], (
-        child.describe()
-    )
+    assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0] and "already in use" in errors[0], child.describe()

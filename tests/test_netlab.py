@@ -48,7 +48,7 @@ def _alive(pid: int) -> bool:
 
 def _connects(lab: netlab.Lab, src: int, dst: int, port: int) -> bool:
     """One TCP connect from host `src` to host `dst`:`port` with a 1 s timeout."""
-    code = (f"import socket; socket.create_connection(({lab.hosts[dst].ip!r}, {port}), timeout=1.0).close()")
+    code = f"import socket; socket.create_connection(({lab.hosts[dst].ip!r}, {port}), timeout=1.0).close()"
     done = subprocess.run(lab.hosts[src].wrap([sys.executable, "-c", code]), capture_output=True, timeout=10)
     return done.returncode == 0
 
@@ -82,8 +82,9 @@ def test_set_link_cuts_and_heals(netns_ok: None) -> None:
         lab.spawn(1, [sys.executable, netlab.__file__, "_sink", "--port", str(port)])
         wait_until(lambda: _connects(lab, 0, 1, port), 10, message="sink on host 1 reachable")
         lab.set_link(1, False)
-        operstate = subprocess.run(lab.hosts[1].wrap(["cat", "/sys/class/net/eth0/operstate"]),
-                                   capture_output=True, text=True, timeout=10).stdout.strip()
+        operstate = subprocess.run(
+            lab.hosts[1].wrap(["cat", "/sys/class/net/eth0/operstate"]), capture_output=True, text=True, timeout=10
+        ).stdout.strip()
         assert operstate == "down"
         started = time.monotonic()
         assert not _connects(lab, 0, 1, port)
@@ -100,10 +101,16 @@ def test_close_removes_names_and_kills_process_groups(netns_ok: None, monkeypatc
     polite = lab.spawn(0, ["sh", "-c", "sleep 1000 & sleep 1000 & wait"])
     stubborn = lab.spawn(1, ["sh", "-c", "trap '' TERM; sleep 1000 & sleep 1000 & wait"])
     stray = subprocess.Popen(lab.hosts[1].wrap(["sleep", "1000"]))  # not spawned by the lab, but inside it
-    tree = wait_until(lambda: [psutil.Process(p.pid) for p in (polite, stubborn)]
-                      + [c for p in (polite, stubborn) for c in psutil.Process(p.pid).children()]
-                      if all(len(psutil.Process(p.pid).children()) == 2 for p in (polite, stubborn)) else None,
-                      10, message="both shells started their sleeps")
+    tree = wait_until(
+        lambda: (
+            [psutil.Process(p.pid) for p in (polite, stubborn)]
+            + [c for p in (polite, stubborn) for c in psutil.Process(p.pid).children()]
+            if all(len(psutil.Process(p.pid).children()) == 2 for p in (polite, stubborn))
+            else None
+        ),
+        10,
+        message="both shells started their sleeps",
+    )
     lab.close()
     lab.close()  # idempotent
     assert stray.wait(timeout=5) is not None
@@ -138,8 +145,11 @@ def test_an_owner_ending_removes_everything(netns_ok: None, ending: str) -> None
         sig = getattr(signal, ending)
         # the handler cleaned up, then the signal took its usual course (KeyboardInterrupt for SIGINT)
         assert terminate(owner, 15, sig=sig) == -sig, owner.describe()
-    wait_until(lambda: not _names_with(prefix) and not _alive(sleeper), 10,
-               message=lambda: f"{_names_with(prefix)} removed and sleep {sleeper} gone")
+    wait_until(
+        lambda: not _names_with(prefix) and not _alive(sleeper),
+        10,
+        message=lambda: f"{_names_with(prefix)} removed and sleep {sleeper} gone",
+    )
 
 
 def test_cleanup_stale_removes_a_killed_owners_lab(netns_ok: None) -> None:
@@ -160,7 +170,13 @@ def test_loopback_lab() -> None:
     with loopback_lab(2) as lab:
         host = lab.hosts[1]
         assert (lab.kind, lab.rate_mbit, host.index, host.name, host.ip, host.iface) == (
-            "loopback", None, 1, "", "127.0.0.1", None)
+            "loopback",
+            None,
+            1,
+            "",
+            "127.0.0.1",
+            None,
+        )
         argv = ["echo", "hi"]
         assert host.wrap(argv) == argv and host.env() == {}
         assert host.maddr(1234) == "/ip4/127.0.0.1/tcp/1234"

@@ -11,13 +11,36 @@ from tests.helpers import alive, descendants, python_cmd, spawn, terminate, wait
 
 def _start_standalone_peer(tmp_path):
     events = tmp_path / "peer.jsonl"
-    child = spawn(python_cmd(
-        "-m", "swarm.peer", "--run", "life", "--task-preset", "tiny", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-        "--identity-key", str(tmp_path / "k"), "--events", str(events), "--torch-threads", "1", "--no-progress",
-        "--sync-every", "5", "--round-timeout-s", "10", "--load-state-timeout-s", "5",
-    ))
-    wait_until(lambda: any(e["event"] == "first_step" for e in read_events(events)) or child.returncode is not None,
-               timeout_s=90, message=child.describe)
+    child = spawn(
+        python_cmd(
+            "-m",
+            "swarm.peer",
+            "--run",
+            "life",
+            "--task-preset",
+            "tiny",
+            "--host-maddrs",
+            "/ip4/127.0.0.1/tcp/0",
+            "--identity-key",
+            str(tmp_path / "k"),
+            "--events",
+            str(events),
+            "--torch-threads",
+            "1",
+            "--no-progress",
+            "--sync-every",
+            "5",
+            "--round-timeout-s",
+            "10",
+            "--load-state-timeout-s",
+            "5",
+        )
+    )
+    wait_until(
+        lambda: any(e["event"] == "first_step" for e in read_events(events)) or child.returncode is not None,
+        timeout_s=90,
+        message=child.describe,
+    )
     assert child.returncode is None, child.describe()
     tree = descendants(child.pid)
     names = {p.name() for p in tree}

@@ -80,18 +80,29 @@ def test_forged_records_are_rejected():
 def test_expired_future_and_overlong_records_are_rejected():
     ident = Identity.generate()
     now = int(time.time())
-    assert _rejected(ident.peer_id, sign_record(make_record(ident, issued_at=now - 100, lifetime_s=45), ident)) \
+    assert (
+        _rejected(ident.peer_id, sign_record(make_record(ident, issued_at=now - 100, lifetime_s=45), ident))
         == "expired"
-    assert _rejected(ident.peer_id, sign_record(make_record(ident, issued_at=now + 3600), ident)) \
-        == "from the future"
+    )
+    assert _rejected(ident.peer_id, sign_record(make_record(ident, issued_at=now + 3600), ident)) == "from the future"
     assert _rejected(ident.peer_id, sign_record(make_record(ident, lifetime_s=10**6), ident)) == "bad lifetime"
 
 
-@pytest.mark.parametrize("value", [
-    None, b"bytes", {"p": b"{}"}, {"p": "str", "s": b"x"}, {"p": b"not json", "s": b"x" * 64},
-    {"p": b"{}", "s": b"x" * 64}, {"p": b"[1,2]", "s": b"x" * 64}, {"p": b'{"v": 1}', "s": b"x" * 64},
-    {"p": b"\xff\xfe", "s": b"x" * 64}, {"p": b"[" * 100_000, "s": b""},
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        b"bytes",
+        {"p": b"{}"},
+        {"p": "str", "s": b"x"},
+        {"p": b"not json", "s": b"x" * 64},
+        {"p": b"{}", "s": b"x" * 64},
+        {"p": b"[1,2]", "s": b"x" * 64},
+        {"p": b'{"v": 1}', "s": b"x" * 64},
+        {"p": b"\xff\xfe", "s": b"x" * 64},
+        {"p": b"[" * 100_000, "s": b""},
+    ],
+)
 def test_malformed_records_are_rejected(value):
     assert _rejected("12D3KooWx", value) in ("malformed", "oversized")
 
@@ -106,8 +117,10 @@ def test_oversized_and_non_canonical_records_are_rejected():
     bad_type = json.loads(value["p"])
     bad_type["seq"] = "1"
     payload = json.dumps(bad_type, sort_keys=True, separators=(",", ":")).encode()
-    assert _rejected(ident.peer_id, {"p": payload, "s": ident.sign(kind="swarm/record", run_id="",
-                                                                     payload=payload)}) == "malformed"
+    assert (
+        _rejected(ident.peer_id, {"p": payload, "s": ident.sign(kind="swarm/record", run_id="", payload=payload)})
+        == "malformed"
+    )
 
 
 # ------------------------------------------------------------------------------------------- scoring
@@ -134,8 +147,9 @@ def test_pick_run_prefers_the_biggest_run_this_peer_fits_and_says_why():
     assert "picked run 'medium'" in reasons[0]
     assert any("skipped run 'crowded'" in line and "GiB" in line for line in reasons)
     newer = Requirements(min_memory_bytes=0, dtype="fp32", min_swarm_version="99.0", min_torch_version="")
-    none, why = pick_run(summarize_runs([make_record(Identity.generate(), requirements=newer)]),
-                         probe_hardware("cpu"), probe_software())
+    none, why = pick_run(
+        summarize_runs([make_record(Identity.generate(), requirements=newer)]), probe_hardware("cpu"), probe_software()
+    )
     assert none is None and "needs swarm >= 99.0" in why[0]
 
 
@@ -173,9 +187,12 @@ def test_no_peer_can_overwrite_replay_or_withdraw_another_peers_record(network):
     attacker = Identity.generate()
     attacks = {
         "own record under the victim's subkey": sign_record(make_record(attacker), attacker),
-        "forged 'left' record": {"p": make_record(victim, state="left", seq=8).payload(),
-                                 "s": attacker.sign(kind="swarm/record", run_id="",
-                                                    payload=make_record(victim, state="left", seq=8).payload())},
+        "forged 'left' record": {
+            "p": make_record(victim, state="left", seq=8).payload(),
+            "s": attacker.sign(
+                kind="swarm/record", run_id="", payload=make_record(victim, state="left", seq=8).payload()
+            ),
+        },
         "garbage": {"p": b"garbage", "s": b"x" * 64},
     }
     for name, value in attacks.items():
@@ -213,8 +230,9 @@ def test_advertiser_heartbeat_and_clean_withdrawal(network):
 
 
 def _charlm_digest(preset: str) -> str:
-    return hashlib.sha256(json.dumps(get_task("charlm", preset=preset).config_dict(), sort_keys=True)
-                          .encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps(get_task("charlm", preset=preset).config_dict(), sort_keys=True).encode()
+    ).hexdigest()
 
 
 @pytest.mark.timeout(180)
@@ -232,8 +250,21 @@ def test_requirements_refusal_and_auto_pick_with_real_peers(network, tmp_path):
             build = record_builder(ident, run=run, requirements=requirements, digest=_charlm_digest("tiny"))
             advertisers.append(Advertiser(dht, ident, build, refresh_s=5, expiry_s=30).start())
 
-        common = ["-m", "swarm.peer", "--initial-peers", *initial, "--host-maddrs", *LOOPBACK, "--no-progress",
-                  "--torch-threads", "1", "--task-preset", "tiny", "--load-state-timeout-s", "5"]
+        common = [
+            "-m",
+            "swarm.peer",
+            "--initial-peers",
+            *initial,
+            "--host-maddrs",
+            *LOOPBACK,
+            "--no-progress",
+            "--torch-threads",
+            "1",
+            "--task-preset",
+            "tiny",
+            "--load-state-timeout-s",
+            "5",
+        ]
         refused = spawn(python_cmd(*common, "--run", "too-big", "--identity-key", str(tmp_path / "a")))
         picker = spawn(python_cmd(*common, "--identity-key", str(tmp_path / "b"), "--max-steps", "3"))
         for child in (refused, picker):
@@ -282,8 +313,9 @@ def test_validator_ignores_other_keys():
     from hivemind.dht.validation import DHTRecord
 
     validator = PeerRecordValidator()
-    other = DHTRecord(key=DHTID.generate(source="something else").to_bytes(), subkey=b"", value=b"x",
-                      expiration_time=time.time() + 10)
+    other = DHTRecord(
+        key=DHTID.generate(source="something else").to_bytes(), subkey=b"", value=b"x", expiration_time=time.time() + 10
+    )
     assert validator.validate(other)
     assert not validator.rejections.counts
 
@@ -291,9 +323,29 @@ def test_validator_ignores_other_keys():
 @pytest.mark.timeout(240)
 def test_real_peers_measure_bandwidth_and_a_killed_peer_vanishes_in_time(bootstrap_node, tmp_path):
     refresh_s, expiry_s = 1, 4
-    common = ["-m", "swarm.peer", "--initial-peers", *bootstrap_node, "--host-maddrs", *LOOPBACK, "--no-progress",
-              "--torch-threads", "1", "--task-preset", "tiny", "--run", "bw", "--duration-s", "120",
-              "--record-refresh-s", str(refresh_s), "--record-expiry-s", str(expiry_s), "--sync-every", "20"]
+    common = [
+        "-m",
+        "swarm.peer",
+        "--initial-peers",
+        *bootstrap_node,
+        "--host-maddrs",
+        *LOOPBACK,
+        "--no-progress",
+        "--torch-threads",
+        "1",
+        "--task-preset",
+        "tiny",
+        "--run",
+        "bw",
+        "--duration-s",
+        "120",
+        "--record-refresh-s",
+        str(refresh_s),
+        "--record-expiry-s",
+        str(expiry_s),
+        "--sync-every",
+        "20",
+    ]
     peers = [spawn(python_cmd(*common, "--identity-key", str(tmp_path / f"k{i}"))) for i in range(2)]
     reader = start_swarm_dht(Identity.generate(), initial_peers=bootstrap_node, host_maddrs=LOOPBACK)
     try:
@@ -303,8 +355,13 @@ def test_real_peers_measure_bandwidth_and_a_killed_peer_vanishes_in_time(bootstr
             records = graph.records(run="bw")
             done = len(records) == 2 and all(r.perf.upload_kbps and r.perf.rtt_us is not None for r in records)
             return records if done else None
-        records = wait_until(measured, timeout_s=120, interval_s=0.5,
-                             message=lambda: f"records: {graph.records()}; {peers[0].describe()}")
+
+        records = wait_until(
+            measured,
+            timeout_s=120,
+            interval_s=0.5,
+            message=lambda: f"records: {graph.records()}; {peers[0].describe()}",
+        )
         assert all(r.perf.samples_per_s_milli > 0 or r.run.round == 0 for r in records)
         victim = peers[1]
         victim.popen.kill()
@@ -324,8 +381,9 @@ def test_real_peers_measure_bandwidth_and_a_killed_peer_vanishes_in_time(bootstr
 def test_the_bootstrap_node_refuses_forged_records(bootstrap_node):
     """A client without our validator can only reach the bootstrap node: its forged record is refused
     there, while an ordinary value under another key is stored (the negative control)."""
-    client = hivemind.DHT(initial_peers=bootstrap_node, start=True, client_mode=True, host_maddrs=list(LOOPBACK),
-                          nat_port_map=False)
+    client = hivemind.DHT(
+        initial_peers=bootstrap_node, start=True, client_mode=True, host_maddrs=list(LOOPBACK), nat_port_map=False
+    )
     try:
         victim, attacker = Identity.generate(), Identity.generate()
         forged = sign_record(make_record(attacker), attacker)

@@ -56,10 +56,20 @@ def _members(round_number: int) -> tuple[str, ...]:
 
 def _receipt(ledger: Ledger, identity: Identity, *, round_number: int, members: list[str], samples: int) -> dict:
     seq, head = ledger.head()
-    receipt = Receipt(v=1, run=RUN, round=round_number, group_id=f"g{round_number}", members=tuple(members),
-                      peer=identity.peer_id, samples=samples, bytes_sent=1000 * round_number,
-                      bytes_received=900 * round_number, ledger_seq=seq, ledger_head=head,
-                      t=int(T0) + 10 * round_number)
+    receipt = Receipt(
+        v=1,
+        run=RUN,
+        round=round_number,
+        group_id=f"g{round_number}",
+        members=tuple(members),
+        peer=identity.peer_id,
+        samples=samples,
+        bytes_sent=1000 * round_number,
+        bytes_received=900 * round_number,
+        ledger_seq=seq,
+        ledger_head=head,
+        t=int(T0) + 10 * round_number,
+    )
     return sign_receipt(receipt, identity).to_dict()
 
 
@@ -69,61 +79,112 @@ def _play_round(ledgers: dict[str, Ledger], ids: dict[str, Identity], r: int, ex
     base = T0 + 10 * r
     samples = {n: 100 * r + 10 * NAMES.index(n) for n in names}
     for n in names:
-        ledgers[n].append("train", {"step": 10 * r, "round": r, "loss": 3.0 - 0.1 * r,
-                                    "samples_per_s": 50.0 + r + NAMES.index(n), "samples": samples[n]}, t=base + 1)
+        ledgers[n].append(
+            "train",
+            {
+                "step": 10 * r,
+                "round": r,
+                "loss": 3.0 - 0.1 * r,
+                "samples_per_s": 50.0 + r + NAMES.index(n),
+                "samples": samples[n],
+            },
+            t=base + 1,
+        )
     receipts = [_receipt(ledgers[n], ids[n], round_number=r, members=peer_ids, samples=samples[n]) for n in names]
     for n in names:
         expected[ids[n].peer_id] += samples[n]
         val_loss = float("nan") if (n, r) == ("alice", 2) else 3.0 - 0.2 * r
-        ledgers[n].append("round", {
-            "round": r, "step": 10 * r, "group_size": len(names), "group_id": f"g{r}", "members": peer_ids,
-            "included": peer_ids, "outcome": "ok", "duration_s": 1.5, "bytes_sent": 1000 * r,
-            "bytes_received": 900 * r, "samples": samples[n], "samples_per_s": 48.0 + r, "val_loss": val_loss,
-            "failures": [], "rejected": {}, "solo": len(names) == 1}, t=base + 3)
+        ledgers[n].append(
+            "round",
+            {
+                "round": r,
+                "step": 10 * r,
+                "group_size": len(names),
+                "group_id": f"g{r}",
+                "members": peer_ids,
+                "included": peer_ids,
+                "outcome": "ok",
+                "duration_s": 1.5,
+                "bytes_sent": 1000 * r,
+                "bytes_received": 900 * r,
+                "samples": samples[n],
+                "samples_per_s": 48.0 + r,
+                "val_loss": val_loss,
+                "failures": [],
+                "rejected": {},
+                "solo": len(names) == 1,
+            },
+            t=base + 3,
+        )
         for receipt in receipts:
             ledgers[n].append("receipt", receipt, t=base + 3.5)
         ledgers[n].append("val", {"round": r, "step": 10 * r, "val_loss": 2.9 - 0.2 * r}, t=base + 4)
     if r in (3, 6):
         for n in names:
-            ledgers[n].append("checkpoint_sealed", {"step": 10 * r, "digest": f"{r:02d}" * 32, "signers": peer_ids,
-                                                    "participants": peer_ids,
-                                                    "metrics": {"val_loss": 2.5, "samples": 300}}, t=base + 5)
+            ledgers[n].append(
+                "checkpoint_sealed",
+                {
+                    "step": 10 * r,
+                    "digest": f"{r:02d}" * 32,
+                    "signers": peer_ids,
+                    "participants": peer_ids,
+                    "metrics": {"val_loss": 2.5, "samples": 300},
+                },
+                t=base + 5,
+            )
 
 
 def _lifecycle(ledgers: dict[str, Ledger], ids: dict[str, Identity]) -> None:
     for i, n in enumerate(("alice", "bob")):
-        ledgers[n].append("start", {"pid": 100 + i, "task": "charlm", "params": 12345, "device": "cpu",
-                                    "shard": i}, t=T0 + i)
-        ledgers[n].append("joined", {"round": 0, "step": 0, "state_loaded": False, "state_verified": False,
-                                     "join_s": 1.5, "manifest": None}, t=T0 + 2 + i)
+        ledgers[n].append(
+            "start", {"pid": 100 + i, "task": "charlm", "params": 12345, "device": "cpu", "shard": i}, t=T0 + i
+        )
+        ledgers[n].append(
+            "joined",
+            {"round": 0, "step": 0, "state_loaded": False, "state_verified": False, "join_s": 1.5, "manifest": None},
+            t=T0 + 2 + i,
+        )
 
 
 def _failure_and_replacement(ledgers: dict[str, Ledger], ids: dict[str, Identity]) -> None:
     alice, bob, carol = (ids[n].peer_id for n in NAMES)
-    ledgers["alice"].append("failure", {"round": 4, "peer": bob, "phase": "matchmaking", "reason": "timeout"},
-                            t=T0 + 40.5)
-    ledgers["carol"].append("start", {"pid": 102, "task": "charlm", "params": 12345, "device": "cpu", "shard": 2},
-                            t=T0 + 41)
-    ledgers["carol"].append("joined", {"round": 4, "step": 40, "state_loaded": True, "state_verified": True,
-                                       "join_s": 2.5, "manifest": "03" * 32}, t=T0 + 44)
-    ledgers["carol"].append("state_synced", {"round": 4, "step": 40, "manifest": "03" * 32, "seconds": 1.2,
-                                             "reason": "join"}, t=T0 + 44.5)
+    ledgers["alice"].append(
+        "failure", {"round": 4, "peer": bob, "phase": "matchmaking", "reason": "timeout"}, t=T0 + 40.5
+    )
+    ledgers["carol"].append(
+        "start", {"pid": 102, "task": "charlm", "params": 12345, "device": "cpu", "shard": 2}, t=T0 + 41
+    )
+    ledgers["carol"].append(
+        "joined",
+        {"round": 4, "step": 40, "state_loaded": True, "state_verified": True, "join_s": 2.5, "manifest": "03" * 32},
+        t=T0 + 44,
+    )
+    ledgers["carol"].append(
+        "state_synced", {"round": 4, "step": 40, "manifest": "03" * 32, "seconds": 1.2, "reason": "join"}, t=T0 + 44.5
+    )
     ledgers["alice"].append("peer_replaced", {"round": 5, "left": [bob], "joined": [carol]}, t=T0 + 49)
 
 
 def _hostile_entries(ledgers: dict[str, Ledger], ids: dict[str, Identity]) -> tuple[int, int]:
     """Entries the report must survive; returns (rejected receipts, malformed entries)."""
     alice = ledgers["alice"]
-    forged = _receipt(ledgers["carol"], ids["carol"], round_number=5,
-                      members=sorted(ids[n].peer_id for n in ("alice", "carol")), samples=520)
+    forged = _receipt(
+        ledgers["carol"],
+        ids["carol"],
+        round_number=5,
+        members=sorted(ids[n].peer_id for n in ("alice", "carol")),
+        samples=520,
+    )
     forged["receipt"]["samples"] = 10**6
     alice.append("receipt", forged, t=T0 + 65)
     alice.append("receipt", {"receipt": 5, "signature": None}, t=T0 + 65)
-    malformed = [("round", {"round": 6, "group_size": "three", "bytes_sent": 1}),
-                 ("round", {"round": -1, "group_size": 2}),
-                 ("train", {"step": 60, "samples_per_s": "fast"}),
-                 ("val", {"round": 6, "val_loss": "NaN"}),
-                 ("checkpoint_sealed", {"step": 70, "digest": "ab" * 32, "signers": "everyone"})]
+    malformed = [
+        ("round", {"round": 6, "group_size": "three", "bytes_sent": 1}),
+        ("round", {"round": -1, "group_size": 2}),
+        ("train", {"step": 60, "samples_per_s": "fast"}),
+        ("val", {"round": 6, "val_loss": "NaN"}),
+        ("checkpoint_sealed", {"step": 70, "digest": "ab" * 32, "signers": "everyone"}),
+    ]
     for kind, body in malformed:
         alice.append(kind, body, t=T0 + 65)
     nested: dict = {"reason": "deep"}
@@ -138,15 +199,17 @@ def _hostile_entries(ledgers: dict[str, Ledger], ids: dict[str, Identity]) -> tu
 
 def build_run(root: Path) -> SimRun:
     ids = {n: Identity.generate() for n in NAMES}
-    ledgers = {n: Ledger(default_ledger_path(root, run=RUN, peer_id=ids[n].peer_id), identity=ids[n], run=RUN)
-               for n in NAMES}
+    ledgers = {
+        n: Ledger(default_ledger_path(root, run=RUN, peer_id=ids[n].peer_id), identity=ids[n], run=RUN) for n in NAMES
+    }
     expected: Counter = Counter()
     try:
         _lifecycle(ledgers, ids)
         for r in (1, 2, 3):
             _play_round(ledgers, ids, r, expected)
-        ledgers["bob"].append("train", {"step": 35, "round": 4, "loss": 2.3, "samples_per_s": 51.0,
-                                        "samples": 64}, t=T0 + 36)  # and then bob is gone: no "stop"
+        ledgers["bob"].append(
+            "train", {"step": 35, "round": 4, "loss": 2.3, "samples_per_s": 51.0, "samples": 64}, t=T0 + 36
+        )  # and then bob is gone: no "stop"
         _failure_and_replacement(ledgers, ids)
         for r in (4, 5, 6):
             _play_round(ledgers, ids, r, expected)
@@ -156,8 +219,13 @@ def build_run(root: Path) -> SimRun:
     finally:
         for ledger in ledgers.values():
             ledger.close()
-    return SimRun(root=root, ids=ids, receipt_samples=dict(expected), num_rejected_receipts=num_rejected,
-                  num_malformed=num_malformed)
+    return SimRun(
+        root=root,
+        ids=ids,
+        receipt_samples=dict(expected),
+        num_rejected_receipts=num_rejected,
+        num_malformed=num_malformed,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +242,7 @@ def _section(page: str, heading: str) -> str:
     """The HTML between the <h2> named ``heading`` and the next <h2>."""
     start = page.index(f"<h2>{heading}</h2>")
     end = page.find("<h2>", start + 1)
-    return page[start: end if end >= 0 else len(page)]
+    return page[start : end if end >= 0 else len(page)]
 
 
 def _row_with(section: str, *needles: str) -> str:
@@ -195,7 +263,7 @@ def test_html_references_every_png_and_each_is_a_valid_png(sim, report):
     assert set(report.pngs) == set(PNG_NAMES)
     for key, name in PNG_NAMES.items():
         assert report.pngs[key] == sim.root / "report" / name
-        assert f"src=\"report/{name}\"" in page
+        assert f'src="report/{name}"' in page
         _check_png(report.pngs[key])
     assert "<script" not in page.lower() and "http://" not in page and "https://" not in page
     assert (sim.root / "report" / "summary.json").is_file()
@@ -256,13 +324,22 @@ def _forge(sim: SimRun, root: Path) -> Path:
     the tail of carol's ledger back to before her round-6 receipt; returns carol's ledger."""
     bob = next(p for p in find_ledgers(root) if sim.ids["bob"].peer_id in p.name)
     # inflate bob's round-1 samples (110) in place: the digest no longer matches
-    _edit(bob, ("UPDATE entries SET body = replace(body, '\"samples\":110', '\"samples\":99999') "
-                "WHERE kind = 'round' AND body LIKE '%\"samples\":110,%'", ()))
+    _edit(
+        bob,
+        (
+            "UPDATE entries SET body = replace(body, '\"samples\":110', '\"samples\":99999') "
+            "WHERE kind = 'round' AND body LIKE '%\"samples\":110,%'",
+            (),
+        ),
+    )
     (root / "forged").mkdir()
     hostile, unreadable = root / "forged" / "hostile.sqlite", root / "forged" / "unreadable.sqlite"
     shutil.copy(next(p for p in find_ledgers(root) if sim.ids["carol"].peer_id in p.name), hostile)
-    _edit(hostile, ("UPDATE meta SET value = ? WHERE key = 'peer'", (EVIL_PEER,)),
-          ("UPDATE entries SET peer = ?", (EVIL_PEER,)))
+    _edit(
+        hostile,
+        ("UPDATE meta SET value = ? WHERE key = 'peer'", (EVIL_PEER,)),
+        ("UPDATE entries SET peer = ?", (EVIL_PEER,)),
+    )
     shutil.copy(next(p for p in find_ledgers(root) if sim.ids["alice"].peer_id in p.name), unreadable)
     _edit(unreadable, ("UPDATE entries SET kind = ? WHERE seq = 3", (EVIL_KIND,)))
     # her round-6 receipt names her last "train" entry as her head; alice holds that receipt
@@ -286,7 +363,9 @@ def test_tampered_and_forged_ledgers_are_reported_flagged_and_escaped(sim, tmp_p
     [cut] = result.summary["cross_check_problems"]
     assert str(carol) in cut and "tail was cut" in cut and "1 receipt(s) contradict" in banner
     peers_table = _section(page, "Peers (one row per ledger)")
-    assert "<strong>NO</strong>: seq" in _row_with(peers_table, bob) and "digest mismatch" in _row_with(peers_table, bob)
+    assert "<strong>NO</strong>: seq" in _row_with(peers_table, bob) and "digest mismatch" in _row_with(
+        peers_table, bob
+    )
     hostile_row = _row_with(peers_table, "&lt;img src=x")
     assert "<strong>NO</strong>" in hostile_row and "UNVERIFIED" in hostile_row
     events = _section(page, "Failure and recovery events")
@@ -296,8 +375,10 @@ def test_tampered_and_forged_ledgers_are_reported_flagged_and_escaped(sim, tmp_p
         assert evil not in page
     assert "<script" not in page.lower()
     # receipts stay signed evidence whatever the ledger that holds them: carol's total is unchanged
-    assert result.summary["contributions"][RUN][sim.ids["carol"].peer_id]["samples"] == \
-        sim.receipt_samples[sim.ids["carol"].peer_id]
+    assert (
+        result.summary["contributions"][RUN][sim.ids["carol"].peer_id]["samples"]
+        == sim.receipt_samples[sim.ids["carol"].peer_id]
+    )
     for key in PNG_NAMES:
         _check_png(result.pngs[key])
 
@@ -306,13 +387,18 @@ def test_cli_writes_the_report_and_rejects_empty_or_missing_folders(sim, tmp_pat
     root = tmp_path / "cli"
     shutil.copytree(sim.root, root, ignore=shutil.ignore_patterns("report", "report.html"))
     out = tmp_path / "elsewhere" / "run.html"
-    done = subprocess.run([sys.executable, "-m", "swarm.report", str(root), "--out", str(out), "--title", "T<1>"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "swarm.report", str(root), "--out", str(out), "--title", "T<1>"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     page = out.read_text(encoding="utf-8")
     assert "<title>T&lt;1&gt;</title>" in page
     for name in PNG_NAMES.values():
-        assert f"src=\"run/{name}\"" in page
+        assert f'src="run/{name}"' in page
         _check_png(out.parent / "run" / name)
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -328,10 +414,10 @@ def test_cli_writes_the_report_and_rejects_empty_or_missing_folders(sim, tmp_pat
 
 def test_figures_without_data_still_render_with_a_note(tmp_path):
     identity = Identity.generate()
-    with_only_start = Ledger(default_ledger_path(tmp_path, run="quiet", peer_id=identity.peer_id),
-                             identity=identity, run="quiet")
-    with_only_start.append("start", {"pid": 1, "task": "charlm", "params": 1, "device": "cpu", "shard": 0},
-                           t=T0)
+    with_only_start = Ledger(
+        default_ledger_path(tmp_path, run="quiet", peer_id=identity.peer_id), identity=identity, run="quiet"
+    )
+    with_only_start.append("start", {"pid": 1, "task": "charlm", "params": 1, "device": "cpu", "shard": 0}, t=T0)
     with_only_start.close()
     result = write_report(tmp_path)
     for key in PNG_NAMES:

@@ -146,6 +146,7 @@ def no_pickle(monkeypatch):
         def call(*args, **kwargs):
             attempts.append(name)
             raise AssertionError(f"{name} must never be called")
+
         return call
 
     monkeypatch.setattr(torch, "load", forbidden("torch.load"))
@@ -178,10 +179,23 @@ def test_a_checkpoint_with_a_pickled_shard_is_refused_by_the_cli(tmp_path, no_pi
     digest = hashlib.sha256(data).hexdigest()
     store.shard_path(digest).write_bytes(data)  # named by its own digest: only the format can give it away
     signers = _signers()
-    shard = ShardInfo(name="shard-00000", digest=digest, size_bytes=len(data),
-                      tensors=(TensorInfo(name="param/w", dtype="float32", shape=(3,)),))
-    manifest = Manifest(run_id=RUN, step=1, round=1, task="charlm", config_digest="ab" * 32, parent="",
-                        shards=(shard,), participants=tuple(s.peer_id for s in signers), created_at=1_800_000_000)
+    shard = ShardInfo(
+        name="shard-00000",
+        digest=digest,
+        size_bytes=len(data),
+        tensors=(TensorInfo(name="param/w", dtype="float32", shape=(3,)),),
+    )
+    manifest = Manifest(
+        run_id=RUN,
+        step=1,
+        round=1,
+        task="charlm",
+        config_digest="ab" * 32,
+        parent="",
+        shards=(shard,),
+        participants=tuple(s.peer_id for s in signers),
+        created_at=1_800_000_000,
+    )
     store.put_manifest(_sealed(manifest, signers).to_bytes())
     out = tmp_path / "model.safetensors"
     for argv in (["verify", "--dir", str(store.root)], ["export", "--dir", str(store.root), "--out", str(out)]):
@@ -201,8 +215,9 @@ def test_pickle_bytes_inside_a_safetensors_shard_are_never_unpickled(tmp_path, n
     data = safetensors_save({"w": torch.ones(2)}, metadata={"evil": payload.decode("latin-1")})
     digest = hashlib.sha256(data).hexdigest()
     store.put_shard_bytes(data, expected_digest=digest)
-    info = ShardInfo(name="s", digest=digest, size_bytes=len(data), tensors=(TensorInfo(name="w", dtype="float32",
-                                                                                          shape=(2,)),))
+    info = ShardInfo(
+        name="s", digest=digest, size_bytes=len(data), tensors=(TensorInfo(name="w", dtype="float32", shape=(2,)),)
+    )
     assert torch.equal(store.load_tensors(info)["w"], torch.ones(2))
     assert not marker.exists() and no_pickle == [] and not store.rejected
 
@@ -222,8 +237,9 @@ def test_pt_and_pickle_files_in_the_store_are_never_read(tmp_path, no_pickle):
 
 
 _PICKLE_MODULES = frozenset({"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"})
-_UNSAFE_CALLS = frozenset({"torch.load", "torch.serialization.load", "torch.jit.load", "pandas.read_pickle",
-                           "numpy.load+allow_pickle"})
+_UNSAFE_CALLS = frozenset(
+    {"torch.load", "torch.serialization.load", "torch.jit.load", "pandas.read_pickle", "numpy.load+allow_pickle"}
+)
 
 
 def unsafe_loads(source: str, filename: str = "<source>") -> list[str]:
@@ -250,8 +266,10 @@ def unsafe_loads(source: str, filename: str = "<source>") -> list[str]:
         if not isinstance(node, ast.Call):
             continue
         name = _dotted(node.func, aliases)
-        if name == "numpy.load" and any(kw.arg == "allow_pickle" and not (
-                isinstance(kw.value, ast.Constant) and kw.value.value is False) for kw in node.keywords):
+        if name == "numpy.load" and any(
+            kw.arg == "allow_pickle" and not (isinstance(kw.value, ast.Constant) and kw.value.value is False)
+            for kw in node.keywords
+        ):
             name += "+allow_pickle"
         if name in _UNSAFE_CALLS:
             found.append(f"{filename}:{node.lineno}: {name}(...)")
@@ -270,24 +288,37 @@ def _dotted(node: ast.AST, aliases: dict[str, str]) -> str:
 
 def test_the_pickle_scanner_catches_every_form():
     unsafe = {
-        "import pickle": 1, "import dill as d": 1, "from marshal import loads": 1,
-        "import torch\ntorch.load(f)": 1, "import torch as t\nt.load(f)": 1, "from torch import load\nload(f)": 1,
-        "from torch import load as l\nl(f)": 1, "import torch\ntorch.jit.load(f)": 1,
+        "import pickle": 1,
+        "import dill as d": 1,
+        "from marshal import loads": 1,
+        "import torch\ntorch.load(f)": 1,
+        "import torch as t\nt.load(f)": 1,
+        "from torch import load\nload(f)": 1,
+        "from torch import load as l\nl(f)": 1,
+        "import torch\ntorch.jit.load(f)": 1,
         "import torch.serialization\ntorch.serialization.load(f)": 1,
         "import numpy as np\nnp.load(f, allow_pickle=True)": 1,
         "from hivemind.utils.serializer import PickleSerializer\nPickleSerializer.loads(b)": 1,
     }
     for source, count in unsafe.items():
         assert len(unsafe_loads(source)) == count, (source, unsafe_loads(source))
-    safe = ("import torch\ntorch.zeros(3)", "import numpy as np\nnp.load(f)", "import numpy as np\nnp.load(f, allow_pickle=False)",
-            "from safetensors.torch import load\nload(b)", "import json\njson.loads(s)", "model.load_state_dict(sd)")
+    safe = (
+        "import torch\ntorch.zeros(3)",
+        "import numpy as np\nnp.load(f)",
+        "import numpy as np\nnp.load(f, allow_pickle=False)",
+        "from safetensors.torch import load\nload(b)",
+        "import json\njson.loads(s)",
+        "model.load_state_dict(sd)",
+    )
     for source in safe:
         assert unsafe_loads(source) == [], source
 
 
 def test_no_source_file_loads_pickle():
     files = sorted(p for package in SOURCE_PACKAGES for p in (REPO / package).rglob("*.py"))
-    assert len(files) > 30, f"only {len(files)} source files found under {REPO}: is the scan looking in the right place?"
+    assert len(files) > 30, (
+        f"only {len(files)} source files found under {REPO}: is the scan looking in the right place?"
+    )
     found = [problem for path in files for problem in unsafe_loads(path.read_text(), str(path.relative_to(REPO)))]
     assert found == [], "unpickling loaders in the source:\n" + "\n".join(found)
 
@@ -316,11 +347,22 @@ class _Signed:
                 assert e.reason == "bad signature", e
                 return False
             return True
+
         return (RECORD_KIND, ""), payload, accepts
 
     def _build_status(self):
-        status = PeerStatus(peer=self.signer.peer_id, run=RUN, t=int(time.time()), state="training", round=1, step=1,
-                            samples_per_s_milli=1, loss_milli=None, val_loss_milli=None, last_group=None)
+        status = PeerStatus(
+            peer=self.signer.peer_id,
+            run=RUN,
+            t=int(time.time()),
+            state="training",
+            round=1,
+            step=1,
+            samples_per_s_milli=1,
+            loss_milli=None,
+            val_loss_milli=None,
+            last_group=None,
+        )
         payload = status.payload()
 
         def accepts(sig: bytes) -> bool:
@@ -330,11 +372,23 @@ class _Signed:
                 assert e.reason == "bad signature", e
                 return False
             return True
+
         return (STATUS_KIND, RUN), payload, accepts
 
     def _build_receipt(self):
-        receipt = Receipt(run=RUN, round=1, group_id="g", members=(self.signer.peer_id,), peer=self.signer.peer_id,
-                          samples=1, bytes_sent=1, bytes_received=1, ledger_seq=0, ledger_head="0" * 64, t=1)
+        receipt = Receipt(
+            run=RUN,
+            round=1,
+            group_id="g",
+            members=(self.signer.peer_id,),
+            peer=self.signer.peer_id,
+            samples=1,
+            bytes_sent=1,
+            bytes_received=1,
+            ledger_seq=0,
+            ledger_head="0" * 64,
+            t=1,
+        )
 
         def accepts(sig: bytes) -> bool:
             try:
@@ -343,11 +397,21 @@ class _Signed:
                 assert e.reason == "bad signature", e
                 return False
             return True
+
         return (RECEIPT_KIND, RUN), receipt.payload(), accepts
 
     def _build_manifest(self):
-        manifest = Manifest(run_id=RUN, step=1, round=1, task="charlm", config_digest="ab" * 32, parent="", shards=(),
-                            participants=(self.signer.peer_id,), created_at=1)
+        manifest = Manifest(
+            run_id=RUN,
+            step=1,
+            round=1,
+            task="charlm",
+            config_digest="ab" * 32,
+            parent="",
+            shards=(),
+            participants=(self.signer.peer_id,),
+            created_at=1,
+        )
 
         def accepts(sig: bytes) -> bool:
             signed = SignedManifest(manifest=manifest, signatures={self.signer.peer_id: sig.hex()})
@@ -357,6 +421,7 @@ class _Signed:
                 assert e.reason == "bad signature", e
                 return False
             return True
+
         return (MANIFEST_KIND, RUN), manifest.payload(), accepts
 
     def _build_ledger(self):
@@ -370,8 +435,10 @@ class _Signed:
                 conn.commit()
             verdict = verify_ledger(path)
             assert verdict.ok or verdict.problems == [
-                "seq 1: signature does not verify: forged, or signed by a key other than the owner's"], verdict
+                "seq 1: signature does not verify: forged, or signed by a key other than the owner's"
+            ], verdict
             return verdict.ok
+
         return (LEDGER_KIND, RUN), bytes.fromhex(entry.digest), accepts
 
     def _build_binding(self):
@@ -379,14 +446,18 @@ class _Signed:
 
         def accepts(sig: bytes) -> bool:
             return PeerBinding(peer_id=self.signer.peer_id, public_key=self.signer.public_key, signature=sig).is_valid()
+
         return (BINDING_KIND, ""), unsigned.payload(), accepts
 
 
 @pytest.mark.parametrize("name", ["record", "status", "receipt", "manifest", "ledger", "binding"])
 def test_a_signature_verifies_only_for_its_own_kind_and_run(tmp_path, name):
     signed = _Signed(name, Identity.generate(), tmp_path)
-    accepted = [domain for domain in _domains()
-                if signed.accepts(signed.signer.sign(kind=domain[0], run_id=domain[1], payload=signed.payload))]
+    accepted = [
+        domain
+        for domain in _domains()
+        if signed.accepts(signed.signer.sign(kind=domain[0], run_id=domain[1], payload=signed.payload))
+    ]
     assert accepted == [signed.domain], f"{name}: signatures accepted for {accepted}"
 
 
@@ -418,20 +489,46 @@ def _group(n: int = 3) -> list[Identity]:
 
 
 def _receipt(signer: Identity, group: list[Identity], *, round_: int, run: str = RUN, samples: int = 64):
-    return sign_receipt(Receipt(run=run, round=round_, group_id=f"group-{round_}",
-                                members=tuple(i.peer_id for i in group), peer=signer.peer_id, samples=samples,
-                                bytes_sent=10, bytes_received=20, ledger_seq=0, ledger_head="0" * 64, t=1), signer)
+    return sign_receipt(
+        Receipt(
+            run=run,
+            round=round_,
+            group_id=f"group-{round_}",
+            members=tuple(i.peer_id for i in group),
+            peer=signer.peer_id,
+            samples=samples,
+            bytes_sent=10,
+            bytes_received=20,
+            ledger_seq=0,
+            ledger_head="0" * 64,
+            t=1,
+        ),
+        signer,
+    )
 
 
 def test_old_or_foreign_receipts_in_a_manifest_are_refused():
     group = _group()
-    manifest = Manifest(run_id=RUN, step=5, round=5, task="charlm", config_digest="ab" * 32, parent="", shards=(),
-                        participants=tuple(i.peer_id for i in group), created_at=1,
-                        contributions={i.peer_id: 64 for i in group})
+    manifest = Manifest(
+        run_id=RUN,
+        step=5,
+        round=5,
+        task="charlm",
+        config_digest="ab" * 32,
+        parent="",
+        shards=(),
+        participants=tuple(i.peer_id for i in group),
+        created_at=1,
+        contributions={i.peer_id: 64 for i in group},
+    )
     good = [_receipt(i, group, round_=5) for i in group]
     sealed = _sealed(manifest, group)
-    assert verify_manifest(SignedManifest(manifest=manifest, signatures=sealed.signatures, receipts=tuple(good)),
-                           run_id=RUN) == manifest
+    assert (
+        verify_manifest(
+            SignedManifest(manifest=manifest, signatures=sealed.signatures, receipts=tuple(good)), run_id=RUN
+        )
+        == manifest
+    )
     cases = {
         "an old round's receipt": [*good[:2], _receipt(group[2], group, round_=4)],
         "another run's receipt": [*good[:2], _receipt(group[2], group, round_=5, run=OTHER_RUN)],
@@ -470,12 +567,12 @@ def test_a_replayed_receipt_is_not_taken_in_the_receipt_swap():
     # the peer's genuine receipt of an earlier round, of another run, and an outsider's posted under its name
     manager.dht.store(key, _receipt(peer, group, round_=4).to_dict(), expiration_time=0, subkey=peer.peer_id)
     swap.poll()
-    manager.dht.store(key, _receipt(peer, group, round_=5, run=OTHER_RUN).to_dict(), expiration_time=0,
-                      subkey=peer.peer_id)
+    manager.dht.store(
+        key, _receipt(peer, group, round_=5, run=OTHER_RUN).to_dict(), expiration_time=0, subkey=peer.peer_id
+    )
     swap.poll()
     trio = sorted([me, outsider, peer], key=lambda i: i.peer_id)
-    manager.dht.store(key, _receipt(outsider, trio, round_=5).to_dict(), expiration_time=0,
-                      subkey=peer.peer_id)
+    manager.dht.store(key, _receipt(outsider, trio, round_=5).to_dict(), expiration_time=0, subkey=peer.peer_id)
     swap.poll()
     assert not swap.complete() and set(swap.found) == {me.peer_id}
     assert manager.receipt_rejections == {"another round or peer": 2, "another run": 1}
@@ -518,14 +615,25 @@ def test_replayed_ledger_entries_are_blamed(tmp_path):
 def test_a_participant_cannot_sign_a_manifest_for_another():
     group = _group(4)  # default quorum: 3 of 4
     a, b, attacker, victim = group[0], group[1], group[2], group[3]
-    manifest = Manifest(run_id=RUN, step=3, round=3, task="charlm", config_digest="ab" * 32, parent="", shards=(),
-                        participants=tuple(i.peer_id for i in group), created_at=1)
+    manifest = Manifest(
+        run_id=RUN,
+        step=3,
+        round=3,
+        task="charlm",
+        config_digest="ab" * 32,
+        parent="",
+        shards=(),
+        participants=tuple(i.peer_id for i in group),
+        created_at=1,
+    )
     two = _sealed(manifest, [a, attacker])
     forged = {
         "the attacker's own signature under the victim's ID": two.with_signature(
-            victim.peer_id, sign_manifest(manifest, attacker)[1]),
+            victim.peer_id, sign_manifest(manifest, attacker)[1]
+        ),
         "another member's signature copied under the victim's ID": two.with_signature(
-            victim.peer_id, two.signatures[a.peer_id]),
+            victim.peer_id, two.signatures[a.peer_id]
+        ),
     }
     for name, signed in forged.items():
         counter: Counter[str] = Counter()
@@ -543,15 +651,22 @@ def test_group_metadata_with_a_borrowed_binding_is_rejected():
         return {"round": 1, "samples": 32, "binding": binding.to_dict()}
 
     assert _gathered_problem(member.peer_id, metadata(member.bind(member.peer_id))) is None
-    wrong_domain = PeerBinding(peer_id=member.peer_id, public_key=member.public_key, signature=member.sign(
-        kind=RECORD_KIND, run_id="", payload=member.bind(member.peer_id).payload()))
+    wrong_domain = PeerBinding(
+        peer_id=member.peer_id,
+        public_key=member.public_key,
+        signature=member.sign(kind=RECORD_KIND, run_id="", payload=member.bind(member.peer_id).payload()),
+    )
     cases = {
         "another peer's valid binding": (other.bind(other.peer_id), "identity binding names another peer"),
-        "a binding of this peer ID signed by another key": (other.bind(member.peer_id),
-                                                            "identity binding signature does not verify"),
+        "a binding of this peer ID signed by another key": (
+            other.bind(member.peer_id),
+            "identity binding signature does not verify",
+        ),
         "a binding signed for another kind": (wrong_domain, "identity binding signature does not verify"),
     }
     for name, (binding, reason) in cases.items():
         assert _gathered_problem(member.peer_id, metadata(binding)) == reason, name
-    assert _gathered_problem(member.peer_id, {"round": 1, "samples": 32, "binding": {"peer_id": 1}}) \
+    assert (
+        _gathered_problem(member.peer_id, {"round": 1, "samples": 32, "binding": {"peer_id": 1}})
         == "malformed identity binding"
+    )

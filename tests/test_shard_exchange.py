@@ -280,11 +280,14 @@ def test_corrupt_donor_is_detected_and_blamed(dhts, make_exchange, seed) -> None
 def test_thousand_random_bit_flips_are_all_detected(dhts, make_exchange, seed) -> None:
     rng = random.Random(seed)
     shards = make_shards(rng, 64, 4 * KIB, 16 * KIB)
-    config = ExchangeConfig(chunk_bytes=4 * KIB, max_concurrent_per_donor=4, max_parallel_shards=12,
-                            timeout_s=5.0, fetch_timeout_s=20.0)
+    config = ExchangeConfig(
+        chunk_bytes=4 * KIB, max_concurrent_per_donor=4, max_parallel_shards=12, timeout_s=5.0, fetch_timeout_s=20.0
+    )
     injector = FlipInjector(rng.randrange(2**32), budget=1000)
-    flipping = [make_exchange(dht, injector.source(f"donor{i}", MemoryShardSource(shards)), config)
-                for i, dht in enumerate(dhts[:2])]
+    flipping = [
+        make_exchange(dht, injector.source(f"donor{i}", MemoryShardSource(shards)), config)
+        for i, dht in enumerate(dhts[:2])
+    ]
     clean = make_exchange(dhts[2], MemoryShardSource(shards), config)
     joiner = make_exchange(dhts[3], MemoryShardSource({}), config)
     donors = [*(f.peer_id for f in flipping), clean.peer_id]
@@ -309,7 +312,7 @@ def test_thousand_random_bit_flips_are_all_detected(dhts, make_exchange, seed) -
 def test_resume_downloads_only_the_rest(dhts, make_exchange, seed) -> None:
     rng = random.Random(seed)
     shards = make_shards(rng, 1, 1 * MIB, 1 * MIB)
-    (digest, data), = shards.items()
+    ((digest, data),) = shards.items()
     donor = make_exchange(dhts[0], MemoryShardSource(shards))
     joiner = make_exchange(dhts[3], MemoryShardSource({}))
     cut = rng.randrange(1, len(data))  # anywhere, not on a chunk boundary
@@ -338,8 +341,9 @@ def test_busy_donor_sends_the_client_elsewhere(dhts, make_exchange, seed) -> Non
     async def scenario(p2p: P2P) -> None:
         _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(busy.peer_id), PROTOCOL)
         try:
-            await asyncio.to_thread(wait_until, lambda: busy.server.num_active == 1, POLL_TIMEOUT_S,
-                                    message="held stream being served")
+            await asyncio.to_thread(
+                wait_until, lambda: busy.server.num_active == 1, POLL_TIMEOUT_S, message="held stream being served"
+            )
             got, report = await asyncio.to_thread(joiner.fetch, sizes(shards), [busy.peer_id, other.peer_id])
         finally:
             writer.close()
@@ -360,8 +364,7 @@ def test_server_rejects_bad_requests_and_keeps_serving(dhts, make_exchange) -> N
 
     async def scenario(p2p: P2P) -> None:
         async def ask(digest: object, offset: object, length: object) -> str:
-            reply = await request_chunk(p2p, server.peer_id, digest=digest, offset=offset, length=length,
-                                        timeout_s=5.0)
+            reply = await request_chunk(p2p, server.peer_id, digest=digest, offset=offset, length=length, timeout_s=5.0)
             return reply.status
 
         assert await ask("xyz", 0, 1) == "bad request"
@@ -382,7 +385,11 @@ def test_server_rejects_bad_requests_and_keeps_serving(dhts, make_exchange) -> N
 
     run_with_replica(dhts[3], scenario)
     assert server.server.rejected == {
-        "bad digest": 2, "bad range": 2, "too long": 1, "not found": 1, "malformed header": 1,
+        "bad digest": 2,
+        "bad range": 2,
+        "too long": 1,
+        "not found": 1,
+        "malformed header": 1,
     }
     assert server.server.num_chunks_served == 1
 

@@ -22,11 +22,11 @@ import pytest
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from bootstrap import stop_dht
+from bootstrap.cli import dataclass_flags
 from bootstrap.identity import Identity
 from bootstrap.network import start_swarm_dht
 from peers import PEERS_KEY, Advertiser, sign_record
 from peers.testing import make_record, record_builder
-from swarm._private.cli import dataclass_flags
 from swarm.checkpoint.gossip import index_key
 from swarm.checkpoint.manifest import Manifest, SignedManifest, sign_manifest
 from swarm.status import (
@@ -34,7 +34,6 @@ from swarm.status import (
     MAX_STATUS_BYTES,
     SCHEMA_VERSION,
     STATUS_KIND,
-    STATUS_REJECTIONS,
     BoardConfig,
     LastGroup,
     PeerStatus,
@@ -68,11 +67,25 @@ STATUS_FLAGS = ["--initial-peers", "--run", "--once", "--json", "--refresh-s", "
 
 def _status(identity: Identity, **overrides: Any) -> PeerStatus:
     fields: dict[str, Any] = dict(
-        peer=identity.peer_id, run=RUN, t=int(time.time()), state="training", round=7, step=70,
-        samples_per_s_milli=12_500, loss_milli=2_310, val_loss_milli=2_400,
-        last_group=LastGroup(group_id="g" * 16, members=(identity.peer_id, "12D3KooWother"), outcome="ok",
-                             duration_ms=1_500, bytes_sent=1_000, bytes_received=2_000),
-        events=(StatusEvent(t=int(time.time()), kind="joined", detail="round 0"),))
+        peer=identity.peer_id,
+        run=RUN,
+        t=int(time.time()),
+        state="training",
+        round=7,
+        step=70,
+        samples_per_s_milli=12_500,
+        loss_milli=2_310,
+        val_loss_milli=2_400,
+        last_group=LastGroup(
+            group_id="g" * 16,
+            members=(identity.peer_id, "12D3KooWother"),
+            outcome="ok",
+            duration_ms=1_500,
+            bytes_sent=1_000,
+            bytes_received=2_000,
+        ),
+        events=(StatusEvent(t=int(time.time()), kind="joined", detail="round 0"),),
+    )
     return PeerStatus(**{**fields, **overrides})
 
 
@@ -83,11 +96,11 @@ def _signed_raw(identity: Identity, obj: Any, *, run: str = RUN) -> dict[str, by
 
 
 def _reason(subkey: Any, value: Any) -> str:
-    """The refusal reason, checking that exactly one refusal was counted globally."""
-    before = STATUS_REJECTIONS.copy()
+    """The refusal reason, checking that exactly one refusal was counted in the caller's counter."""
+    counter: Counter[str] = Counter()
     with pytest.raises(StatusRejected) as info:
-        parse_status(subkey, value, run=RUN)
-    assert STATUS_REJECTIONS - before == Counter({info.value.reason: 1})
+        parse_status(subkey, value, run=RUN, counter=counter)
+    assert counter == Counter({info.value.reason: 1})
     return info.value.reason
 
 
@@ -96,9 +109,9 @@ def test_a_good_status_round_trips():
     ident = Identity.generate()
     status = _status(ident)
     value = sign_status(status, ident)
-    before = STATUS_REJECTIONS.copy()
-    assert parse_status(ident.peer_id, value, run=RUN) == status
-    assert STATUS_REJECTIONS == before
+    counter: Counter[str] = Counter()
+    assert parse_status(ident.peer_id, value, run=RUN, counter=counter) == status
+    assert counter == Counter()
     print(f"one status entry: {len(value['p']) + len(value['s'])} bytes")
     full = _status(ident, events=tuple(StatusEvent(t=1, kind="k" * 64, detail="d" * 200) for _ in range(MAX_EVENTS)))
     assert len(sign_status(full, ident)["p"]) + 64 < MAX_STATUS_BYTES, "a full status must fit"
@@ -108,8 +121,12 @@ def test_forged_foreign_and_replayed_statuses_are_refused_and_counted():
     victim, attacker = Identity.generate(), Identity.generate()
     genuine = sign_status(_status(victim), victim)
     # the victim's payload, signed by the attacker
-    assert _reason(victim.peer_id, {"p": genuine["p"], "s": attacker.sign(
-        kind=STATUS_KIND, run_id=RUN, payload=genuine["p"])}) == "bad signature"
+    assert (
+        _reason(
+            victim.peer_id, {"p": genuine["p"], "s": attacker.sign(kind=STATUS_KIND, run_id=RUN, payload=genuine["p"])}
+        )
+        == "bad signature"
+    )
     # the victim's key, but a signature made for another kind of object or another run
     for kind, run in (("swarm/record", RUN), (STATUS_KIND, "other")):
         value = {"p": genuine["p"], "s": victim.sign(kind=kind, run_id=run, payload=genuine["p"])}
@@ -165,8 +182,10 @@ def test_mistyped_statuses_are_malformed(name):
     assert _reason(ident.peer_id, _signed_raw(ident, bad)) == "malformed"
 
 
-@pytest.mark.parametrize("value", [None, b"x", {"p": b"{}"}, {"p": "text", "s": b"s"}, {"p": b"\xff", "s": b"s"},
-                                   {"p": b"[" * 10_000, "s": b""}])
+@pytest.mark.parametrize(
+    "value",
+    [None, b"x", {"p": b"{}"}, {"p": "text", "s": b"s"}, {"p": b"\xff", "s": b"s"}, {"p": b"[" * 10_000, "s": b""}],
+)
 def test_garbage_values_are_malformed_or_oversized(value):
     assert _reason(Identity.generate().peer_id, value) in ("malformed", "oversized")
 
@@ -183,8 +202,12 @@ def test_a_refusal_is_logged_once_per_reason_and_peer(caplog):
 
 def test_dataclasses_name_the_bad_field():
     ident = Identity.generate()
-    for overrides, field in (({"round": -1}, "round"), ({"state": ""}, "state"), ({"loss_milli": 1.5}, "loss_milli"),
-                             ({"events": (1,)}, "events")):
+    for overrides, field in (
+        ({"round": -1}, "round"),
+        ({"state": ""}, "state"),
+        ({"loss_milli": 1.5}, "loss_milli"),
+        ({"events": (1,)}, "events"),
+    ):
         with pytest.raises(ValueError, match=field):
             _status(ident, **overrides)
     with pytest.raises(ValueError, match="members"):
@@ -225,8 +248,16 @@ def _done(result: Any) -> concurrent.futures.Future:
 
 
 def _fields(**overrides: Any) -> dict[str, Any]:
-    return {"state": "training", "round": 1, "step": 10, "samples_per_s_milli": 1000, "loss_milli": 3000,
-            "val_loss_milli": None, "last_group": None, **overrides}
+    return {
+        "state": "training",
+        "round": 1,
+        "step": 10,
+        "samples_per_s_milli": 1000,
+        "loss_milli": 3000,
+        "val_loss_milli": None,
+        "last_group": None,
+        **overrides,
+    }
 
 
 def test_publisher_coalesces_bursts_and_keeps_the_last_events():
@@ -236,9 +267,15 @@ def test_publisher_coalesces_bursts_and_keeps_the_last_events():
         wait_until(lambda: publisher.published >= 1, timeout_s=10, message="first publication")
         for i in range(50):
             publisher.note("failure", f"burst {i}\nline two")
-        wait_until(lambda: publisher.last_status and publisher.last_status.events
-                   and publisher.last_status.events[-1].detail == "burst 49 line two", timeout_s=10,
-                   message="the burst published")
+        wait_until(
+            lambda: (
+                publisher.last_status
+                and publisher.last_status.events
+                and publisher.last_status.events[-1].detail == "burst 49 line two"
+            ),
+            timeout_s=10,
+            message="the burst published",
+        )
     finally:
         publisher.close()
     assert not publisher._thread.is_alive()
@@ -275,26 +312,66 @@ def test_publisher_heartbeat_and_refusal_of_a_bad_snapshot():
 # ------------------------------------------------------------------------------------------ snapshot
 def _check_schema(board: dict[str, Any]) -> None:
     """Exact keys and JSON types of a snapshot (the module docstring of swarm.status)."""
-    assert set(board) == {"schema_version", "run", "t", "heartbeat_s", "peers", "groups", "progress", "checkpoint",
-                          "events", "rejected", "errors"}
+    assert set(board) == {
+        "schema_version",
+        "run",
+        "t",
+        "heartbeat_s",
+        "peers",
+        "groups",
+        "progress",
+        "checkpoint",
+        "events",
+        "rejected",
+        "errors",
+    }
     assert board["schema_version"] == SCHEMA_VERSION and isinstance(board["run"], str)
     opt_int, opt_num = (int, type(None)), (int, float, type(None))
     for p in board["peers"]:
-        assert set(p) == {"peer", "state", "round", "step", "samples_per_s", "loss", "val_loss", "device", "region",
-                          "record_age_s", "status_age_s", "heartbeat_missed"}
+        assert set(p) == {
+            "peer",
+            "state",
+            "round",
+            "step",
+            "samples_per_s",
+            "loss",
+            "val_loss",
+            "device",
+            "region",
+            "record_age_s",
+            "status_age_s",
+            "heartbeat_missed",
+        }
         assert isinstance(p["peer"], str) and isinstance(p["state"], str) and isinstance(p["heartbeat_missed"], bool)
         assert all(isinstance(p[k], opt_int) for k in ("round", "step"))
-        assert all(isinstance(p[k], opt_num) for k in ("samples_per_s", "loss", "val_loss", "record_age_s",
-                                                       "status_age_s"))
+        assert all(
+            isinstance(p[k], opt_num) for k in ("samples_per_s", "loss", "val_loss", "record_age_s", "status_age_s")
+        )
         assert p["device"] is None or set(p["device"]) == {"accelerator", "name", "count", "memory_total_bytes"}
     for g in board["groups"]:
-        assert set(g) == {"group_id", "round", "members", "outcome", "duration_s", "bytes_sent", "bytes_received",
-                          "reported_by"}
+        assert set(g) == {
+            "group_id",
+            "round",
+            "members",
+            "outcome",
+            "duration_s",
+            "bytes_sent",
+            "bytes_received",
+            "reported_by",
+        }
         assert isinstance(g["members"], list) and isinstance(g["bytes_sent"], int)
     assert set(board["progress"]) == {"round", "step", "loss", "val_loss", "samples_per_s", "num_peers"}
     if board["checkpoint"] is not None:
-        assert set(board["checkpoint"]) == {"step", "round", "digest", "signers", "participants", "metrics",
-                                            "created_at", "announced_by"}
+        assert set(board["checkpoint"]) == {
+            "step",
+            "round",
+            "digest",
+            "signers",
+            "participants",
+            "metrics",
+            "created_at",
+            "announced_by",
+        }
     for e in board["events"]:
         assert set(e) == {"t", "peer", "kind", "detail", "source"} and e["source"] in ("peer", "observer")
         assert isinstance(e["t"], int)
@@ -309,21 +386,41 @@ def _publish(dht: MemoryDHT, identity: Identity, **overrides: Any) -> None:
 
 
 def _seal(dht: MemoryDHT, signers: list[Identity], step: int) -> str:
-    manifest = Manifest(version=1, run_id=RUN, step=step, round=step, task="charlm", config_digest="c" * 64,
-                        parent="", shards=(), participants=tuple(sorted(s.peer_id for s in signers)),
-                        metrics={"val_loss_micro": 2_300_000}, created_at=int(time.time()))
+    manifest = Manifest(
+        version=1,
+        run_id=RUN,
+        step=step,
+        round=step,
+        task="charlm",
+        config_digest="c" * 64,
+        parent="",
+        shards=(),
+        participants=tuple(sorted(s.peer_id for s in signers)),
+        metrics={"val_loss_micro": 2_300_000},
+        created_at=int(time.time()),
+    )
     signed = SignedManifest(manifest=manifest, signatures={})
     for signer in signers:
         signed = signed.with_signature(*sign_manifest(manifest, signer))
     for signer in signers:
-        dht.store(index_key(RUN), {"step": step, "digest": manifest.digest(), "manifest": signed.to_bytes()},
-                  time.time() + 60, subkey=signer.peer_id)
+        dht.store(
+            index_key(RUN),
+            {"step": step, "digest": manifest.digest(), "manifest": signed.to_bytes()},
+            time.time() + 60,
+            subkey=signer.peer_id,
+        )
     return manifest.digest()
 
 
 def _group(group_id: str, members: list[Identity]) -> LastGroup:
-    return LastGroup(group_id=group_id, members=tuple(sorted(m.peer_id for m in members)), outcome="ok",
-                     duration_ms=800, bytes_sent=100, bytes_received=200)
+    return LastGroup(
+        group_id=group_id,
+        members=tuple(sorted(m.peer_id for m in members)),
+        outcome="ok",
+        duration_ms=800,
+        bytes_sent=100,
+        bytes_received=200,
+    )
 
 
 def _observed(board: dict[str, Any]) -> set[tuple[str, str]]:
@@ -367,8 +464,11 @@ def test_snapshot_merges_records_statuses_and_checkpoints_and_derives_events():
     dht.remove(status_key(RUN), c.peer_id)
     board3 = snapshot(dht, RUN, previous=board2, heartbeat_s=1.0)
     _check_schema(board3)
-    assert _observed(board3) - _observed(board1) == {("heartbeat missed", b.peer_id), ("heartbeat missed", a.peer_id),
-                                                     ("peer left", c.peer_id)}
+    assert _observed(board3) - _observed(board1) == {
+        ("heartbeat missed", b.peer_id),
+        ("heartbeat missed", a.peer_id),
+        ("peer left", c.peer_id),
+    }
     assert _observed(board1) <= _observed(board3), "observed events stay on the timeline"
     assert [p["peer"] for p in board3["peers"] if p["heartbeat_missed"]] == [a.peer_id]
     times = [e["t"] for e in board3["events"]]
@@ -378,8 +478,10 @@ def test_snapshot_merges_records_statuses_and_checkpoints_and_derives_events():
 def test_snapshot_counts_forged_entries_and_ignores_bad_manifests():
     dht = MemoryDHT()
     victim, attacker = Identity.generate(), Identity.generate()
-    forged = {"p": _status(victim).payload(), "s": attacker.sign(kind=STATUS_KIND, run_id=RUN,
-                                                                 payload=_status(victim).payload())}
+    forged = {
+        "p": _status(victim).payload(),
+        "s": attacker.sign(kind=STATUS_KIND, run_id=RUN, payload=_status(victim).payload()),
+    }
     dht.store(status_key(RUN), forged, time.time() + 60, subkey=victim.peer_id)
     dht.store(status_key(RUN), b"garbage", time.time() + 60, subkey="junk")
     _seal(dht, [victim, attacker], step=5)
@@ -397,8 +499,19 @@ def test_status_flags_are_frozen_and_bad_input_exits_2(capsys):
     assert parser_flags == set(STATUS_FLAGS) | {"--help", "--no-once", "--no-json"}
     assert main(["--initial-peers", "/ip4/1.2.3/tcp/x", "--run", RUN, "--once"]) == 2
     assert "/ip4/1.2.3/tcp/x" in capsys.readouterr().err
-    assert main(["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmVekjsvS68BRG1RfmybbEmgNmt8Yk1Anpan5uqYmkmczq",
-                 "--run", RUN, "--refresh-s", "0"]) == 2
+    assert (
+        main(
+            [
+                "--initial-peers",
+                "/ip4/127.0.0.1/tcp/1/p2p/QmVekjsvS68BRG1RfmybbEmgNmt8Yk1Anpan5uqYmkmczq",
+                "--run",
+                RUN,
+                "--refresh-s",
+                "0",
+            ]
+        )
+        == 2
+    )
     assert "refresh_s" in capsys.readouterr().err
 
 
@@ -411,14 +524,24 @@ def live_board(tmp_path_factory):
     try:
         dht = start_swarm_dht(ident, initial_peers=node.maddrs, host_maddrs=LOOPBACK)
         advertiser = Advertiser(dht, ident, record_builder(ident, run=RUN), refresh_s=10, expiry_s=60).start()
-        group = {"group_id": "feed" * 8, "members": sorted([ident.peer_id, victim.peer_id]), "outcome": "ok",
-                 "duration_ms": 1234, "bytes_sent": 4096, "bytes_received": 8192}
-        publisher = StatusPublisher(dht, ident, run=RUN, snapshot=lambda: _fields(last_group=group, step=42),
-                                    refresh_s=10, expiry_s=60).start()
+        group = {
+            "group_id": "feed" * 8,
+            "members": sorted([ident.peer_id, victim.peer_id]),
+            "outcome": "ok",
+            "duration_ms": 1234,
+            "bytes_sent": 4096,
+            "bytes_received": 8192,
+        }
+        publisher = StatusPublisher(
+            dht, ident, run=RUN, snapshot=lambda: _fields(last_group=group, step=42), refresh_s=10, expiry_s=60
+        ).start()
         publisher.note("joined", "round 0")
         publisher.note("checkpoint sealed", "step 40, 2 signers")
-        wait_until(lambda: publisher.last_status is not None and len(publisher.last_status.events) == 2,
-                   timeout_s=20, message="the status with both events published")
+        wait_until(
+            lambda: publisher.last_status is not None and len(publisher.last_status.events) == 2,
+            timeout_s=20,
+            message="the status with both events published",
+        )
         payload = _status(victim).payload()
         forged = {"p": payload, "s": attacker.sign(kind=STATUS_KIND, run_id=RUN, payload=payload)}
         assert dht.store(status_key(RUN), forged, expiration_time=time.time() + 60, subkey=victim.peer_id)
@@ -433,8 +556,11 @@ def live_board(tmp_path_factory):
 
 
 def _run_once(maddrs: list[str]) -> dict[str, Any]:
-    child = spawn(python_cmd("-m", "swarm.status", "--initial-peers", *maddrs, "--run", RUN, "--once", "--json",
-                             "--timeout-s", "20"))
+    child = spawn(
+        python_cmd(
+            "-m", "swarm.status", "--initial-peers", *maddrs, "--run", RUN, "--once", "--json", "--timeout-s", "20"
+        )
+    )
     wait_until(lambda: child.returncode is not None, timeout_s=60, message=child.describe)
     child.join_output()
     assert child.returncode == 0, child.describe()
@@ -453,7 +579,9 @@ def test_cli_once_json_shows_the_published_peer_and_not_the_forgery(live_board):
     assert group["group_id"] == live_board.group["group_id"] and group["members"] == live_board.group["members"]
     assert group["reported_by"] == [ident] and group["duration_s"] == 1.234
     assert {(e["peer"], e["kind"], e["source"]) for e in board["events"]} == {
-        (ident, "checkpoint sealed", "peer"), (ident, "joined", "peer")}
+        (ident, "checkpoint sealed", "peer"),
+        (ident, "joined", "peer"),
+    }
     assert board["rejected"] == {"bad signature": 1}, "the forged entry must be refused and counted"
     assert live_board.victim.peer_id not in json.dumps(board["peers"])
     assert board["progress"]["num_peers"] == 1 and board["errors"] == []
@@ -462,8 +590,10 @@ def test_cli_once_json_shows_the_published_peer_and_not_the_forgery(live_board):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl+C"])
 def test_live_dashboard_stops_cleanly(live_board, how):
-    child = spawn(python_cmd("-m", "swarm.status", "--initial-peers", *live_board.maddrs, "--run", RUN,
-                             "--refresh-s", "0.5"), start_new_session=how == "Ctrl+C")
+    child = spawn(
+        python_cmd("-m", "swarm.status", "--initial-peers", *live_board.maddrs, "--run", RUN, "--refresh-s", "0.5"),
+        start_new_session=how == "Ctrl+C",
+    )
     try:
         read_line_matching(child, r"peers \(1\)", timeout_s=60)
         tree = descendants(child.pid)
@@ -477,5 +607,4 @@ def test_live_dashboard_stops_cleanly(live_board, how):
     child.join_output()
     assert code == 0, child.describe()
     assert "Traceback" not in child.stderr(), child.describe()
-    wait_until(lambda: not alive(tree), timeout_s=10,
-               message="the dashboard's DHT processes gone")
+    wait_until(lambda: not alive(tree), timeout_s=10, message="the dashboard's DHT processes gone")

@@ -23,14 +23,49 @@ SYNC_EVERY = 10
 
 def _peer_cmd(tmp_path: Path, initial_peers: list[str], index: int, *, outer_lr: float, outer_momentum: float):
     return python_cmd(
-        "-m", "swarm.peer", "--initial-peers", *initial_peers, "--run", "e2e", "--task", "charlm",
-        "--task-preset", "tiny", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--shard-index", str(index),
-        "--num-shards", str(NUM_PEERS), "--identity-key", str(tmp_path / f"peer{index}.key"),
-        "--events", str(tmp_path / f"peer{index}.jsonl"), "--dump-dir", str(tmp_path / f"dump{index}"),
-        "--torch-threads", "1", "--no-progress", "--sync-every", str(SYNC_EVERY), "--max-rounds", str(NUM_ROUNDS),
-        "--target-group-size", str(NUM_PEERS), "--min-group-size", str(NUM_PEERS),
-        "--outer-lr", str(outer_lr), "--outer-momentum", str(outer_momentum), "--round-timeout-s", "60",
-        "--codec", "fp32", "--aggregator", "mean",
+        "-m",
+        "swarm.peer",
+        "--initial-peers",
+        *initial_peers,
+        "--run",
+        "e2e",
+        "--task",
+        "charlm",
+        "--task-preset",
+        "tiny",
+        "--host-maddrs",
+        "/ip4/127.0.0.1/tcp/0",
+        "--shard-index",
+        str(index),
+        "--num-shards",
+        str(NUM_PEERS),
+        "--identity-key",
+        str(tmp_path / f"peer{index}.key"),
+        "--events",
+        str(tmp_path / f"peer{index}.jsonl"),
+        "--dump-dir",
+        str(tmp_path / f"dump{index}"),
+        "--torch-threads",
+        "1",
+        "--no-progress",
+        "--sync-every",
+        str(SYNC_EVERY),
+        "--max-rounds",
+        str(NUM_ROUNDS),
+        "--target-group-size",
+        str(NUM_PEERS),
+        "--min-group-size",
+        str(NUM_PEERS),
+        "--outer-lr",
+        str(outer_lr),
+        "--outer-momentum",
+        str(outer_momentum),
+        "--round-timeout-s",
+        "60",
+        "--codec",
+        "fp32",
+        "--aggregator",
+        "mean",
     )
 
 
@@ -53,8 +88,10 @@ def _reference_rounds(tmp_path: Path, *, outer_lr: float, outer_momentum: float)
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("outer_lr", "outer_momentum"), [(1.0, 0.0), (0.7, 0.9)], ids=["plain-mean", "diloco"])
 def test_three_peers_average_exactly_and_learn(bootstrap_node, tmp_path, outer_lr, outer_momentum):
-    peers = [spawn(_peer_cmd(tmp_path, bootstrap_node, i, outer_lr=outer_lr, outer_momentum=outer_momentum))
-             for i in range(NUM_PEERS)]
+    peers = [
+        spawn(_peer_cmd(tmp_path, bootstrap_node, i, outer_lr=outer_lr, outer_momentum=outer_momentum))
+        for i in range(NUM_PEERS)
+    ]
     try:
         for peer in peers:
             wait_until(lambda p=peer: p.returncode is not None, timeout_s=180, message=peer.describe)
@@ -88,14 +125,49 @@ def test_user_script_on_the_trainer_api_joins_a_swarm_peer_run(bootstrap_node, t
     """examples/train_charlm.py and `python -m swarm.peer` average together in the same run."""
     repo = Path(__file__).resolve().parents[1]
     common = ["--initial-peers", *bootstrap_node, "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
-    peer = spawn(python_cmd(
-        "-m", "swarm.peer", *common, "--run", "mixed", "--task-preset", "tiny", "--shard-index", "0",
-        "--num-shards", "2", "--identity-key", str(tmp_path / "k"), "--events", str(tmp_path / "peer.jsonl"),
-        "--torch-threads", "1", "--no-progress", "--sync-every", "15", "--max-rounds", "3",
-    ))
-    script = spawn(python_cmd(str(repo / "examples" / "train_charlm.py"), *common, "--run", "mixed",
-                              "--shard-index", "1", "--num-shards", "2", "--sync-every", "15", "--max-steps", "45"),
-                   env={"OMP_NUM_THREADS": "1"})
+    peer = spawn(
+        python_cmd(
+            "-m",
+            "swarm.peer",
+            *common,
+            "--run",
+            "mixed",
+            "--task-preset",
+            "tiny",
+            "--shard-index",
+            "0",
+            "--num-shards",
+            "2",
+            "--identity-key",
+            str(tmp_path / "k"),
+            "--events",
+            str(tmp_path / "peer.jsonl"),
+            "--torch-threads",
+            "1",
+            "--no-progress",
+            "--sync-every",
+            "15",
+            "--max-rounds",
+            "3",
+        )
+    )
+    script = spawn(
+        python_cmd(
+            str(repo / "examples" / "train_charlm.py"),
+            *common,
+            "--run",
+            "mixed",
+            "--shard-index",
+            "1",
+            "--num-shards",
+            "2",
+            "--sync-every",
+            "15",
+            "--max-steps",
+            "45",
+        ),
+        env={"OMP_NUM_THREADS": "1"},
+    )
     try:
         for child in (peer, script):
             wait_until(lambda c=child: c.returncode is not None, timeout_s=200, message=child.describe)
@@ -114,22 +186,50 @@ def test_a_joiner_resumes_bit_exactly_from_a_sealed_checkpoint(bootstrap_node, t
     """Three peers seal a checkpoint every round; a fourth joins later, takes the newest sealed
     manifest, verifies it, downloads its shards from the donors and resumes at that step with
     parameters bit-identical to the donors' (fp32)."""
+
     def peer(name: str, *extra: str):
-        return spawn(python_cmd(
-            "-m", "swarm.peer", "--initial-peers", *bootstrap_node, "--run", "sealed", "--task-preset", "tiny",
-            "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity-key", str(tmp_path / f"{name}.key"),
-            "--events", str(tmp_path / f"{name}.jsonl"), "--dump-dir", str(tmp_path / name),
-            "--checkpoint-dir", str(tmp_path / "checkpoints"), "--torch-threads", "1", "--no-progress",
-            "--sync-every", "10", "--target-group-size", "3", "--min-group-size", "3", *extra))
-    donors = [peer(f"donor{i}", "--shard-index", str(i), "--num-shards", "4", "--duration-s", "150")
-              for i in range(3)]
+        return spawn(
+            python_cmd(
+                "-m",
+                "swarm.peer",
+                "--initial-peers",
+                *bootstrap_node,
+                "--run",
+                "sealed",
+                "--task-preset",
+                "tiny",
+                "--host-maddrs",
+                "/ip4/127.0.0.1/tcp/0",
+                "--identity-key",
+                str(tmp_path / f"{name}.key"),
+                "--events",
+                str(tmp_path / f"{name}.jsonl"),
+                "--dump-dir",
+                str(tmp_path / name),
+                "--checkpoint-dir",
+                str(tmp_path / "checkpoints"),
+                "--torch-threads",
+                "1",
+                "--no-progress",
+                "--sync-every",
+                "10",
+                "--target-group-size",
+                "3",
+                "--min-group-size",
+                "3",
+                *extra,
+            )
+        )
+
+    donors = [peer(f"donor{i}", "--shard-index", str(i), "--num-shards", "4", "--duration-s", "150") for i in range(3)]
     joiner = None
     try:
+
         def sealed_rounds():
             return [e["round"] for e in read_events(tmp_path / "donor0.jsonl") if e["event"] == "round"]
+
         wait_until(lambda: len(sealed_rounds()) >= 3, timeout_s=150, message=lambda: donors[0].describe())
-        joiner = peer("joiner", "--shard-index", "3", "--num-shards", "4", "--max-steps", "2",
-                      "--min-group-size", "2")
+        joiner = peer("joiner", "--shard-index", "3", "--num-shards", "4", "--max-steps", "2", "--min-group-size", "2")
         wait_until(lambda: joiner.returncode is not None, timeout_s=120, message=joiner.describe)
         assert joiner.returncode == 0, joiner.describe()
         joined = next(e for e in read_events(tmp_path / "joiner.jsonl") if e["event"] == "joined")
@@ -143,8 +243,9 @@ def test_a_joiner_resumes_bit_exactly_from_a_sealed_checkpoint(bootstrap_node, t
             assert torch.equal(got[name], want[name]), f"{name} differs from the donors' state at step {step}"
         # the CLI verifies the newest sealed manifest announced in the swarm, and fails for an unknown run
         for run, code in (("sealed", 0), ("no-such-run", 1)):
-            cli = spawn(python_cmd("-m", "swarm.checkpoint", "verify", "--initial-peers", *bootstrap_node,
-                                   "--run", run))
+            cli = spawn(
+                python_cmd("-m", "swarm.checkpoint", "verify", "--initial-peers", *bootstrap_node, "--run", run)
+            )
             wait_until(lambda c=cli: c.returncode is not None, timeout_s=60, message=cli.describe)
             assert cli.returncode == code, cli.describe()
     finally:
@@ -157,22 +258,61 @@ def test_a_lone_survivor_keeps_training_forward_after_its_partner_is_killed(boot
     """Two peers seal checkpoints together; one is SIGKILLed. The survivor trains on alone: its round and
     step never go back, and when it looks for newer sealed state (after 3 solo rounds) it finds none
     newer than its own and keeps its work (it used to re-sync to the last checkpoint, over and over)."""
+
     def peer(name: str, index: int, *extra: str):
-        return spawn(python_cmd(
-            "-m", "swarm.peer", "--initial-peers", *bootstrap_node, "--run", "lone", "--task-preset", "tiny",
-            "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity-key", str(tmp_path / f"{name}.key"),
-            "--events", str(tmp_path / f"{name}.jsonl"), "--checkpoint-dir", str(tmp_path / "checkpoints"),
-            "--ledger-dir", str(tmp_path / "ledgers"), "--shard-index", str(index), "--num-shards", "2",
-            "--torch-threads", "1", "--no-progress", "--sync-every", "5", "--matchmaking-time-s", "0.5",
-            "--eval-batches", "1", "--log-level", "INFO", *extra))
+        return spawn(
+            python_cmd(
+                "-m",
+                "swarm.peer",
+                "--initial-peers",
+                *bootstrap_node,
+                "--run",
+                "lone",
+                "--task-preset",
+                "tiny",
+                "--host-maddrs",
+                "/ip4/127.0.0.1/tcp/0",
+                "--identity-key",
+                str(tmp_path / f"{name}.key"),
+                "--events",
+                str(tmp_path / f"{name}.jsonl"),
+                "--checkpoint-dir",
+                str(tmp_path / "checkpoints"),
+                "--ledger-dir",
+                str(tmp_path / "ledgers"),
+                "--shard-index",
+                str(index),
+                "--num-shards",
+                "2",
+                "--torch-threads",
+                "1",
+                "--no-progress",
+                "--sync-every",
+                "5",
+                "--matchmaking-time-s",
+                "0.5",
+                "--eval-batches",
+                "1",
+                "--log-level",
+                "INFO",
+                *extra,
+            )
+        )
+
     survivor, victim = peer("survivor", 0, "--max-rounds", "9"), peer("victim", 1)
     try:
+
         def grouped_rounds():
-            return [e for e in read_events(tmp_path / "survivor.jsonl") if e["event"] == "round"
-                    and e["group_size"] == 2]
+            return [
+                e for e in read_events(tmp_path / "survivor.jsonl") if e["event"] == "round" and e["group_size"] == 2
+            ]
+
         wait_until(lambda: len(grouped_rounds()) >= 2, timeout_s=120, message=survivor.describe)
-        wait_until(lambda: "sealed checkpoint of run" in "".join(survivor.stderr_lines), timeout_s=30,
-                   message=survivor.describe)
+        wait_until(
+            lambda: "sealed checkpoint of run" in "".join(survivor.stderr_lines),
+            timeout_s=30,
+            message=survivor.describe,
+        )
         terminate(victim, timeout_s=10, sig=signal.SIGKILL)
         assert victim.returncode == -signal.SIGKILL  # the fault fired
         wait_until(lambda: survivor.returncode is not None, timeout_s=120, message=survivor.describe)
@@ -182,7 +322,7 @@ def test_a_lone_survivor_keeps_training_forward_after_its_partner_is_killed(boot
             terminate(child, timeout_s=30)
     events = read_events(tmp_path / "survivor.jsonl")
     rounds = [e for e in events if e["event"] == "round"]
-    solo_after = [e for e in rounds[len(grouped_rounds()):] if e["group_size"] == 1]
+    solo_after = [e for e in rounds[len(grouped_rounds()) :] if e["group_size"] == 1]
     assert len(solo_after) >= 3, f"the survivor should have trained >= 3 rounds alone: {rounds}"
     assert [e["round"] for e in rounds] == sorted({e["round"] for e in rounds}), rounds  # strictly increasing
     steps = [e["step"] for e in events if "step" in e and e["event"] in ("round", "train")]

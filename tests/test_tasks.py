@@ -12,16 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarm.tasks import (
-    PRESETS,
-    CharLMConfig,
-    CharLMTask,
-    Task,
-    UnknownTaskError,
-    get_task,
-    known_tasks,
-    num_params,
-)
+from swarm.tasks import PRESETS, CharLMConfig, CharLMTask, Task, UnknownTaskError, get_task, known_tasks, num_params
 from swarm.tasks.charlm import corpus_text
 
 SEED = 1234
@@ -79,9 +70,7 @@ def test_get_task_presets_and_overrides():
 
 
 def test_get_task_rejects_unknown_preset_and_field():
-    with pytest.raises(
-        ValueError, match=r"unknown charlm preset 'huge'; known presets: default, small, tiny"
-    ):
+    with pytest.raises(ValueError, match=r"unknown charlm preset 'huge'; known presets: default, small, tiny"):
         get_task("charlm", preset="huge")
     with pytest.raises(ValueError, match=r"unknown charlm config field 'width'"):
         get_task("charlm", width=3)
@@ -215,9 +204,7 @@ def test_tightest_shards_keep_every_window_inside(tiny):
     for shard_index in (0, num_shards // 2, num_shards - 1):
         start, end = tiny.shard_bounds(shard_index, num_shards)
         assert window_chars <= end - start <= window_chars + 2
-        offsets = torch.cat(
-            _take(tiny.train_window_offsets(shard_index=shard_index, num_shards=num_shards), 20)
-        )
+        offsets = torch.cat(_take(tiny.train_window_offsets(shard_index=shard_index, num_shards=num_shards), 20))
         assert int(offsets.min()) == start and int(offsets.max()) == end - window_chars
 
 
@@ -239,9 +226,7 @@ def test_train_batches_are_deterministic_per_seed_and_shard():
 
     reference = batches(first, shard_index=1, seed=SEED)
     again = batches(second, shard_index=1, seed=SEED)
-    assert all(
-        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(reference, again, strict=True)
-    )
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(reference, again, strict=True))
     for other in (batches(second, shard_index=1, seed=SEED + 1), batches(second, shard_index=2, seed=SEED)):
         assert not all(torch.equal(a[0], b[0]) for a, b in zip(reference, other, strict=True))
 

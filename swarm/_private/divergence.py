@@ -31,11 +31,13 @@ class Rising:
 
     def message(self, *, sync_every: int, outer: Any) -> str:
         """The loud warning: what rose, the outer settings (``outer``: lr, momentum), what usually cures it."""
-        return (f"round {self.round}: the validation loss sealed by the groups rose {self.rounds} rounds in a row, "
-                f"{self.start:.4f} -> {self.now:.4f} (+{100 * self.rise:.1f}%): training is diverging. "
-                f"Outer settings: sync_every={sync_every}, outer_lr={outer.lr}, outer_momentum={outer.momentum}; "
-                f"a lower outer_lr or outer_momentum (README: choosing sync_every and the outer optimizer) or a "
-                f"lower inner learning rate usually cures it")
+        return (
+            f"round {self.round}: the validation loss sealed by the groups rose {self.rounds} rounds in a row, "
+            f"{self.start:.4f} -> {self.now:.4f} (+{100 * self.rise:.1f}%): training is diverging. "
+            f"Outer settings: sync_every={sync_every}, outer_lr={outer.lr}, outer_momentum={outer.momentum}; "
+            f"a lower outer_lr or outer_momentum (README: choosing sync_every and the outer optimizer) or a "
+            f"lower inner learning rate usually cures it"
+        )
 
 
 class DivergenceGuard:

@@ -46,8 +46,9 @@ def _status_note(kind: str, body: dict) -> tuple[str, str] | None:
     if kind == "round" and body.get("solo"):
         return "solo round", f"round {body.get('round')}: no group, own update applied"
     if kind == "diverging":
-        return "val loss rising", (f"{body.get('rounds')} sealed rounds in a row: {_num(body.get('from'))} -> "
-                                   f"{_num(body.get('to'))}")
+        return "val loss rising", (
+            f"{body.get('rounds')} sealed rounds in a row: {_num(body.get('from'))} -> {_num(body.get('to'))}"
+        )
     if kind == "stop":
         return "left", str(body.get("signal") or "")
     return None
@@ -106,8 +107,9 @@ class Evidence:
             self.record("failure", {"round": entry["round"], **failure})
         if record is not None and group is not None:
             self.last_group = group_summary(group, record, entry["duration_s"])
-            replaced = self._replacements.observe(round_=entry["round"], peer_id=peer_id, group=group,
-                                                  failures=record.failures)
+            replaced = self._replacements.observe(
+                round_=entry["round"], peer_id=peer_id, group=group, failures=record.failures
+            )
             if replaced is not None:
                 self.record("peer_replaced", replaced)
         if self.status is not None:
@@ -127,8 +129,10 @@ class Evidence:
             seen = self._rejections.get((what, reason), 0)
             if total > seen:
                 self._rejections[(what, reason)] = total
-                self.record("record_rejected", {"what": what, "reason": str(reason)[:200], "count": total - seen,
-                                                "total": total, "round": round_})
+                self.record(
+                    "record_rejected",
+                    {"what": what, "reason": str(reason)[:200], "count": total - seen, "total": total, "round": round_},
+                )
         if self.metrics is not None:
             self.metrics.add_rejections(what, counts)
 
@@ -136,10 +140,12 @@ class Evidence:
         m = self.metrics
         try:
             if kind == "round":
-                m.observe_round(outcome="solo" if body.get("solo") else str(body.get("outcome")),
-                                duration_s=float(body.get("duration_s") or 0.0),
-                                bytes_sent=int(body.get("bytes_sent") or 0),
-                                bytes_received=int(body.get("bytes_received") or 0))
+                m.observe_round(
+                    outcome="solo" if body.get("solo") else str(body.get("outcome")),
+                    duration_s=float(body.get("duration_s") or 0.0),
+                    bytes_sent=int(body.get("bytes_sent") or 0),
+                    bytes_received=int(body.get("bytes_received") or 0),
+                )
                 m.set_round(int(body.get("round") or 0))
                 if body.get("val_loss") is not None:
                     m.set_val_loss(float(body["val_loss"]))
@@ -175,8 +181,9 @@ def open_evidence(identity: Any, *, run: str, task: str, ledger_dir: str, metric
         try:
             ledger = Ledger(path, identity=identity, run=run)
         except LedgerError as e:
-            raise ValueError(f"cannot open the ledger {path}: {e}; move the file away or pass another "
-                             f"--ledger-dir") from None
+            raise ValueError(
+                f"cannot open the ledger {path}: {e}; move the file away or pass another --ledger-dir"
+            ) from None
     if not metrics.metrics_port:
         return Evidence(ledger=ledger)
     from swarm.metrics import PeerMetrics  # prometheus-client is imported only when metrics are on

@@ -18,8 +18,18 @@ _UNSAFE_LABEL_CHARS = re.compile(r"[^\x20-\x7e]|[$\\]")
 _MAX_LABEL_CHARS = 48
 _FIGSIZE_IN = (9.0, 4.8)
 _DPI = 110
-_PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
-            "tab:gray", "tab:olive", "tab:cyan")
+_PALETTE = (
+    "tab:blue",
+    "tab:orange",
+    "tab:green",
+    "tab:red",
+    "tab:purple",
+    "tab:brown",
+    "tab:pink",
+    "tab:gray",
+    "tab:olive",
+    "tab:cyan",
+)
 _MAX_LEGEND_ENTRIES = 20
 
 
@@ -108,8 +118,9 @@ def safe_label_long(text: str) -> str:
 
 
 def _note_empty(ax, note: str) -> None:
-    ax.text(0.5, 0.5, safe_label_long(note), ha="center", va="center", transform=ax.transAxes,
-            fontsize=11, color="gray")
+    ax.text(
+        0.5, 0.5, safe_label_long(note), ha="center", va="center", transform=ax.transAxes, fontsize=11, color="gray"
+    )
     ax.set_xticks([])
     ax.set_yticks([])
 
@@ -131,8 +142,16 @@ def series_plot(path: Path, *, axes: Axes, series: list[Series]) -> None:
     drawn = [s for s in series if s.points]
     for s in drawn:
         xs, ys = zip(*s.points)
-        ax.plot(xs, ys, linestyle=s.linestyle or "none", marker=s.marker or None, drawstyle=s.drawstyle,
-                color=color(s.color_index), label=safe_label(s.label) if s.label else None, markersize=5)
+        ax.plot(
+            xs,
+            ys,
+            linestyle=s.linestyle or "none",
+            marker=s.marker or None,
+            drawstyle=s.drawstyle,
+            color=color(s.color_index),
+            label=safe_label(s.label) if s.label else None,
+            markersize=5,
+        )
     if drawn:
         _legend(ax)
     else:
@@ -169,5 +188,11 @@ def _ordered_legend(ax) -> None:
     order = {kind: i for i, kind in enumerate(TIMELINE_STYLES)}
     pairs = sorted(zip(handles, labels), key=lambda pair: order.get(pair[1], len(order)))
     if pairs:
-        ax.legend([h for h, _ in pairs], [label for _, label in pairs], fontsize=7, loc="upper left",
-                  bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+        ax.legend(
+            [h for h, _ in pairs],
+            [label for _, label in pairs],
+            fontsize=7,
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1.0),
+            borderaxespad=0.0,
+        )

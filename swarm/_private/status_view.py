@@ -34,7 +34,9 @@ def _device(device: dict[str, Any] | None) -> Text:
     if device is None:
         return Text("-")
     count = f" x{device['count']}" if device["count"] > 1 else ""
-    return Text(f"{device['accelerator']}: {device['name'][:28]}{count}, {device['memory_total_bytes'] / 2**30:.0f} GiB")
+    return Text(
+        f"{device['accelerator']}: {device['name'][:28]}{count}, {device['memory_total_bytes'] / 2**30:.0f} GiB"
+    )
 
 
 def _age(age_s: float | None, *, missed: bool = False) -> Text:
@@ -45,15 +47,36 @@ def _age(age_s: float | None, *, missed: bool = False) -> Text:
 
 def peers_table(board: dict[str, Any]) -> Table:
     table = Table(title=f"peers ({len(board['peers'])})", expand=True)
-    for column in ("peer", "state", "round", "step", "samples/s", "loss", "val loss", "device", "region",
-                   "record age", "status age"):
-        table.add_column(column, justify="right" if column in ("round", "step", "samples/s", "loss", "val loss")
-                         else "left")
+    for column in (
+        "peer",
+        "state",
+        "round",
+        "step",
+        "samples/s",
+        "loss",
+        "val loss",
+        "device",
+        "region",
+        "record age",
+        "status age",
+    ):
+        table.add_column(
+            column, justify="right" if column in ("round", "step", "samples/s", "loss", "val loss") else "left"
+        )
     for p in board["peers"]:
-        table.add_row(_short(p["peer"]), Text(p["state"]), _num(p["round"], "{}"), _num(p["step"], "{}"),
-                      _num(p["samples_per_s"], "{:.1f}"), _num(p["loss"]), _num(p["val_loss"]),
-                      _device(p["device"]), Text(p["region"] or "-"), _age(p["record_age_s"]),
-                      _age(p["status_age_s"], missed=p["heartbeat_missed"]))
+        table.add_row(
+            _short(p["peer"]),
+            Text(p["state"]),
+            _num(p["round"], "{}"),
+            _num(p["step"], "{}"),
+            _num(p["samples_per_s"], "{:.1f}"),
+            _num(p["loss"]),
+            _num(p["val_loss"]),
+            _device(p["device"]),
+            Text(p["region"] or "-"),
+            _age(p["record_age_s"]),
+            _age(p["status_age_s"], missed=p["heartbeat_missed"]),
+        )
     return table
 
 
@@ -63,18 +86,30 @@ def groups_table(board: dict[str, Any]) -> Table:
         table.add_column(column)
     for g in board["groups"]:
         members = ", ".join(m[-8:] for m in g["members"][:8]) + (" ..." if len(g["members"]) > 8 else "")
-        table.add_row(Text(g["group_id"][:12]), str(g["round"]), Text(f"{len(g['members'])}: {members}"),
-                      Text(g["outcome"]), f"{g['duration_s']:.1f}s", _bytes(g["bytes_sent"]),
-                      _bytes(g["bytes_received"]), str(len(g["reported_by"])))
+        table.add_row(
+            Text(g["group_id"][:12]),
+            str(g["round"]),
+            Text(f"{len(g['members'])}: {members}"),
+            Text(g["outcome"]),
+            f"{g['duration_s']:.1f}s",
+            _bytes(g["bytes_sent"]),
+            _bytes(g["bytes_received"]),
+            str(len(g["reported_by"])),
+        )
     return table
 
 
 def progress_panel(board: dict[str, Any]) -> Panel:
     p = board["progress"]
     grid = Table.grid(padding=(0, 2))
-    for label, value in (("round", _num(p["round"], "{}")), ("step", _num(p["step"], "{}")),
-                         ("loss", _num(p["loss"])), ("val loss", _num(p["val_loss"])),
-                         ("samples/s (total)", f"{p['samples_per_s']:.1f}"), ("peers", str(p["num_peers"]))):
+    for label, value in (
+        ("round", _num(p["round"], "{}")),
+        ("step", _num(p["step"], "{}")),
+        ("loss", _num(p["loss"])),
+        ("val loss", _num(p["val_loss"])),
+        ("samples/s (total)", f"{p['samples_per_s']:.1f}"),
+        ("peers", str(p["num_peers"])),
+    ):
         grid.add_row(Text(label, style="bold"), value)
     return Panel(grid, title="progress")
 
@@ -85,10 +120,13 @@ def checkpoint_panel(board: dict[str, Any]) -> Panel:
         return Panel(Text("no sealed checkpoint announced yet"), title="last sealed checkpoint")
     grid = Table.grid(padding=(0, 2))
     metrics = ", ".join(f"{k}={v}" for k, v in sorted(c["metrics"].items())) or "-"
-    for label, value in (("step", str(c["step"])), ("digest", c["digest"][:16]),
-                         ("signers", f"{len(c['signers'])}/{len(c['participants'])}: "
-                                     + ", ".join(s[-8:] for s in c["signers"][:6])),
-                         ("metrics", metrics), ("announced by", str(c["announced_by"]))):
+    for label, value in (
+        ("step", str(c["step"])),
+        ("digest", c["digest"][:16]),
+        ("signers", f"{len(c['signers'])}/{len(c['participants'])}: " + ", ".join(s[-8:] for s in c["signers"][:6])),
+        ("metrics", metrics),
+        ("announced by", str(c["announced_by"])),
+    ):
         grid.add_row(Text(label, style="bold"), Text(value))
     return Panel(grid, title="last sealed checkpoint")
 
@@ -99,8 +137,12 @@ def events_table(board: dict[str, Any]) -> Table:
         table.add_column(column)
     for e in board["events"]:
         style = "italic" if e["source"] == "observer" else ""
-        table.add_row(time.strftime("%H:%M:%S", time.localtime(e["t"])), _short(e["peer"]),
-                      Text(e["kind"], style=style), Text(e["detail"]))
+        table.add_row(
+            time.strftime("%H:%M:%S", time.localtime(e["t"])),
+            _short(e["peer"]),
+            Text(e["kind"], style=style),
+            Text(e["detail"]),
+        )
     return table
 
 
@@ -108,8 +150,10 @@ def footer(board: dict[str, Any]) -> Text:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(board["t"]))
     text = Text(f"run {board['run']!r} at {stamp}")
     if board["rejected"]:
-        text.append("  refused status entries: " + ", ".join(f"{k}={v}" for k, v in sorted(board["rejected"].items())),
-                    style="yellow")
+        text.append(
+            "  refused status entries: " + ", ".join(f"{k}={v}" for k, v in sorted(board["rejected"].items())),
+            style="yellow",
+        )
     for error in board["errors"]:
         text.append(f"\n{error}", style="red")
     return text

@@ -10,13 +10,12 @@ Depends on `bootstrap.identity` (signing, canonical JSON, peer IDs), `safetensor
 Never loads pickle.
 Exports: CheckpointStore, ShardRejected, PruneResult, TensorInfo, ShardInfo, Manifest,
 SignedManifest, ManifestRejected, sign_manifest, verify_manifest, verify_lineage,
-public_key_from_peer_id, default_quorum, MANIFEST_KIND, MANIFEST_REJECTIONS, ALLOWED_DTYPES.
+public_key_from_peer_id, default_quorum, MANIFEST_KIND, ALLOWED_DTYPES.
 """
 
 from swarm.checkpoint.manifest import (
     ALLOWED_DTYPES,
     MANIFEST_KIND,
-    MANIFEST_REJECTIONS,
     MAX_MANIFEST_BYTES,
     Manifest,
     ManifestRejected,
@@ -35,7 +34,6 @@ __all__ = [
     "ALLOWED_DTYPES",
     "DEFAULT_MAX_SHARD_BYTES",
     "MANIFEST_KIND",
-    "MANIFEST_REJECTIONS",
     "MAX_MANIFEST_BYTES",
     "CheckpointStore",
     "Manifest",

@@ -17,34 +17,38 @@ from rich.console import Console
 from rich.table import Table
 from safetensors.torch import save_file
 
-from swarm.checkpoint.manifest import (
-    ManifestRejected,
-    SignedManifest,
-    default_quorum,
-    verify_lineage,
-    verify_manifest,
-)
+from swarm.checkpoint.manifest import ManifestRejected, SignedManifest, default_quorum, verify_lineage, verify_manifest
 from swarm.checkpoint.store import CheckpointStore, ShardRejected
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m swarm.checkpoint", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("list", "sealed checkpoints in the store, oldest first"),
-                            ("show", "one manifest as JSON"),
-                            ("verify", "digests, signatures, quorum and lineage"),
-                            ("export", "write the model parameters as one safetensors file")):
+    for name, help_text in (
+        ("list", "sealed checkpoints in the store, oldest first"),
+        ("show", "one manifest as JSON"),
+        ("verify", "digests, signatures, quorum and lineage"),
+        ("export", "write the model parameters as one safetensors file"),
+    ):
         cmd = sub.add_parser(name, help=help_text)
         if name == "verify":
             where = cmd.add_mutually_exclusive_group(required=True)
             where.add_argument("--dir", type=Path, help="checkpoint store folder")
-            where.add_argument("--initial-peers", nargs="+", metavar="MADDR",
-                               help="verify the newest sealed manifest of --run announced in the swarm instead")
+            where.add_argument(
+                "--initial-peers",
+                nargs="+",
+                metavar="MADDR",
+                help="verify the newest sealed manifest of --run announced in the swarm instead",
+            )
             cmd.add_argument("--run", default=None, help="run name (with --initial-peers)")
         else:
             cmd.add_argument("--dir", required=True, type=Path, help="checkpoint store folder")
         if name != "list":
-            cmd.add_argument("--manifest", default=None, help="manifest digest (default: the newest one whose shards are all in the store)")
+            cmd.add_argument(
+                "--manifest",
+                default=None,
+                help="manifest digest (default: the newest one whose shards are all in the store)",
+            )
         if name == "export":
             cmd.add_argument("--out", required=True, type=Path, help="output .safetensors file")
     return parser
@@ -73,8 +77,12 @@ def verify_in_swarm(initial_peers: list[str], run: str, console: Console) -> int
     from peers.graph import ResourceGraph
     from swarm.checkpoint.gossip import index_key
 
-    dht = start_swarm_dht(Identity.generate(), initial_peers=parse_initial_peers(initial_peers), client_mode=True,
-                          host_maddrs=("/ip4/127.0.0.1/tcp/0",))
+    dht = start_swarm_dht(
+        Identity.generate(),
+        initial_peers=parse_initial_peers(initial_peers),
+        client_mode=True,
+        host_maddrs=("/ip4/127.0.0.1/tcp/0",),
+    )
     try:
         known = {r.peer_id for r in ResourceGraph(dht).records(run=run)}
         found = dht.get(index_key(run), latest=True)
@@ -97,11 +105,15 @@ def verify_in_swarm(initial_peers: list[str], run: str, console: Console) -> int
     finally:
         stop_dht(dht)
     if best is None:
-        console.print(f"[bold red]verification failed:[/] no valid sealed manifest of run {run!r} in the swarm"
-                      + (f" ({'; '.join(reasons[:3])})" if reasons else ""))
+        console.print(
+            f"[bold red]verification failed:[/] no valid sealed manifest of run {run!r} in the swarm"
+            + (f" ({'; '.join(reasons[:3])})" if reasons else "")
+        )
         return 1
-    console.print(f"[green]ok[/]: newest sealed manifest of run {run!r}: {best.digest()[:16]} at step {best.step}, "
-                  f"{len(best.participants)} participant(s), {len(best.shards)} shard(s)")
+    console.print(
+        f"[green]ok[/]: newest sealed manifest of run {run!r}: {best.digest()[:16]} at step {best.step}, "
+        f"{len(best.participants)} participant(s), {len(best.shards)} shard(s)"
+    )
     return 0
 
 
@@ -125,8 +137,14 @@ def main(argv: list[str] | None = None) -> int:
         for digest in digests:
             signed = _load(store, digest)
             m = signed.manifest
-            table.add_row(digest[:16], m.run_id, str(m.step), str(len(m.participants)), str(len(signed.signatures)),
-                          str(len(m.shards)))
+            table.add_row(
+                digest[:16],
+                m.run_id,
+                str(m.step),
+                str(len(m.participants)),
+                str(len(signed.signatures)),
+                str(len(m.shards)),
+            )
         console.print(table)
         return 0
     if not digests:
@@ -142,8 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signed = _load(store, matches[0])
     if args.command == "show":
-        print(json.dumps({"digest": matches[0], "manifest": signed.manifest.to_dict(),
-                          "signatures": signed.signatures}, indent=2))
+        print(
+            json.dumps(
+                {"digest": matches[0], "manifest": signed.manifest.to_dict(), "signatures": signed.signatures}, indent=2
+            )
+        )
         return 0
     try:
         manifest = verify_manifest(signed, run_id=signed.manifest.run_id)
@@ -153,9 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[bold red]verification failed:[/] {e}")
         return 1
     if args.command == "verify":
-        console.print(f"[green]ok[/]: {matches[0][:16]} run {manifest.run_id!r} step {manifest.step}, "
-                      f"{len(signed.signatures)} valid signature(s) of {len(manifest.participants)} participant(s), "
-                      f"{len(manifest.shards)} shard(s) re-hashed, lineage of {len(linked)} manifest(s) intact")
+        console.print(
+            f"[green]ok[/]: {matches[0][:16]} run {manifest.run_id!r} step {manifest.step}, "
+            f"{len(signed.signatures)} valid signature(s) of {len(manifest.participants)} participant(s), "
+            f"{len(manifest.shards)} shard(s) re-hashed, lineage of {len(linked)} manifest(s) intact"
+        )
         return 0
     params = {name.split("/", 1)[1]: tensor for name, tensor in state.items() if name.startswith("param/")}
     args.out.parent.mkdir(parents=True, exist_ok=True)

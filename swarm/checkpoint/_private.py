@@ -10,6 +10,7 @@ import json
 import math
 from typing import Any
 
+from bootstrap.errors import Rejected
 from swarm.checkpoint.manifest import TensorInfo
 
 # safetensors dtype code -> (our dtype name, element size in bytes)
@@ -26,12 +27,8 @@ _MAX_HEADER_BYTES = 16 << 20
 _PICKLE_HINTS = (b"PK\x03\x04", b"\x80")  # torch.save's zip container; a raw pickle stream
 
 
-class HeaderError(ValueError):
+class HeaderError(Rejected):
     """The bytes are not an acceptable safetensors file; ``reason`` is a ShardRejected reason."""
-
-    def __init__(self, reason: str, detail: str):
-        self.reason, self.detail = reason, detail
-        super().__init__(f"{reason}: {detail}")
 
 
 def not_safetensors(detail: str, data: bytes) -> HeaderError:
@@ -89,8 +86,10 @@ def _entry(name: str, spec: Any, data: bytes) -> tuple[str, tuple[int, ...], int
     if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
         raise not_safetensors(f"tensor {name!r} entry must have exactly dtype, shape, data_offsets", data)
     if not isinstance(spec["dtype"], str) or spec["dtype"] not in SAFETENSORS_DTYPES:
-        raise HeaderError("unexpected dtype", f"tensor {name!r} has dtype {spec['dtype']!r:.20}; allowed: "
-                                              f"{sorted(SAFETENSORS_DTYPES)}")
+        raise HeaderError(
+            "unexpected dtype",
+            f"tensor {name!r} has dtype {spec['dtype']!r:.20}; allowed: {sorted(SAFETENSORS_DTYPES)}",
+        )
     dtype, item_size = SAFETENSORS_DTYPES[spec["dtype"]]
     shape, offsets = spec["shape"], spec["data_offsets"]
     if not isinstance(shape, list) or len(shape) > 16 or not all(_is_nonneg_int(d) for d in shape):
@@ -99,8 +98,9 @@ def _entry(name: str, spec: Any, data: bytes) -> tuple[str, tuple[int, ...], int
         raise not_safetensors(f"tensor {name!r} data_offsets {offsets!r:.60} malformed", data)
     begin, end = offsets
     if end - begin != math.prod(shape) * item_size:
-        raise not_safetensors(f"tensor {name!r} holds {end - begin} bytes, its shape needs "
-                              f"{math.prod(shape) * item_size}", data)
+        raise not_safetensors(
+            f"tensor {name!r} holds {end - begin} bytes, its shape needs {math.prod(shape) * item_size}", data
+        )
     return dtype, tuple(shape), begin, end
 
 

@@ -58,8 +58,9 @@ import hivemind
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
+from bootstrap.errors import NetworkError
 from bootstrap.framing import ProtocolError, read_exactly, read_frame, write_frame
-from bootstrap.runtime import Served
+from bootstrap.runtime import Served, ServedFacade, StreamServer
 
 __all__ = [
     "PARTIAL_SOURCE",
@@ -239,7 +240,7 @@ class FetchReport:
     """Wall time of the fetch."""
 
 
-class FetchError(RuntimeError):
+class FetchError(NetworkError):
     """Some shard could not be had; the message names it and why.
 
     `reason`: attempts (too many failed attempts), no donor (no donor left that may have it),
@@ -248,8 +249,7 @@ class FetchError(RuntimeError):
     """
 
     def __init__(self, message: str, *, reason: str, report: FetchReport | None = None) -> None:
-        super().__init__(message)
-        self.reason = reason
+        super().__init__(message, reason=reason)
         self.report = report
 
 
@@ -307,7 +307,7 @@ def _read_source(source: ShardSource, digest: str, offset: int, length: int) -> 
     return size, source.read_range(digest, offset, length)
 
 
-class ShardServer:
+class ShardServer(StreamServer):
     """Serves `swarm.shards.v1` from `source` on a `P2P` (e.g. `bootstrap.runtime`'s).
 
     `rejected` counts refusals by reason: busy, not found, bad digest, bad range, too long,
@@ -315,57 +315,24 @@ class ShardServer:
     and `bytes_served` count "ok" replies; `num_active` is the number of streams being served now.
     """
 
+    protocol = PROTOCOL
+
     def __init__(self, source: ShardSource, config: ExchangeConfig | None = None, *, p2p: P2P) -> None:
+        super().__init__(p2p=p2p, rpc_timeout_s=_RPC_TIMEOUT_S)
         self._source = source
         self._config = config if config is not None else ExchangeConfig()
-        self._p2p = p2p
-        self._active: set[asyncio.Task[Any]] = set()
-        self._running = False
-        self.rejected: Counter[str] = Counter()
         self.num_chunks_served = 0
         self.bytes_served = 0
-
-    @property
-    def num_active(self) -> int:
-        return len(self._active)
-
-    async def start(self) -> None:
-        """Register the stream handler with the daemon."""
-        if self._running:
-            raise RuntimeError("ShardServer.start: already started")
-        await asyncio.wait_for(self._p2p.add_binary_stream_handler(PROTOCOL, self._handle), _RPC_TIMEOUT_S)
-        self._running = True
-
-    async def stop(self) -> None:
-        """Unregister the handler and cancel the streams being served; safe to call twice."""
-        if not self._running:
-            return
-        self._running = False
-        with contextlib.suppress(Exception):  # the daemon may be gone already; nothing to undo then
-            await asyncio.wait_for(self._p2p.remove_binary_stream_handler(PROTOCOL), _RPC_TIMEOUT_S)
-        active = list(self._active)
-        for task in active:
-            task.cancel()
-        await asyncio.gather(*active, return_exceptions=True)
-
-    def _reject(self, peer: str, reason: str, detail: str) -> None:
-        self.rejected[reason] += 1
-        logger.debug("shard request from %s refused: %s (%s)", peer, reason, detail)
 
     async def _handle(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(info.peer_id)
         try:
-            if not self._running or len(self._active) >= self._config.max_concurrent_per_donor:
+            if self._busy(self._config.max_concurrent_per_donor):
                 self._reject(peer, "busy", f"already serving {len(self._active)} streams")
                 await self._refuse(reader, writer, {"status": STATUS_BUSY})
                 return
-            task = asyncio.current_task()
-            assert task is not None  # a stream handler always runs in a task
-            self._active.add(task)
-            try:
+            async with self._serving():
                 await self._serve(peer, reader, writer)
-            finally:
-                self._active.discard(task)
         except ProtocolError as e:
             self._reject(peer, e.reason, e.detail)
             await self._refuse(reader, writer, {"status": STATUS_BAD_REQUEST, "reason": str(e)[:200]})
@@ -382,9 +349,7 @@ class ShardServer:
         finally:
             await _close(writer)
 
-    async def _refuse(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: dict[str, Any]
-    ) -> None:
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: dict[str, Any]) -> None:
         with contextlib.suppress(Exception):  # the client may be gone; it was refused either way
             await asyncio.wait_for(write_frame(writer, reply), _CLOSE_TIMEOUT_S)
             await _linger(reader)
@@ -393,7 +358,9 @@ class ShardServer:
         timeout_s = self._config.timeout_s
         while True:
             # waiting here for the next request is also the linger after the last reply
-            header = await asyncio.wait_for(read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES, eof_ok=True), timeout_s)
+            header = await asyncio.wait_for(
+                read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES, eof_ok=True), timeout_s
+            )
             if header is None:
                 return
             digest, offset, length = _parse_request(header, self._config.chunk_bytes)
@@ -540,8 +507,17 @@ class _DonorPool:
             now = time.monotonic()
             free = [d for d in eligible if d.active < self._cap and d.ready_at <= now]
             if free:
-                donor = min(free, key=lambda d: (d.name in avoid, d.blamed > 0, d.active,
-                                                 d.consecutive_failures, d.sessions, d.index))
+                donor = min(
+                    free,
+                    key=lambda d: (
+                        d.name in avoid,
+                        d.blamed > 0,
+                        d.active,
+                        d.consecutive_failures,
+                        d.sessions,
+                        d.index,
+                    ),
+                )
                 donor.active += 1
                 donor.sessions += 1
                 return donor
@@ -588,8 +564,13 @@ class _Shard:
 
     @classmethod
     def create(cls, digest: str, size: int, prefix: bytes) -> _Shard:
-        return cls(digest=digest, size=size, buf=bytearray(prefix), hasher=hashlib.sha256(prefix),
-                   sources=[PARTIAL_SOURCE] if prefix else [])
+        return cls(
+            digest=digest,
+            size=size,
+            buf=bytearray(prefix),
+            hasher=hashlib.sha256(prefix),
+            sources=[PARTIAL_SOURCE] if prefix else [],
+        )
 
     def append(self, donor: str, data: bytes) -> None:
         self.buf += data
@@ -649,7 +630,8 @@ class _Fetcher:
         return FetchError(
             f"cannot fetch shard {shard.digest} ({shard.size} bytes): {what}{last}; "
             f"excluded donors: {sorted(shard.excluded) or 'none'}",
-            reason=reason, report=self._report,
+            reason=reason,
+            report=self._report,
         )
 
     def _discard_corrupt(self, shard: _Shard) -> None:
@@ -663,8 +645,9 @@ class _Fetcher:
             shard.excluded.add(donors[0])  # the sole culprit: never again for this shard
         else:
             shard.avoid.update(donors)
-        logger.warning("shard %s from %s failed its digest check; fetching it again", shard.digest[:12],
-                       ", ".join(shard.sources))
+        logger.warning(
+            "shard %s from %s failed its digest check; fetching it again", shard.digest[:12], ", ".join(shard.sources)
+        )
         shard.last_error = f"digest mismatch (bytes from {', '.join(shard.sources)})"
         shard.attempts += 1
         report.retries += 1
@@ -778,7 +761,8 @@ async def fetch_shards(
         raise FetchError(
             f"fetching {len(shards)} shards from {len(donors)} donors did not finish within "
             f"{config.fetch_timeout_s:.1f} s; are the donors reachable and serving {PROTOCOL}?",
-            reason="timeout", report=report,
+            reason="timeout",
+            report=report,
         ) from None
     finally:
         report.seconds = time.perf_counter() - started
@@ -787,7 +771,7 @@ async def fetch_shards(
 # --- synchronous facade -------------------------------------------------------------------------
 
 
-class ShardExchange:
+class ShardExchange(ServedFacade):
     """Serves `source` and fetches shards on the DHT's network runtime (`bootstrap.runtime`).
 
     Thread-safe; fetches may run concurrently. One exchange per DHT: a second one on the same daemon
@@ -806,21 +790,19 @@ class ShardExchange:
             raise TypeError(f"source: expected a ShardSource (has, size, read_range), got {type(source).__name__}")
         self._config = config if config is not None else ExchangeConfig()
         self._source = source
-        self._served = Served(dht, lambda p2p: ShardServer(source, self._config, p2p=p2p), what="the shard exchange",
-                              start_timeout_s=start_timeout_s)
+        self._served = Served(
+            dht,
+            lambda p2p: ShardServer(source, self._config, p2p=p2p),
+            what="the shard exchange",
+            start_timeout_s=start_timeout_s,
+        )
 
     @property
     def config(self) -> ExchangeConfig:
         return self._config
 
-    @property
-    def server(self) -> ShardServer:
-        """The shard server; its counters stay readable after `close()`."""
-        return self._served.server
-
-    @property
-    def peer_id(self) -> str:
-        return str(self._served.p2p.peer_id)
+    server: ShardServer
+    """The shard server; its counters stay readable after `close()`."""
 
     def fetch(
         self,
@@ -851,13 +833,3 @@ class ShardExchange:
                 f"the fetch did not end within {config.fetch_timeout_s:.1f} s", reason="timeout", report=report
             ) from None
         return shards, report
-
-    def close(self, *, timeout_s: float = 10.0) -> None:
-        """Unregister the handler and cut off its streams; idempotent."""
-        self._served.close(timeout_s=timeout_s)
-
-    def __enter__(self) -> ShardExchange:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()

@@ -75,10 +75,19 @@ class ManifestGossip:
     ``on_new(data, digest, step)`` is called (from the gossip thread) for every newer valid manifest.
     """
 
-    def __init__(self, dht: hivemind.DHT, *, run_id: str, verify: Verify, peers: Callable[[], Sequence[str]],
-                 on_new: Callable[[bytes, str, int], None] | None = None, config: GossipConfig | None = None,
-                 start_timeout_s: float = 30.0, announce: Callable[[bytes, str], bool] | None = None,
-                 holders: Callable[[bytes], Collection[str]] | None = None):
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        *,
+        run_id: str,
+        verify: Verify,
+        peers: Callable[[], Sequence[str]],
+        on_new: Callable[[bytes, str, int], None] | None = None,
+        config: GossipConfig | None = None,
+        start_timeout_s: float = 30.0,
+        announce: Callable[[bytes, str], bool] | None = None,
+        holders: Callable[[bytes], Collection[str]] | None = None,
+    ):
         self.dht, self.run_id, self.verify, self.peers = dht, run_id, verify, peers
         self.on_new = on_new or (lambda data, digest, step: None)
         self.announce = announce or (lambda data, digest: True)
@@ -96,8 +105,13 @@ class ManifestGossip:
         """Anti-entropy reads of the DHT index made so far (the others were skipped: pushes arrived)."""
         self._last_push = -float("inf")
         self._lock = threading.Lock()
-        self._service = Handler(dht, handler_name=f"swarm.gossip.v1.{run_id}", handler=self._serve,
-                                background=self._pull_periodically, start_timeout_s=start_timeout_s)
+        self._service = Handler(
+            dht,
+            handler_name=f"swarm.gossip.v1.{run_id}",
+            handler=self._serve,
+            background=self._pull_periodically,
+            start_timeout_s=start_timeout_s,
+        )
         self._p2p = self._service.p2p
         self.peer_id = str(self._p2p.peer_id)
 
@@ -145,9 +159,13 @@ class ManifestGossip:
 
     async def _announce(self, data: bytes, digest: str, step: int) -> None:
         with contextlib.suppress(Exception):  # the index is a convenience; gossip does not depend on it
-            await self.dht.store(index_key(self.run_id), {"step": step, "digest": digest, "manifest": data},
-                                 expiration_time=get_dht_time() + self.config.index_expiry_s,
-                                 subkey=self.peer_id, return_future=True)
+            await self.dht.store(
+                index_key(self.run_id),
+                {"step": step, "digest": digest, "manifest": data},
+                expiration_time=get_dht_time() + self.config.index_expiry_s,
+                subkey=self.peer_id,
+                return_future=True,
+            )
 
     async def _push(self, data: bytes, *, exclude: set) -> None:
         candidates = [p for p in self.peers() if p != self.peer_id and p not in exclude]
@@ -157,8 +175,9 @@ class ManifestGossip:
     async def _push_one(self, peer: str, data: bytes) -> None:
         try:
             async with asyncio.timeout(self.config.push_timeout_s):
-                _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer),
-                                                                               self._service.handler_name)
+                _, reader, writer = await self._p2p.call_binary_stream_handler(
+                    PeerID.from_base58(peer), self._service.handler_name
+                )
                 try:
                     await write_blob(writer, data)
                     await reader.read(1)  # the receiver hangs up once it has read everything

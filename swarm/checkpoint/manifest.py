@@ -18,7 +18,6 @@ schema) and :func:`verify_manifest` (run, signers, quorum, replay); each refusal
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 from collections import Counter
@@ -26,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from bootstrap.envelope import INT64_MAX, check_hex, check_int, check_str, expect_keys, strict_json
+from bootstrap.errors import Rejected
 from bootstrap.identity import Identity, canonical_json, public_key_from_peer_id, verify
 from swarm.ledger.receipts import ReceiptRejected, SignedReceipt, verify_receipt
 
@@ -37,8 +38,6 @@ MAX_MANIFEST_BYTES = 1 << 20
 ALLOWED_DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
 """Tensor dtypes a checkpoint may hold; anything else is refused on write and on read."""
 
-MANIFEST_REJECTIONS: Counter[str] = Counter()
-"""Default counter of manifest rejections by reason (see :func:`verify_manifest`)."""
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX128 = re.compile(r"[0-9a-f]{128}")
@@ -50,13 +49,10 @@ _MAX_METRICS = 64
 _INT64_MAX = (1 << 63) - 1
 
 
-class ManifestRejected(ValueError):
+class ManifestRejected(Rejected):
     """A manifest was refused. ``reason`` is a short fixed string (a counter key); ``detail`` says more."""
 
-    def __init__(self, reason: str, detail: str = ""):
-        self.reason = reason
-        self.detail = detail
-        super().__init__(f"manifest rejected: {reason}" + (f" ({detail})" if detail else ""))
+    what = "manifest"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,13 +67,15 @@ class TensorInfo:
     """The tensor's shape."""
 
     def __post_init__(self) -> None:
-        _check_str("tensor name", self.name, max_chars=_MAX_TENSOR_NAME_CHARS)
+        check_str("tensor name", self.name, max_chars=_MAX_TENSOR_NAME_CHARS)
         if self.dtype not in ALLOWED_DTYPES:
             raise ValueError(f"tensor {self.name!r}: dtype {self.dtype!r} is not one of {ALLOWED_DTYPES}")
         if not isinstance(self.shape, tuple) or len(self.shape) > _MAX_DIMS:
-            raise ValueError(f"tensor {self.name!r}: shape must be a tuple of at most {_MAX_DIMS} ints, got {self.shape!r}")
+            raise ValueError(
+                f"tensor {self.name!r}: shape must be a tuple of at most {_MAX_DIMS} ints, got {self.shape!r}"
+            )
         for dim in self.shape:
-            _check_int(f"tensor {self.name!r} shape", dim)
+            check_int(f"tensor {self.name!r} shape", dim)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
@@ -97,9 +95,9 @@ class ShardInfo:
     """The tensors the file must hold, exactly (names, dtypes, shapes)."""
 
     def __post_init__(self) -> None:
-        _check_str("shard name", self.name, max_chars=_MAX_ID_CHARS)
-        _check_hex64("shard digest", self.digest)
-        _check_int("shard size_bytes", self.size_bytes)
+        check_str("shard name", self.name, max_chars=_MAX_ID_CHARS)
+        check_hex("shard digest", self.digest)
+        check_int("shard size_bytes", self.size_bytes)
         if not isinstance(self.tensors, tuple) or not all(isinstance(t, TensorInfo) for t in self.tensors):
             raise TypeError(f"shard {self.name!r}: tensors must be a tuple of TensorInfo")
         names = [t.name for t in self.tensors]
@@ -148,24 +146,24 @@ class Manifest:
     def __post_init__(self) -> None:
         if self.version != MANIFEST_VERSION or isinstance(self.version, bool):
             raise ValueError(f"version: only {MANIFEST_VERSION} is supported, got {self.version!r}")
-        _check_str("run_id", self.run_id, max_chars=_MAX_ID_CHARS)
-        _check_str("task", self.task, max_chars=_MAX_ID_CHARS)
+        check_str("run_id", self.run_id, max_chars=_MAX_ID_CHARS)
+        check_str("task", self.task, max_chars=_MAX_ID_CHARS)
         for name in ("step", "round", "created_at"):
-            _check_int(name, getattr(self, name))
-        _check_hex64("config_digest", self.config_digest)
+            check_int(name, getattr(self, name))
+        check_hex("config_digest", self.config_digest)
         if self.parent != "":
-            _check_hex64("parent", self.parent)
+            check_hex("parent", self.parent)
         self._check_shards()
         self._check_participants()
         if not isinstance(self.metrics, dict) or len(self.metrics) > _MAX_METRICS:
             raise ValueError(f"metrics must be a dict of at most {_MAX_METRICS} entries")
         for key, value in self.metrics.items():
-            _check_str("metric name", key, max_chars=_MAX_ID_CHARS)
-            _check_int(f"metric {key!r}", value, minimum=-_INT64_MAX)
+            check_str("metric name", key, max_chars=_MAX_ID_CHARS)
+            check_int(f"metric {key!r}", value, minimum=-INT64_MAX)
         if not isinstance(self.contributions, dict) or not set(self.contributions) <= set(self.participants):
             raise ValueError("contributions must map participants to sample counts")
         for peer_id, samples in self.contributions.items():
-            _check_int(f"contribution of {peer_id!r:.60}", samples)
+            check_int(f"contribution of {peer_id!r:.60}", samples)
 
     def _check_shards(self) -> None:
         if not isinstance(self.shards, tuple) or not all(isinstance(s, ShardInfo) for s in self.shards):
@@ -180,7 +178,7 @@ class Manifest:
         if not isinstance(self.participants, tuple) or len(self.participants) > _MAX_PEERS:
             raise ValueError(f"participants must be a tuple of at most {_MAX_PEERS} peer IDs")
         for peer_id in self.participants:
-            _check_str("participant", peer_id, max_chars=_MAX_ID_CHARS)
+            check_str("participant", peer_id, max_chars=_MAX_ID_CHARS)
         if list(self.participants) != sorted(set(self.participants)):
             raise ValueError("participants must be sorted and unique")
 
@@ -224,13 +222,19 @@ class SignedManifest:
 
     def with_signature(self, peer_id: str, signature_hex: str) -> SignedManifest:
         """A copy with one more (or a replaced) signature."""
-        return SignedManifest(manifest=self.manifest, signatures={**self.signatures, peer_id: signature_hex},
-                              receipts=self.receipts)
+        return SignedManifest(
+            manifest=self.manifest, signatures={**self.signatures, peer_id: signature_hex}, receipts=self.receipts
+        )
 
     def to_bytes(self) -> bytes:
         """The wire format: canonical JSON ``{"manifest": {...}, "signatures": {...}, "receipts": [...]}``."""
-        return canonical_json({"manifest": self.manifest.to_dict(), "signatures": dict(self.signatures),
-                               "receipts": [r.to_dict() for r in self.receipts]})
+        return canonical_json(
+            {
+                "manifest": self.manifest.to_dict(),
+                "signatures": dict(self.signatures),
+                "receipts": [r.to_dict() for r in self.receipts],
+            }
+        )
 
     @classmethod
     def from_bytes(cls, data: bytes) -> SignedManifest:
@@ -243,8 +247,8 @@ class SignedManifest:
             raise ManifestRejected("malformed", f"expected bytes, got {type(data).__name__}")
         if len(data) > MAX_MANIFEST_BYTES:
             raise ManifestRejected("oversized", f"{len(data)} bytes > limit {MAX_MANIFEST_BYTES}")
-        obj = _strict_json(bytes(data))
-        _expect_keys(obj, {"manifest", "signatures", "receipts"}, "top level")
+        obj = strict_json(bytes(data), ManifestRejected)
+        expect_keys(obj, {"manifest", "signatures", "receipts"}, "top level", ManifestRejected)
         signatures = obj["signatures"]
         if not isinstance(signatures, dict) or len(signatures) > _MAX_PEERS:
             raise ManifestRejected("malformed", f"signatures must be an object of at most {_MAX_PEERS} entries")
@@ -255,8 +259,11 @@ class SignedManifest:
         if not isinstance(receipts, list) or len(receipts) > _MAX_PEERS:
             raise ManifestRejected("malformed", f"receipts must be a list of at most {_MAX_PEERS} entries")
         manifest = _manifest_from_obj(obj["manifest"])
-        return cls(manifest=manifest, signatures=signatures,
-                   receipts=tuple(_receipt_from_obj(r, run_id=manifest.run_id) for r in receipts))
+        return cls(
+            manifest=manifest,
+            signatures=signatures,
+            receipts=tuple(_receipt_from_obj(r, run_id=manifest.run_id) for r in receipts),
+        )
 
 
 def sign_manifest(manifest: Manifest, identity: Identity) -> tuple[str, str]:
@@ -287,10 +294,10 @@ def verify_manifest(
     ``previous`` (the newest manifest the caller already trusts) an older step, or a different
     manifest at the same step, is refused as a replay; with ``require_parent`` a newer step must
     name ``previous`` as its parent. Pass the raw bytes received so that ``oversized`` and
-    ``malformed`` are counted too. Each refusal is logged and counted in ``counter`` (default
-    :data:`MANIFEST_REJECTIONS`) under its reason.
+    ``malformed`` are counted too. Each refusal is logged and counted in the caller's ``counter`` (if
+    given) under its reason.
     """
-    counter = MANIFEST_REJECTIONS if counter is None else counter
+    counter = Counter() if counter is None else counter
     try:
         if not isinstance(signed, SignedManifest):
             signed = SignedManifest.from_bytes(signed)
@@ -318,11 +325,15 @@ def verify_lineage(manifests: list[Manifest], *, root_parent: str = "") -> None:
     if not manifests:
         raise ValueError("verify_lineage needs at least one manifest")
     if manifests[0].parent != root_parent:
-        raise ManifestRejected("broken lineage", f"step {manifests[0].step} has parent {manifests[0].parent!r:.20}, "
-                                                 f"expected {root_parent!r:.20}")
+        raise ManifestRejected(
+            "broken lineage",
+            f"step {manifests[0].step} has parent {manifests[0].parent!r:.20}, expected {root_parent!r:.20}",
+        )
     for older, newer in zip(manifests, manifests[1:]):
         if newer.run_id != older.run_id:
-            raise ManifestRejected("another run's manifest", f"lineage mixes runs {older.run_id!r} and {newer.run_id!r}")
+            raise ManifestRejected(
+                "another run's manifest", f"lineage mixes runs {older.run_id!r} and {newer.run_id!r}"
+            )
         if newer.parent != older.digest():
             raise ManifestRejected("broken lineage", f"step {newer.step} does not name step {older.step} as parent")
         if newer.step <= older.step:
@@ -354,14 +365,17 @@ def _check_signatures(
         if not verify(public_key=public_key, kind=MANIFEST_KIND, run_id=run_id, payload=payload, signature=signature):
             raise ManifestRejected("bad signature", f"signature of {peer_id} does not verify")
     if len(signed.signatures) < needed:
-        raise ManifestRejected("below quorum", f"{len(signed.signatures)} valid signatures, {needed} needed "
-                                               f"({len(participants)} participants)")
+        raise ManifestRejected(
+            "below quorum",
+            f"{len(signed.signatures)} valid signatures, {needed} needed ({len(participants)} participants)",
+        )
 
 
 def _check_not_replayed(manifest: Manifest, *, previous: Manifest, require_parent: bool) -> None:
     if manifest.step < previous.step:
-        raise ManifestRejected("replayed old manifest", f"step {manifest.step} is older than the current "
-                                                        f"step {previous.step}")
+        raise ManifestRejected(
+            "replayed old manifest", f"step {manifest.step} is older than the current step {previous.step}"
+        )
     if manifest.step == previous.step:
         if manifest.digest() != previous.digest():
             raise ManifestRejected("conflicting manifest for step", f"a different manifest for step {manifest.step}")
@@ -372,39 +386,9 @@ def _check_not_replayed(manifest: Manifest, *, previous: Manifest, require_paren
 
 # ---- strict parsing of untrusted JSON ----
 
-def _strict_json(data: bytes) -> Any:
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        result = dict(pairs)
-        if len(result) != len(pairs):
-            raise ManifestRejected("malformed", "duplicate key in JSON object")
-        return result
-
-    def refuse(kind: str) -> Callable[[str], Any]:
-        def hook(text: str) -> Any:
-            raise ManifestRejected("malformed", f"{kind} {text!r:.40} not allowed (ints and strings only)")
-        return hook
-
-    try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=no_duplicates,
-                          parse_float=refuse("float"), parse_constant=refuse("constant"))
-    except UnicodeDecodeError:
-        raise ManifestRejected("malformed", "not UTF-8") from None
-    except ManifestRejected:
-        raise
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, or an int longer than Python parses
-        raise ManifestRejected("malformed", f"not JSON: {str(e)[:200]}") from None
-
-
-def _expect_keys(obj: Any, keys: set[str], where: str) -> None:
-    if not isinstance(obj, dict):
-        raise ManifestRejected("malformed", f"{where}: expected an object, got {type(obj).__name__}")
-    if set(obj) != keys:
-        extra, missing = sorted(set(obj) - keys), sorted(keys - set(obj))
-        raise ManifestRejected("malformed", f"{where}: unexpected fields {extra!r:.200}, missing {missing!r}")
-
 
 def _manifest_from_obj(obj: Any) -> Manifest:
-    _expect_keys(obj, {f for f in Manifest.__dataclass_fields__}, "manifest")
+    expect_keys(obj, {f for f in Manifest.__dataclass_fields__}, "manifest", ManifestRejected)
     if obj["version"] != MANIFEST_VERSION or isinstance(obj["version"], bool):
         raise ManifestRejected("unsupported version", f"version {obj['version']!r:.40}, expected {MANIFEST_VERSION}")
     try:
@@ -412,8 +396,21 @@ def _manifest_from_obj(obj: Any) -> Manifest:
             if not isinstance(obj[name], list):
                 raise TypeError(f"{name} must be a list")
         return Manifest(
-            **{k: obj[k] for k in ("version", "run_id", "step", "round", "task", "config_digest", "parent",
-                                   "metrics", "created_at", "contributions")},
+            **{
+                k: obj[k]
+                for k in (
+                    "version",
+                    "run_id",
+                    "step",
+                    "round",
+                    "task",
+                    "config_digest",
+                    "parent",
+                    "metrics",
+                    "created_at",
+                    "contributions",
+                )
+            },
             shards=tuple(_shard_from_obj(s) for s in obj["shards"]),
             participants=tuple(obj["participants"]),
         )
@@ -441,36 +438,25 @@ def _check_receipts(signed: SignedManifest) -> None:
         if (r.run, r.round, r.members) != (manifest.run_id, manifest.round, manifest.participants):
             raise ManifestRejected("bad receipt", f"the receipt of {r.peer} describes another round or group")
         if r.peer in manifest.contributions and r.samples != manifest.contributions[r.peer]:
-            raise ManifestRejected("bad receipt", f"{r.peer} signed {r.samples} samples, the group saw "
-                                                  f"{manifest.contributions[r.peer]}")
+            raise ManifestRejected(
+                "bad receipt", f"{r.peer} signed {r.samples} samples, the group saw {manifest.contributions[r.peer]}"
+            )
 
 
 def _shard_from_obj(obj: Any) -> ShardInfo:
-    _expect_keys(obj, {"name", "digest", "size_bytes", "tensors"}, "shard")
+    expect_keys(obj, {"name", "digest", "size_bytes", "tensors"}, "shard", ManifestRejected)
     if not isinstance(obj["tensors"], list):
         raise TypeError("shard tensors must be a list")
-    return ShardInfo(name=obj["name"], digest=obj["digest"], size_bytes=obj["size_bytes"],
-                     tensors=tuple(_tensor_from_obj(t) for t in obj["tensors"]))
+    return ShardInfo(
+        name=obj["name"],
+        digest=obj["digest"],
+        size_bytes=obj["size_bytes"],
+        tensors=tuple(_tensor_from_obj(t) for t in obj["tensors"]),
+    )
 
 
 def _tensor_from_obj(obj: Any) -> TensorInfo:
-    _expect_keys(obj, {"name", "dtype", "shape"}, "tensor")
+    expect_keys(obj, {"name", "dtype", "shape"}, "tensor", ManifestRejected)
     if not isinstance(obj["shape"], list):
         raise TypeError("tensor shape must be a list")
     return TensorInfo(name=obj["name"], dtype=obj["dtype"], shape=tuple(obj["shape"]))
-
-
-def _check_str(name: str, value: Any, *, max_chars: int) -> None:
-    if not isinstance(value, str) or not 0 < len(value) <= max_chars or "\x00" in value:
-        raise ValueError(f"{name} must be a non-empty string of at most {max_chars} chars without NUL, "
-                         f"got {value!r:.140}")
-
-
-def _check_int(name: str, value: Any, *, minimum: int = 0) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= _INT64_MAX:
-        raise ValueError(f"{name} must be an int in [{minimum}, 2**63), got {value!r:.40}")
-
-
-def _check_hex64(name: str, value: Any) -> None:
-    if not isinstance(value, str) or not _HEX64.fullmatch(value):
-        raise ValueError(f"{name} must be 64 lowercase hex chars (SHA-256), got {value!r:.80}")

@@ -40,15 +40,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
+from bootstrap.errors import Rejected
 from swarm.checkpoint._private import HeaderError, not_safetensors, parse_header
-from swarm.checkpoint.manifest import (
-    ALLOWED_DTYPES,
-    Manifest,
-    ManifestRejected,
-    ShardInfo,
-    SignedManifest,
-    TensorInfo,
-)
+from swarm.checkpoint.manifest import ALLOWED_DTYPES, Manifest, ManifestRejected, ShardInfo, SignedManifest, TensorInfo
 
 logger = logging.getLogger(__name__)
 
@@ -63,17 +57,14 @@ _TORCH_DTYPES = {name: getattr(torch, name) for name in ALLOWED_DTYPES}
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "CheckpointStore", "PruneResult", "ShardInfo", "ShardRejected", "TensorInfo"]
 
 
-class ShardRejected(ValueError):
+class ShardRejected(Rejected):
     """A shard was refused. ``reason`` is a short fixed string (a counter key); ``detail`` says more.
 
     Reasons: ``digest mismatch``, ``size mismatch``, ``not safetensors``, ``unexpected dtype``,
     ``shape mismatch``, ``tensor names mismatch``.
     """
 
-    def __init__(self, reason: str, detail: str = ""):
-        self.reason = reason
-        self.detail = detail
-        super().__init__(f"shard rejected: {reason}" + (f" ({detail})" if detail else ""))
+    what = "shard"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,8 +106,9 @@ class CheckpointStore:
         """True if a shard with this digest is stored (not re-hashed here; reads re-hash)."""
         return self.shard_path(digest).is_file()
 
-    def put_tensors(self, tensors: dict[str, torch.Tensor], *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                    ) -> list[ShardInfo]:
+    def put_tensors(
+        self, tensors: dict[str, torch.Tensor], *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    ) -> list[ShardInfo]:
         """Store a state dict as shards of at most ``max_shard_bytes`` of tensor data each.
 
         Tensors are grouped in order; a single tensor larger than the cap gets a shard of its own.
@@ -127,8 +119,10 @@ class CheckpointStore:
             raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
         for name, tensor in tensors.items():
             _check_storable(name, tensor)
-        return [self._put_group(f"shard-{index:05d}", group)
-                for index, group in enumerate(_group_by_size(tensors, max_shard_bytes))]
+        return [
+            self._put_group(f"shard-{index:05d}", group)
+            for index, group in enumerate(_group_by_size(tensors, max_shard_bytes))
+        ]
 
     def put_shard_bytes(self, data: bytes, *, expected_digest: str, expected_size_bytes: int | None = None) -> Path:
         """Store a downloaded shard after checking its digest (and size) and its safetensors header.
@@ -138,12 +132,15 @@ class CheckpointStore:
         """
         path = self.shard_path(expected_digest)
         if expected_size_bytes is not None and len(data) != expected_size_bytes:
-            raise self._reject("size mismatch", f"{len(data)} bytes received, {expected_size_bytes} expected "
-                                                f"for shard {expected_digest[:16]}")
+            raise self._reject(
+                "size mismatch",
+                f"{len(data)} bytes received, {expected_size_bytes} expected for shard {expected_digest[:16]}",
+            )
         actual = hashlib.sha256(data).hexdigest()
         if actual != expected_digest:
-            raise self._reject("digest mismatch", f"received bytes hash to {actual[:16]}, "
-                                                  f"expected {expected_digest[:16]}")
+            raise self._reject(
+                "digest mismatch", f"received bytes hash to {actual[:16]}, expected {expected_digest[:16]}"
+            )
         self._parse_header(data, expected_digest)
         if not path.is_file():
             _atomic_write(path, data)
@@ -158,12 +155,15 @@ class CheckpointStore:
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            raise FileNotFoundError(f"shard {digest} is not in the store at {self.root}; "
-                                    f"fetch it from a donor first") from None
+            raise FileNotFoundError(
+                f"shard {digest} is not in the store at {self.root}; fetch it from a donor first"
+            ) from None
         actual = hashlib.sha256(data).hexdigest()
         if actual != digest:
-            raise self._reject("digest mismatch", f"stored file {path} hashes to {actual[:16]}: corrupt at rest; "
-                                                  f"delete it and fetch the shard again")
+            raise self._reject(
+                "digest mismatch",
+                f"stored file {path} hashes to {actual[:16]}: corrupt at rest; delete it and fetch the shard again",
+            )
         return data
 
     def load_tensors(self, shard: ShardInfo) -> dict[str, torch.Tensor]:
@@ -173,15 +173,18 @@ class CheckpointStore:
         """
         data = self.read_shard(shard.digest)
         if len(data) != shard.size_bytes:
-            raise self._reject("size mismatch", f"shard {shard.name} is {len(data)} bytes, manifest says "
-                                                f"{shard.size_bytes}")
+            raise self._reject(
+                "size mismatch", f"shard {shard.name} is {len(data)} bytes, manifest says {shard.size_bytes}"
+            )
         self._check_declared(shard, self._parse_header(data, shard.digest))
         try:
             tensors = safetensors_load(data)
         except (SafetensorError, ValueError, RuntimeError) as e:
             raise self._reject(*_reason_detail(not_safetensors(str(e), data))) from None
-        actual = tuple(TensorInfo(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape))
-                       for n, t in tensors.items())
+        actual = tuple(
+            TensorInfo(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape))
+            for n, t in tensors.items()
+        )
         self._check_declared(shard, actual)
         return {info.name: tensors[info.name] for info in shard.tensors}
 
@@ -245,12 +248,17 @@ class CheckpointStore:
         for path in _final_files(self.manifests_dir, _MANIFEST_SUFFIX):
             if path.name.removesuffix(_MANIFEST_SUFFIX) not in kept:
                 removed_manifests += _remove(path)
-        removed_shards = sum(_remove(path) for path in _final_files(self.shards_dir, _SHARD_SUFFIX)
-                             if path.name.removesuffix(_SHARD_SUFFIX) not in referenced)
-        removed_temp = sum(_remove(path) for folder in (self.shards_dir, self.manifests_dir)
-                           for path in _stale_temp_files(folder))
-        return PruneResult(removed_manifests=removed_manifests, removed_shards=removed_shards,
-                           removed_temp_files=removed_temp)
+        removed_shards = sum(
+            _remove(path)
+            for path in _final_files(self.shards_dir, _SHARD_SUFFIX)
+            if path.name.removesuffix(_SHARD_SUFFIX) not in referenced
+        )
+        removed_temp = sum(
+            _remove(path) for folder in (self.shards_dir, self.manifests_dir) for path in _stale_temp_files(folder)
+        )
+        return PruneResult(
+            removed_manifests=removed_manifests, removed_shards=removed_shards, removed_temp_files=removed_temp
+        )
 
     # ---- internals ----
 
@@ -276,8 +284,9 @@ class CheckpointStore:
         path = self.shard_path(digest)
         if not path.is_file():
             _atomic_write(path, data)
-        infos = tuple(TensorInfo(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape))
-                      for n, t in group)
+        infos = tuple(
+            TensorInfo(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape)) for n, t in group
+        )
         return ShardInfo(name=name, digest=digest, size_bytes=len(data), tensors=infos)
 
     def _parse_header(self, data: bytes, digest: str) -> tuple[TensorInfo, ...]:
@@ -292,15 +301,21 @@ class CheckpointStore:
         found = {t.name: t for t in actual}
         if set(declared) != set(found):
             extra, missing = sorted(set(found) - set(declared)), sorted(set(declared) - set(found))
-            raise self._reject("tensor names mismatch", f"shard {shard.name}: unexpected {extra!r:.200}, "
-                                                        f"missing {missing!r:.200}")
+            raise self._reject(
+                "tensor names mismatch", f"shard {shard.name}: unexpected {extra!r:.200}, missing {missing!r:.200}"
+            )
         for name, info in found.items():
             if info.dtype != declared[name].dtype:
-                raise self._reject("unexpected dtype", f"shard {shard.name} tensor {name!r}: {info.dtype}, "
-                                                       f"manifest says {declared[name].dtype}")
+                raise self._reject(
+                    "unexpected dtype",
+                    f"shard {shard.name} tensor {name!r}: {info.dtype}, manifest says {declared[name].dtype}",
+                )
             if info.shape != declared[name].shape:
-                raise self._reject("shape mismatch", f"shard {shard.name} tensor {name!r}: {list(info.shape)}, "
-                                                     f"manifest says {list(declared[name].shape)}")
+                raise self._reject(
+                    "shape mismatch",
+                    f"shard {shard.name} tensor {name!r}: {list(info.shape)}, "
+                    f"manifest says {list(declared[name].shape)}",
+                )
 
     def _reject(self, reason: str, detail: str) -> ShardRejected:
         self._count(reason, detail)

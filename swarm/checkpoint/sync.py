@@ -93,15 +93,62 @@ class StoreShardSource:
 class CheckpointManager:
     """Owns a run's checkpoint store, shard exchange and manifest gossip for one trainer."""
 
-    def __init__(self, dht: hivemind.DHT, *, identity: Identity, run_id: str, task: str, config_digest: str,
-                 directory: Path, keep_last: int, run_peers: Callable[[], set[str]], seal_timeout_s: float = 15.0,
-                 receipt_timeout_s: float = 5.0, on_event: Callable[[str, dict], None] | None = None):
+    @classmethod
+    def for_run(
+        cls,
+        dht: hivemind.DHT,
+        identity: Identity,
+        config: Any,
+        task: Any,
+        run_peers: Callable[[], set[str]],
+        on_event: Callable[[str, dict], None],
+    ) -> CheckpointManager:
+        """The manager of ``identity``'s checkpoints of a trainer's run (``config``: its `swarm.config.TrainerConfig`;
+        ``task``: its `swarm.config.TaskInfo`), kept in CHECKPOINT_DIR/RUN/PEER_ID."""
+        run, ck = config.run, config.checkpoint
+        directory = Path(ck.checkpoint_dir).expanduser() / run / identity.peer_id
+        return cls(
+            dht,
+            identity=identity,
+            run_id=run,
+            task=task.name,
+            config_digest=task.config_digest,
+            directory=directory,
+            keep_last=ck.keep_checkpoints,
+            run_peers=run_peers,
+            on_event=on_event,
+        )
+
+    def rejections(self) -> dict[str, Counter[str]]:
+        """Refused untrusted input by source (manifest, receipt, gossip) and reason."""
+        return {
+            "manifest": self.manifest_rejections,
+            "receipt": self.receipt_rejections,
+            "gossip": self.gossip.rejected,
+        }
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        *,
+        identity: Identity,
+        run_id: str,
+        task: str,
+        config_digest: str,
+        directory: Path,
+        keep_last: int,
+        run_peers: Callable[[], set[str]],
+        seal_timeout_s: float = 15.0,
+        receipt_timeout_s: float = 5.0,
+        on_event: Callable[[str, dict], None] | None = None,
+    ):
         self.dht, self.identity, self.run_id = dht, identity, run_id
         self.task, self.config_digest, self.run_peers = task, config_digest, run_peers
         self.seal_timeout_s, self.receipt_timeout_s = seal_timeout_s, receipt_timeout_s
         self.on_event = on_event
         """Told ("receipts", {"receipts": [...]}) and ("checkpoint_sealed", {...}) from the sealer thread."""
         self.receipt_rejections: Counter[str] = Counter()
+        self.manifest_rejections: Counter[str] = Counter()
         self._newest_round_submitted = -1
         self.store = CheckpointStore(directory, keep_last=keep_last)
         self.sealed = 0
@@ -110,12 +157,19 @@ class CheckpointManager:
         self._closing = threading.Event()
         self._sealer = ThreadPoolExecutor(1, thread_name_prefix="swarm-sealer")
         self.exchange = ShardExchange(dht, StoreShardSource(self.store))
-        self.gossip = ManifestGossip(dht, run_id=run_id, verify=self._verify, peers=lambda: sorted(run_peers()),
-                                     on_new=self._on_new, announce=self._announces, holders=_signers_group)
+        self.gossip = ManifestGossip(
+            dht,
+            run_id=run_id,
+            verify=self._verify,
+            peers=lambda: sorted(run_peers()),
+            on_new=self._on_new,
+            announce=self._announces,
+            holders=_signers_group,
+        )
 
     # ------------------------------------------------------------------------------------ verification
     def _verify(self, data: bytes) -> tuple[str, int]:
-        manifest = verify_manifest(data, run_id=self.run_id)
+        manifest = verify_manifest(data, run_id=self.run_id, counter=self.manifest_rejections)
         if manifest.task != self.task or manifest.config_digest != self.config_digest:
             raise ValueError(f"another model: {manifest.task} digest {manifest.config_digest[:12]}")
         signers = SignedManifest.from_bytes(data).signatures
@@ -186,10 +240,20 @@ class CheckpointManager:
     def _seal(self, seal: SealRequest, receipts: _ReceiptSwap | None) -> bool:
         step = seal.step
         shards = self.store.put_tensors(seal.state)
-        manifest = Manifest(version=1, run_id=self.run_id, step=step, round=step, task=self.task,
-                            config_digest=self.config_digest, parent=seal.parent, shards=tuple(shards),
-                            participants=tuple(sorted(seal.participants)), metrics=seal.metrics,
-                            created_at=seal.created_at, contributions=seal.contributions)
+        manifest = Manifest(
+            version=1,
+            run_id=self.run_id,
+            step=step,
+            round=step,
+            task=self.task,
+            config_digest=self.config_digest,
+            parent=seal.parent,
+            shards=tuple(shards),
+            participants=tuple(sorted(seal.participants)),
+            metrics=seal.metrics,
+            created_at=seal.created_at,
+            contributions=seal.contributions,
+        )
         key = f"swarm/{self.run_id}/seal/{manifest.digest()}"
         peer_id, signature = sign_manifest(manifest, self.identity)
         self.dht.store(key, signature, expiration_time=get_dht_time() + 120, subkey=peer_id)
@@ -209,16 +273,26 @@ class CheckpointManager:
         return False
 
     def _publish_sealed(self, manifest: Manifest, signatures: dict[str, str], receipts: _ReceiptSwap | None) -> None:
-        attached = tuple(r for r in (receipts.sorted() if receipts is not None else ())
-                         if manifest.contributions.get(r.receipt.peer, r.receipt.samples) == r.receipt.samples)
+        attached = tuple(
+            r
+            for r in (receipts.sorted() if receipts is not None else ())
+            if manifest.contributions.get(r.receipt.peer, r.receipt.samples) == r.receipt.samples
+        )
         data = SignedManifest(manifest=manifest, signatures=signatures, receipts=attached).to_bytes()
         self.gossip.publish(data)
         self.sealed += 1
         self.store.prune()
-        self._tell("checkpoint_sealed", {
-            "step": manifest.step, "digest": manifest.digest(), "signers": sorted(signatures),
-            "participants": list(manifest.participants), "metrics": dict(manifest.metrics),
-            "receipts": len(attached)})
+        self._tell(
+            "checkpoint_sealed",
+            {
+                "step": manifest.step,
+                "digest": manifest.digest(),
+                "signers": sorted(signatures),
+                "participants": list(manifest.participants),
+                "metrics": dict(manifest.metrics),
+                "receipts": len(attached),
+            },
+        )
 
     def _collect(self, key: str, manifest: Manifest) -> dict[str, str]:
         found = self.dht.get(key, latest=True)
@@ -230,15 +304,16 @@ class CheckpointManager:
             if isinstance(peer, str) and peer in manifest.participants and isinstance(signature, str):
                 signed = SignedManifest(manifest=manifest, signatures={peer: signature})
                 try:  # one bad signature must not spoil the others: check them one by one
-                    verify_manifest(signed, run_id=self.run_id, quorum=1)
+                    verify_manifest(signed, run_id=self.run_id, quorum=1, counter=self.manifest_rejections)
                 except (ManifestRejected, ValueError):
                     continue
                 signatures[peer] = signature
         return signatures
 
     # ------------------------------------------------------------------------------------ loading
-    def load_newest(self, *, timeout_s: float = 120.0, attempts: int = 3,
-                    newer_than: int | None = None) -> tuple[Manifest, dict[str, torch.Tensor]] | None:
+    def load_newest(
+        self, *, timeout_s: float = 120.0, attempts: int = 3, newer_than: int | None = None
+    ) -> tuple[Manifest, dict[str, torch.Tensor]] | None:
         """The newest sealed state of the run, verified end to end, or None if there is none yet (or,
         with ``newer_than``, none sealed at a later round than that: nothing is downloaded then).
 
@@ -262,17 +337,26 @@ class CheckpointManager:
                 logger.info(f"could not download sealed step {newest.step}: {e!r}; asking for the newest again")
         raise RuntimeError(f"no sealed checkpoint could be downloaded in {attempts} attempts: {last_error!r}")
 
-    def resume(self, outer: Any, *, timeout_s: float, newer_than: int | None = None) -> tuple[Manifest | None, str | None]:
-        """Load the run's newest sealed state into ``outer`` (a `swarm.outer.DiLoCo`) if it fits it.
+    def resume(
+        self, outer: Any, *, timeout_s: float, newer_than: int | None = None, reason: str = "join"
+    ) -> tuple[Manifest | None, str | None]:
+        """Load the run's newest sealed state into ``outer`` (a `swarm.outer.DiLoCo`) if it fits it, and
+        record it ("state_synced", with ``reason``).
 
         Returns (manifest, None) once loaded, (None, problem) when one was refused or could not be had
         (logged), and (None, None) when there is none (with ``newer_than``: none sealed after that round)."""
+        started = time.monotonic()
         try:
             loaded = self.load_newest(timeout_s=timeout_s, newer_than=newer_than)
         except Exception as e:  # a bad or unreachable checkpoint: say why; the caller trains on
             logger.warning(f"could not load the newest sealed checkpoint: {e!r}")
             return None, "sealed checkpoint"
         if loaded is None:
+            logger.info(
+                "no sealed checkpoint of this run yet: starting from the model as given (the run's genesis)"
+                if newer_than is None
+                else f"no sealed checkpoint of this run after round {newer_than}: training on from this peer's own"
+            )
             return None, None
         manifest, state = loaded
         problem = outer.state_dict_problem(state)
@@ -283,19 +367,34 @@ class CheckpointManager:
             return None, f"sealed checkpoint: {problem}"
         outer.load_state_dict(state, round_=manifest.round)
         logger.info(f"resumed from sealed checkpoint {manifest.digest()[:12]} at round {manifest.round}")
+        self._tell(
+            "state_synced",
+            {
+                "round": manifest.round,
+                "step": manifest.step,
+                "manifest": manifest.digest(),
+                "seconds": time.monotonic() - started,
+                "reason": reason,
+                "participants": len(manifest.participants),
+            },
+        )
         return manifest, None
 
     def _download(self, manifest: Manifest, *, timeout_s: float) -> dict[str, torch.Tensor]:
         missing = self.store.missing_shards(manifest)
         if missing:
             donors = [p for p in manifest.participants if p in self.run_peers()] or sorted(self.run_peers())
-            fetched, report = self.exchange.fetch({s.digest: s.size_bytes for s in missing}, donors,
-                                                  timeout_s=timeout_s)
+            fetched, report = self.exchange.fetch(
+                {s.digest: s.size_bytes for s in missing}, donors, timeout_s=timeout_s
+            )
             for shard in missing:
-                self.store.put_shard_bytes(fetched[shard.digest], expected_digest=shard.digest,
-                                           expected_size_bytes=shard.size_bytes)
-            logger.info(f"downloaded {report.bytes_downloaded} bytes of checkpoint shards from "
-                        f"{len(report.per_donor_bytes)} donor(s) in {report.seconds:.2f}s")
+                self.store.put_shard_bytes(
+                    fetched[shard.digest], expected_digest=shard.digest, expected_size_bytes=shard.size_bytes
+                )
+            logger.info(
+                f"downloaded {report.bytes_downloaded} bytes of checkpoint shards from "
+                f"{len(report.per_donor_bytes)} donor(s) in {report.seconds:.2f}s"
+            )
         return self.store.load_state_dict(manifest)
 
     def close(self) -> None:
@@ -348,8 +447,9 @@ class _ReceiptSwap:
             if peer in self.found:
                 continue
             try:
-                signed = verify_receipt(getattr(item, "value", None), run_id=self.manager.run_id,
-                                        counter=self.manager.receipt_rejections)
+                signed = verify_receipt(
+                    getattr(item, "value", None), run_id=self.manager.run_id, counter=self.manager.receipt_rejections
+                )
             except ReceiptRejected:
                 continue
             r = signed.receipt

@@ -25,7 +25,6 @@ from swarm.ledger.chain import (
 )
 from swarm.ledger.receipts import (
     RECEIPT_KIND,
-    RECEIPT_REJECTIONS,
     Contribution,
     Receipt,
     ReceiptRejected,
@@ -43,7 +42,6 @@ __all__ = [
     "GENESIS",
     "LEDGER_KIND",
     "RECEIPT_KIND",
-    "RECEIPT_REJECTIONS",
     "Contribution",
     "Ledger",
     "LedgerEntry",

@@ -56,8 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("paths", nargs="+", metavar="PATH_OR_DIR", help="ledger files, or folders holding them")
     receipts = sub.add_parser("receipts", help="per-peer contributions backed by verified receipts")
     receipts.add_argument("--run", required=True, help="run name")
-    receipts.add_argument("--dir", type=Path, default=DEFAULT_LEDGER_DIR,
-                          help=f"folder holding the ledgers (default {DEFAULT_LEDGER_DIR})")
+    receipts.add_argument(
+        "--dir",
+        type=Path,
+        default=DEFAULT_LEDGER_DIR,
+        help=f"folder holding the ledgers (default {DEFAULT_LEDGER_DIR})",
+    )
     show = sub.add_parser("show", help="print a ledger's entries (not verified)")
     show.add_argument("path", type=Path, metavar="PATH", help="a ledger file")
     show.add_argument("--kind", default=None, help="only entries of this kind")
@@ -102,6 +106,7 @@ def _quiet_receipt_warnings() -> Iterator[None]:
 
 # ---------------------------------------------------------------------------------------------- verify
 
+
 def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     """Verify each ledger and cross-check receipts; 0 when all is well, 1 otherwise."""
     paths = _ledger_paths(args.paths)
@@ -110,8 +115,17 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     problems = cross_check(zip(verdicts, (_entries_or_none(path) for path in paths)), counter=rejected)
     ok = all(v.ok for v in verdicts) and not problems
     if args.json:
-        print(json.dumps({"ok": ok, "ledgers": [v.to_dict() for v in verdicts], "cross_check": problems,
-                          "rejected_receipts": dict(rejected)}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "ok": ok,
+                    "ledgers": [v.to_dict() for v in verdicts],
+                    "cross_check": problems,
+                    "rejected_receipts": dict(rejected),
+                },
+                indent=2,
+            )
+        )
     else:
         _print_verdicts(console, verdicts, problems, rejected)
     return 0 if ok else 1
@@ -141,16 +155,23 @@ def _entries_or_none(path: Path) -> list[LedgerEntry]:
         return []  # verify_ledger already reports why
 
 
-def _print_verdicts(console: Console, verdicts: list[LedgerVerdict], problems: list[str],
-                    rejected: Counter[str]) -> None:
+def _print_verdicts(
+    console: Console, verdicts: list[LedgerVerdict], problems: list[str], rejected: Counter[str]
+) -> None:
     table = Table(title="ledgers")
     for column in ("ledger", "peer", "run", "entries", "head", "status"):
         table.add_column(column, overflow="fold", no_wrap=column in ("peer", "head"))
     for v in verdicts:
         status = Text("ok", style="green") if v.ok else Text(_plain(v.problems[0]), style="red")
         head = f"{v.head[0]}:{_plain(v.head[1], limit=12)}" if v.num_entries else "-"
-        table.add_row(Text(str(v.path)), Text(_short_peer(v.peer)), Text(_plain(v.run, limit=32)),
-                      str(v.num_entries), head, status)
+        table.add_row(
+            Text(str(v.path)),
+            Text(_short_peer(v.peer)),
+            Text(_plain(v.run, limit=32)),
+            str(v.num_entries),
+            head,
+            status,
+        )
     console.print(table)
     for problem in problems:
         console.print(Text.assemble(("cross-check failed: ", "bold red"), _plain(problem, limit=1000)))
@@ -162,6 +183,7 @@ def _print_verdicts(console: Console, verdicts: list[LedgerVerdict], problems: l
 
 
 # ---------------------------------------------------------------------------------------------- receipts
+
 
 def cmd_receipts(args: argparse.Namespace, console: Console) -> int:
     """Per-peer contributions of one run from the receipts in its ledgers under ``--dir``."""
@@ -177,15 +199,27 @@ def cmd_receipts(args: argparse.Namespace, console: Console) -> int:
     unverified = [str(v.path) for v in verdicts if not v.ok]
     if args.json:
         rows = [{**_contribution_dict(c), "witnessed": witnessed[peer]} for peer, c in totals.items()]
-        print(json.dumps({"run": args.run, "dir": str(root), "num_ledgers": len(verdicts), "unverified_ledgers": unverified,
-                          "peers": rows, "rejected": dict(rejected)}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "run": args.run,
+                    "dir": str(root),
+                    "num_ledgers": len(verdicts),
+                    "unverified_ledgers": unverified,
+                    "peers": rows,
+                    "rejected": dict(rejected),
+                },
+                indent=2,
+            )
+        )
     else:
         _print_contributions(console, args.run, totals, witnessed, rejected, unverified)
     return 0
 
 
-def _gather_receipts(verdicts: list[LedgerVerdict], *, run: str,
-                     rejected: Counter[str]) -> tuple[list[SignedReceipt], Counter[str]]:
+def _gather_receipts(
+    verdicts: list[LedgerVerdict], *, run: str, rejected: Counter[str]
+) -> tuple[list[SignedReceipt], Counter[str]]:
     """Every verified receipt in the ledgers, and per peer how many of its distinct receipts another
     member's verified ledger holds (its claim is witnessed, not only its own word)."""
     receipts: list[SignedReceipt] = []
@@ -199,28 +233,54 @@ def _gather_receipts(verdicts: list[LedgerVerdict], *, run: str,
 
 
 def _contribution_dict(c: Contribution) -> dict[str, Any]:
-    return {"peer": c.peer, "rounds": c.rounds, "receipts": c.num_receipts, "samples": c.samples,
-            "bytes_sent": c.bytes_sent, "bytes_received": c.bytes_received, "first_round": c.first_round,
-            "last_round": c.last_round}
+    return {
+        "peer": c.peer,
+        "rounds": c.rounds,
+        "receipts": c.num_receipts,
+        "samples": c.samples,
+        "bytes_sent": c.bytes_sent,
+        "bytes_received": c.bytes_received,
+        "first_round": c.first_round,
+        "last_round": c.last_round,
+    }
 
 
-def _print_contributions(console: Console, run: str, totals: dict[str, Contribution], witnessed: Counter[str],
-                         rejected: Counter[str], unverified: list[str]) -> None:
+def _print_contributions(
+    console: Console,
+    run: str,
+    totals: dict[str, Contribution],
+    witnessed: Counter[str],
+    rejected: Counter[str],
+    unverified: list[str],
+) -> None:
     table = Table(title=f"contributions to run {_plain(run, limit=64)} (verified receipts)")
     for column in ("peer", "rounds", "receipts", "witnessed", "samples", "sent", "received"):
         table.add_column(column, justify="left" if column == "peer" else "right", overflow="fold")
     for peer, c in totals.items():
-        table.add_row(Text(peer), str(c.rounds), str(c.num_receipts), str(witnessed[peer]), f"{c.samples:,}",
-                      _human_bytes(c.bytes_sent), _human_bytes(c.bytes_received))
+        table.add_row(
+            Text(peer),
+            str(c.rounds),
+            str(c.num_receipts),
+            str(witnessed[peer]),
+            f"{c.samples:,}",
+            _human_bytes(c.bytes_sent),
+            _human_bytes(c.bytes_received),
+        )
     console.print(table)
     console.print("witnessed: receipts also held by another member's verified ledger")
     console.print(f"rejected receipts: {_reasons(rejected) if rejected else 'none'}")
     if unverified:
-        console.print(Text(f"{len(unverified)} ledger(s) failed verification and witness nothing; "
-                           f"run `python -m swarm.ledger verify` on them", style="bold red"))
+        console.print(
+            Text(
+                f"{len(unverified)} ledger(s) failed verification and witness nothing; "
+                f"run `python -m swarm.ledger verify` on them",
+                style="bold red",
+            )
+        )
 
 
 # ---------------------------------------------------------------------------------------------- show
+
 
 def cmd_show(args: argparse.Namespace, console: Console) -> int:
     """Print a ledger's entries, optionally of one kind and only the last N."""
@@ -234,7 +294,7 @@ def cmd_show(args: argparse.Namespace, console: Console) -> int:
     if args.kind is not None:
         entries = [e for e in entries if e.kind == args.kind]
     if args.last is not None:
-        entries = entries[-args.last:]
+        entries = entries[-args.last :]
     if args.json:
         print(json.dumps([e.to_dict() for e in entries], indent=2))
         return 0
@@ -249,6 +309,7 @@ def cmd_show(args: argparse.Namespace, console: Console) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- text
+
 
 def _plain(text: str, *, limit: int = _MAX_CELL_CHARS) -> str:
     """Untrusted text made safe for a terminal (escapes shown, not obeyed) and cut to ``limit`` chars."""

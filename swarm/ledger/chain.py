@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bootstrap.errors import StateError
 from bootstrap.identity import Identity, public_key_from_peer_id, verify
 
 LEDGER_KIND = "swarm/ledger"
@@ -66,7 +67,7 @@ _SCHEMA = (
 )
 
 
-class LedgerError(RuntimeError):
+class LedgerError(StateError):
     """A ledger file is missing, unreadable, not a ledger, another peer's or run's, corrupt, or closed."""
 
 
@@ -95,8 +96,17 @@ class LedgerEntry:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, as ``show --json`` prints them."""
-        return {"seq": self.seq, "t": self.t, "kind": self.kind, "peer": self.peer, "run": self.run,
-                "body": self.body, "prev": self.prev, "digest": self.digest, "signature": self.signature}
+        return {
+            "seq": self.seq,
+            "t": self.t,
+            "kind": self.kind,
+            "peer": self.peer,
+            "run": self.run,
+            "body": self.body,
+            "prev": self.prev,
+            "digest": self.digest,
+            "signature": self.signature,
+        }
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,9 +131,16 @@ class LedgerVerdict:
     """Seq of the first entry with a problem; None when all entries are fine."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": str(self.path), "ok": self.ok, "peer": self.peer, "run": self.run,
-                "num_entries": self.num_entries, "head": list(self.head), "problems": list(self.problems),
-                "first_bad_seq": self.first_bad_seq}
+        return {
+            "path": str(self.path),
+            "ok": self.ok,
+            "peer": self.peer,
+            "run": self.run,
+            "num_entries": self.num_entries,
+            "head": list(self.head),
+            "problems": list(self.problems),
+            "first_bad_seq": self.first_bad_seq,
+        }
 
 
 def entry_digest(*, seq: int, t_ms: int, kind: str, peer: str, run: str, body_text: str, prev: str) -> str:
@@ -175,11 +192,13 @@ def default_ledger_path(directory: str | Path, *, run: str, peer_id: str) -> Pat
 
 def _check_name(name: str, value: Any) -> None:
     if not isinstance(value, str) or not 0 < len(value) <= _MAX_NAME_CHARS or "\x00" in value:
-        raise ValueError(f"{name} must be a non-empty string of at most {_MAX_NAME_CHARS} chars without NUL, "
-                         f"got {value!r:.140}")
+        raise ValueError(
+            f"{name} must be a non-empty string of at most {_MAX_NAME_CHARS} chars without NUL, got {value!r:.140}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- writing
+
 
 class Ledger:
     """The owner's append-only ledger of one run; thread-safe (one lock, one SQLite connection).
@@ -227,13 +246,25 @@ class Ledger:
         with self._lock, _write_transaction(self._open_connection(), self.path) as conn:
             seq, prev = _head(conn)
             seq += 1
-            digest = entry_digest(seq=seq, t_ms=t_ms, kind=kind, peer=self.peer, run=self.run,
-                                  body_text=body_text, prev=prev)
+            digest = entry_digest(
+                seq=seq, t_ms=t_ms, kind=kind, peer=self.peer, run=self.run, body_text=body_text, prev=prev
+            )
             signature = self._identity.sign(kind=LEDGER_KIND, run_id=self.run, payload=bytes.fromhex(digest)).hex()
-            conn.execute(f"INSERT INTO entries ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                         (seq, t_ms, kind, self.peer, self.run, body_text, prev, digest, signature))
-        return LedgerEntry(seq=seq, t=t_ms / 1000, kind=kind, peer=self.peer, run=self.run,
-                           body=json.loads(body_text), prev=prev, digest=digest, signature=signature)
+            conn.execute(
+                f"INSERT INTO entries ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (seq, t_ms, kind, self.peer, self.run, body_text, prev, digest, signature),
+            )
+        return LedgerEntry(
+            seq=seq,
+            t=t_ms / 1000,
+            kind=kind,
+            peer=self.peer,
+            run=self.run,
+            body=json.loads(body_text),
+            prev=prev,
+            digest=digest,
+            signature=signature,
+        )
 
     def head(self) -> tuple[int, str]:
         """``(seq, digest)`` of the newest entry; ``(0, GENESIS)`` when empty. LedgerError once closed."""
@@ -266,23 +297,33 @@ class Ledger:
                 conn.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", meta.items())
             peer, run = _read_meta(conn, self.path)
         if peer != self.peer:
-            raise LedgerError(f"ledger {self.path} belongs to peer {peer}, not to this peer {self.peer}; "
-                              f"each peer keeps its own file (see default_ledger_path)")
+            raise LedgerError(
+                f"ledger {self.path} belongs to peer {peer}, not to this peer {self.peer}; "
+                f"each peer keeps its own file (see default_ledger_path)"
+            )
         if run != self.run:
-            raise LedgerError(f"ledger {self.path} belongs to run {run!r}, not {self.run!r}; "
-                              f"each run keeps its own file (see default_ledger_path)")
+            raise LedgerError(
+                f"ledger {self.path} belongs to run {run!r}, not {self.run!r}; "
+                f"each run keeps its own file (see default_ledger_path)"
+            )
 
     def _check_newest(self) -> None:
         try:
-            row = self._open_connection().execute(
-                f"SELECT {_COLUMNS} FROM entries ORDER BY seq DESC LIMIT 1").fetchone()
+            row = (
+                self._open_connection().execute(f"SELECT {_COLUMNS} FROM entries ORDER BY seq DESC LIMIT 1").fetchone()
+            )
         except sqlite3.Error as e:
             raise LedgerError(f"cannot read ledger {self.path}: {e}") from None
-        problems = [] if row is None else _entry_problems(row, peer=self.peer, run=self.run,
-                                                          public_key=self._identity.public_key)
+        problems = (
+            []
+            if row is None
+            else _entry_problems(row, peer=self.peer, run=self.run, public_key=self._identity.public_key)
+        )
         if problems:
-            raise LedgerError(f"ledger {self.path} is corrupt at its newest entry ({problems[0]}); "
-                              f"move it aside to start a new one, and keep it as evidence")
+            raise LedgerError(
+                f"ledger {self.path} is corrupt at its newest entry ({problems[0]}); "
+                f"move it aside to start a new one, and keep it as evidence"
+            )
 
 
 def _connect_for_writing(path: Path) -> sqlite3.Connection:
@@ -332,6 +373,7 @@ def _to_ms(t: Any) -> int:
 
 # ---------------------------------------------------------------------------------------------- reading
 
+
 def find_ledgers(root: str | Path) -> list[Path]:
     """Every ``*.sqlite`` file under ``root`` (recursively) that is a swarm ledger, sorted.
 
@@ -374,8 +416,17 @@ def _entry_from_row(row: tuple, path: Path) -> LedgerEntry:
     if malformed:
         raise LedgerError(f"ledger {path}: the row with seq {row[0]!r:.20} is malformed ({malformed})")
     seq, t_ms, kind, peer, run, body_text, prev, digest, signature = row
-    return LedgerEntry(seq=seq, t=t_ms / 1000, kind=kind, peer=peer, run=run, body=json.loads(body_text),
-                       prev=prev, digest=digest, signature=signature)
+    return LedgerEntry(
+        seq=seq,
+        t=t_ms / 1000,
+        kind=kind,
+        peer=peer,
+        run=run,
+        body=json.loads(body_text),
+        prev=prev,
+        digest=digest,
+        signature=signature,
+    )
 
 
 @contextlib.contextmanager
@@ -412,6 +463,7 @@ def _read_meta(conn: sqlite3.Connection, path: Path) -> tuple[str, str]:
 
 # ---------------------------------------------------------------------------------------------- verifying
 
+
 def verify_ledger(path: str | Path) -> LedgerVerdict:
     """Check a whole ledger file; never raises on its content (problems are returned).
 
@@ -431,8 +483,7 @@ def verify_ledger(path: str | Path) -> LedgerVerdict:
             except sqlite3.Error as e:
                 check.add(check.expected_seq, f"the rest of the file is unreadable ({e})")
     except LedgerError as e:
-        return LedgerVerdict(path=path, ok=False, peer="", run="", num_entries=0, head=(0, GENESIS),
-                             problems=[str(e)])
+        return LedgerVerdict(path=path, ok=False, peer="", run="", num_entries=0, head=(0, GENESIS), problems=[str(e)])
     return check.verdict()
 
 
@@ -476,9 +527,16 @@ class _ChainCheck:
         problems = list(self.problems)
         if self.num_problems > len(problems):
             problems.append(f"... and {self.num_problems - len(problems)} more problem(s)")
-        return LedgerVerdict(path=self.path, ok=not problems, peer=self.peer, run=self.run,
-                             num_entries=self.num_entries, head=self.head, problems=problems,
-                             first_bad_seq=self.first_bad_seq)
+        return LedgerVerdict(
+            path=self.path,
+            ok=not problems,
+            peer=self.peer,
+            run=self.run,
+            num_entries=self.num_entries,
+            head=self.head,
+            problems=problems,
+            first_bad_seq=self.first_bad_seq,
+        )
 
 
 def _chain_problems(row: tuple, *, expected_seq: int, prev: str) -> list[str]:
@@ -487,8 +545,9 @@ def _chain_problems(row: tuple, *, expected_seq: int, prev: str) -> list[str]:
         missing = " (entries were deleted)" if type(row[0]) is int and row[0] > expected_seq else ""
         problems.append(f"found where seq {expected_seq} was expected{missing}")
     if row[6] != prev:
-        problems.append("prev does not name the digest of the entry before it "
-                        "(an entry was deleted, inserted or reordered)")
+        problems.append(
+            "prev does not name the digest of the entry before it (an entry was deleted, inserted or reordered)"
+        )
     return problems
 
 
@@ -503,11 +562,18 @@ def _entry_problems(row: tuple, *, peer: str, run: str, public_key: bytes | None
         problems.append(f"names peer {row_peer!r:.140}, not the ledger's owner {peer}")
     if row_run != run:
         problems.append(f"names run {row_run!r:.140}, not the ledger's run {run!r}")
-    if entry_digest(seq=seq, t_ms=t_ms, kind=kind, peer=row_peer, run=row_run, body_text=body_text,
-                    prev=prev) != digest:
+    if (
+        entry_digest(seq=seq, t_ms=t_ms, kind=kind, peer=row_peer, run=row_run, body_text=body_text, prev=prev)
+        != digest
+    ):
         problems.append("digest mismatch: the entry was edited after it was written")
-    if public_key is not None and not verify(public_key=public_key, kind=LEDGER_KIND, run_id=run,
-                                             payload=bytes.fromhex(digest), signature=bytes.fromhex(signature)):
+    if public_key is not None and not verify(
+        public_key=public_key,
+        kind=LEDGER_KIND,
+        run_id=run,
+        payload=bytes.fromhex(digest),
+        signature=bytes.fromhex(signature),
+    ):
         problems.append("signature does not verify: forged, or signed by a key other than the owner's")
     return problems
 
@@ -515,17 +581,21 @@ def _entry_problems(row: tuple, *, peer: str, run: str, public_key: bytes | None
 def _malformed_fields(row: tuple) -> str:
     """A description of the fields of a raw row that have the wrong type or format ("" when none)."""
     seq, t_ms, kind, peer, run, body_text, prev, digest, signature = row
-    bad = [name for name, ok in (
-        ("seq", type(seq) is int and seq >= 1),
-        ("t_ms", type(t_ms) is int and t_ms >= 0),
-        ("kind", isinstance(kind, str) and _KIND.fullmatch(kind)),
-        ("peer", isinstance(peer, str)),
-        ("run", isinstance(run, str)),
-        ("prev", isinstance(prev, str) and _HEX64.fullmatch(prev)),
-        ("digest", isinstance(digest, str) and _HEX64.fullmatch(digest)),
-        ("signature", isinstance(signature, str) and _HEX128.fullmatch(signature)),
-        ("body", _is_json_object(body_text)),
-    ) if not ok]
+    bad = [
+        name
+        for name, ok in (
+            ("seq", type(seq) is int and seq >= 1),
+            ("t_ms", type(t_ms) is int and t_ms >= 0),
+            ("kind", isinstance(kind, str) and _KIND.fullmatch(kind)),
+            ("peer", isinstance(peer, str)),
+            ("run", isinstance(run, str)),
+            ("prev", isinstance(prev, str) and _HEX64.fullmatch(prev)),
+            ("digest", isinstance(digest, str) and _HEX64.fullmatch(digest)),
+            ("signature", isinstance(signature, str) and _HEX128.fullmatch(signature)),
+            ("body", _is_json_object(body_text)),
+        )
+        if not ok
+    ]
     return ", ".join(bad)
 
 

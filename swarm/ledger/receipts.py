@@ -18,7 +18,6 @@ strict schema, sizes, signature, run. Each refusal raises :class:`ReceiptRejecte
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 from collections import Counter, defaultdict
@@ -27,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bootstrap.envelope import check_hex, check_int, check_str, expect_keys, strict_json
+from bootstrap.errors import Rejected
 from bootstrap.identity import Identity, canonical_json, public_key_from_peer_id, verify
 from swarm.ledger.chain import GENESIS, LedgerEntry, LedgerVerdict
 
@@ -40,25 +41,30 @@ MAX_RECEIPT_BYTES = 8 << 10
 MAX_RECEIPT_MEMBERS = 128
 """Most members a receipt may name (128 peer IDs of 52 chars fit in :data:`MAX_RECEIPT_BYTES`)."""
 
-RECEIPT_REJECTIONS: Counter[str] = Counter()
-"""Default counter of receipt rejections by reason (see :func:`verify_receipt`)."""
 
-_FIELDS = ("v", "run", "round", "group_id", "members", "peer", "samples", "bytes_sent", "bytes_received",
-           "ledger_seq", "ledger_head", "t")
+_FIELDS = (
+    "v",
+    "run",
+    "round",
+    "group_id",
+    "members",
+    "peer",
+    "samples",
+    "bytes_sent",
+    "bytes_received",
+    "ledger_seq",
+    "ledger_head",
+    "t",
+)
 _INT_FIELDS = ("round", "samples", "bytes_sent", "bytes_received", "ledger_seq", "t")
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX128 = re.compile(r"[0-9a-f]{128}")
 _MAX_ID_CHARS = 128
-_INT64_MAX = (1 << 63) - 1
 
 
-class ReceiptRejected(ValueError):
+class ReceiptRejected(Rejected):
     """A receipt was refused. ``reason`` is a short fixed string (a counter key); ``detail`` says more."""
 
-    def __init__(self, reason: str, detail: str = ""):
-        self.reason = reason
-        self.detail = detail
-        super().__init__(f"receipt rejected: {reason}" + (f" ({detail})" if detail else ""))
+    what = "receipt"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,14 +99,14 @@ class Receipt:
     def __post_init__(self) -> None:
         if isinstance(self.v, bool) or not isinstance(self.v, int) or self.v != RECEIPT_VERSION:
             raise ReceiptRejected("unsupported version", f"v must be {RECEIPT_VERSION}, got {self.v!r:.40}")
-        for name in ("run", "group_id", "peer"):
-            _check_id(name, getattr(self, name))
-        for name in _INT_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _INT64_MAX:
-                raise ReceiptRejected("malformed", f"{name} must be an int in [0, 2**63), got {value!r:.40}")
-        if not isinstance(self.ledger_head, str) or not _HEX64.fullmatch(self.ledger_head):
-            raise ReceiptRejected("malformed", f"ledger_head must be 64 lowercase hex chars, got {self.ledger_head!r:.80}")
+        try:
+            for name in ("run", "group_id", "peer"):
+                check_str(name, getattr(self, name), max_chars=_MAX_ID_CHARS, printable=True)
+            for name in _INT_FIELDS:
+                check_int(name, getattr(self, name))
+            check_hex("ledger_head", self.ledger_head)
+        except ValueError as e:
+            raise ReceiptRejected("malformed", str(e)) from None
         if (self.ledger_seq == 0) != (self.ledger_head == GENESIS):
             raise ReceiptRejected("malformed", "ledger_head must be GENESIS exactly when ledger_seq is 0")
         self._check_members()
@@ -108,8 +114,11 @@ class Receipt:
     def _check_members(self) -> None:
         if not isinstance(self.members, tuple) or not 0 < len(self.members) <= MAX_RECEIPT_MEMBERS:
             raise ReceiptRejected("malformed", f"members must be a tuple of 1..{MAX_RECEIPT_MEMBERS} peer IDs")
-        for member in self.members:
-            _check_id("members", member)
+        try:
+            for member in self.members:
+                check_str("members", member, max_chars=_MAX_ID_CHARS, printable=True)
+        except ValueError as e:
+            raise ReceiptRejected("malformed", str(e)) from None
         if list(self.members) != sorted(set(self.members)):
             raise ReceiptRejected("members not sorted and unique", f"{len(self.members)} members")
         if self.peer not in self.members:
@@ -126,11 +135,6 @@ class Receipt:
     def digest(self) -> str:
         """SHA-256 hex of :meth:`payload`."""
         return hashlib.sha256(self.payload()).hexdigest()
-
-
-def _check_id(name: str, value: Any) -> None:
-    if not isinstance(value, str) or not 0 < len(value) <= _MAX_ID_CHARS or not value.isprintable():
-        raise ReceiptRejected("malformed", f"{name} must be 1..{_MAX_ID_CHARS} printable chars, got {value!r:.140}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,10 +165,10 @@ def verify_receipt(data: Any, *, run_id: str | None = None, counter: Counter[str
     Strict: exactly the expected keys, ints that are not bools, sizes (at most
     :data:`MAX_RECEIPT_BYTES`), hex formats, sorted unique members including the peer; then the
     run (when ``run_id`` is given) and the signature, with the key recovered from ``receipt.peer``.
-    Each refusal is logged, counted in ``counter`` (default :data:`RECEIPT_REJECTIONS`) under its
+    Each refusal is logged, counted in ``counter`` (the caller's, if given) under its
     reason, and raised as ReceiptRejected.
     """
-    counter = RECEIPT_REJECTIONS if counter is None else counter
+    counter = Counter() if counter is None else counter
     try:
         signed = _parse(data)
         if run_id is not None and signed.receipt.run != run_id:
@@ -181,10 +185,12 @@ def _parse(data: Any) -> SignedReceipt:
     if isinstance(data, SignedReceipt):
         data = data.to_dict()
     if isinstance(data, (bytes, bytearray)):
-        data = _parse_json(bytes(data))
-    _expect_keys(data, {"receipt", "signature"}, "top level")
+        if len(data) > MAX_RECEIPT_BYTES:
+            raise ReceiptRejected("oversized", f"{len(data)} bytes > limit {MAX_RECEIPT_BYTES}")
+        data = strict_json(bytes(data), ReceiptRejected)
+    expect_keys(data, {"receipt", "signature"}, "top level", ReceiptRejected)
     fields = data["receipt"]
-    _expect_keys(fields, set(_FIELDS), "receipt")
+    expect_keys(fields, set(_FIELDS), "receipt", ReceiptRejected)
     if not isinstance(fields["members"], list) or len(fields["members"]) > MAX_RECEIPT_MEMBERS:
         raise ReceiptRejected("malformed", f"members must be a list of at most {MAX_RECEIPT_MEMBERS} peer IDs")
     try:
@@ -200,41 +206,24 @@ def _parse(data: Any) -> SignedReceipt:
     return SignedReceipt(receipt=receipt, signature=signature)
 
 
-def _parse_json(data: bytes) -> Any:
-    if len(data) > MAX_RECEIPT_BYTES:
-        raise ReceiptRejected("oversized", f"{len(data)} bytes > limit {MAX_RECEIPT_BYTES}")
-    try:
-        return json.loads(data.decode("utf-8"), parse_float=_refuse, parse_constant=_refuse)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        if isinstance(e, ReceiptRejected):
-            raise
-        raise ReceiptRejected("malformed", f"not JSON: {e}") from None
-
-
-def _refuse(text: str) -> Any:
-    raise ReceiptRejected("malformed", f"{text!r:.40} is not allowed (ints and strings only)")
-
-
-def _expect_keys(obj: Any, keys: set[str], where: str) -> None:
-    if not isinstance(obj, dict):
-        raise ReceiptRejected("malformed", f"{where}: expected an object, got {type(obj).__name__}")
-    if set(obj) != keys:
-        extra, missing = sorted(map(str, set(obj) - keys)), sorted(keys - set(obj))
-        raise ReceiptRejected("malformed", f"{where}: unexpected fields {extra!r:.200}, missing {missing!r}")
-
-
 def _check_signature(signed: SignedReceipt) -> None:
     receipt = signed.receipt
     try:
         public_key = public_key_from_peer_id(receipt.peer)
     except ValueError as e:
         raise ReceiptRejected("bad signature", str(e)) from None
-    if not verify(public_key=public_key, kind=RECEIPT_KIND, run_id=receipt.run, payload=receipt.payload(),
-                  signature=bytes.fromhex(signed.signature)):
+    if not verify(
+        public_key=public_key,
+        kind=RECEIPT_KIND,
+        run_id=receipt.run,
+        payload=receipt.payload(),
+        signature=bytes.fromhex(signed.signature),
+    ):
         raise ReceiptRejected("bad signature", f"the signature does not verify for {receipt.peer}")
 
 
 # ---------------------------------------------------------------------------------------------- summaries
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Contribution:
@@ -282,21 +271,28 @@ def contributions(receipts: Iterable[SignedReceipt]) -> dict[str, Contribution]:
 
 def _sum(peer: str, receipts: list[Receipt]) -> Contribution:
     rounds = [r.round for r in receipts]
-    return Contribution(peer=peer, rounds=len({(r.run, r.round) for r in receipts}),
-                        samples=sum(r.samples for r in receipts), bytes_sent=sum(r.bytes_sent for r in receipts),
-                        bytes_received=sum(r.bytes_received for r in receipts), first_round=min(rounds),
-                        last_round=max(rounds), num_receipts=len(receipts))
+    return Contribution(
+        peer=peer,
+        rounds=len({(r.run, r.round) for r in receipts}),
+        samples=sum(r.samples for r in receipts),
+        bytes_sent=sum(r.bytes_sent for r in receipts),
+        bytes_received=sum(r.bytes_received for r in receipts),
+        first_round=min(rounds),
+        last_round=max(rounds),
+        num_receipts=len(receipts),
+    )
 
 
-def cross_check(ledgers: Iterable[tuple[LedgerVerdict, Sequence[LedgerEntry]]],
-                *, counter: Counter[str] | None = None) -> list[str]:
+def cross_check(
+    ledgers: Iterable[tuple[LedgerVerdict, Sequence[LedgerEntry]]], *, counter: Counter[str] | None = None
+) -> list[str]:
     """Problems found by checking every receipt in ``ledgers`` against its signer's ledger, if given.
 
     ``ledgers`` pairs each file's verdict (for its owner and run) with its entries. A verified
     receipt by peer P names P's ledger head when P signed (``ledger_seq``, ``ledger_head``); when
     P's ledger of that run is among ``ledgers``, it must hold that entry with that digest. A missing
     entry means P truncated its ledger, another digest that P rewrote it. Receipts that fail
-    :func:`verify_receipt` are counted in ``counter`` (default :data:`RECEIPT_REJECTIONS`) and skipped.
+    :func:`verify_receipt` are counted in ``counter`` (the caller's, if given) and skipped.
     One problem is reported per (ledger, named entry), however many copies of the receipt exist.
     """
     ledgers = list(ledgers)
@@ -318,14 +314,17 @@ def _head_problem(r: Receipt, found: str | None, *, holder: Path, path: Path) ->
     if r.ledger_seq == 0 or found == r.ledger_head:
         return None
     what = "has no such entry (its tail was cut)" if found is None else "holds another digest there (rewritten)"
-    return (f"{path}: the receipt of round {r.round} signed by {r.peer} (held by {holder}) names its entry "
-            f"{r.ledger_seq} with digest {r.ledger_head[:16]}, but the ledger {what}")
+    return (
+        f"{path}: the receipt of round {r.round} signed by {r.peer} (held by {holder}) names its entry "
+        f"{r.ledger_seq} with digest {r.ledger_head[:16]}, but the ledger {what}"
+    )
 
 
-def verified_receipts(entries: Iterable[LedgerEntry], *, run: str,
-                      counter: Counter[str] | None = None) -> list[SignedReceipt]:
+def verified_receipts(
+    entries: Iterable[LedgerEntry], *, run: str, counter: Counter[str] | None = None
+) -> list[SignedReceipt]:
     """The receipts among ``entries`` (kind "receipt") that :func:`verify_receipt` accepts for ``run``;
-    the others are counted in ``counter`` (default :data:`RECEIPT_REJECTIONS`) and left out."""
+    the others are counted in ``counter`` (the caller's, if given) and left out."""
     found = []
     for entry in entries:
         if entry.kind == "receipt":

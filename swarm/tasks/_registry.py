@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from bootstrap.errors import ConfigError
 from swarm.tasks.charlm import CharLMTask
 from swarm.tasks.teacher import TeacherTask
 
@@ -17,7 +18,7 @@ _FACTORIES: dict[str, Callable[..., Task]] = {
 }
 
 
-class UnknownTaskError(ValueError):
+class UnknownTaskError(ConfigError):
     """A task name that is not in the built-in registry; the message lists the known tasks."""
 
 

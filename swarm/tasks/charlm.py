@@ -212,9 +212,7 @@ class CharTransformer(nn.Module):
     def forward(self, idx: Tensor) -> Tensor:
         """Logits `[B, T, vocab]` for token ids `[B, T]`, T <= seq_len; position t sees ids 0..t only."""
         if idx.dim() != 2 or idx.size(1) > self.seq_len:
-            raise ValueError(
-                f"expected token ids of shape [B, T] with T <= {self.seq_len}, got {tuple(idx.shape)}"
-            )
+            raise ValueError(f"expected token ids of shape [B, T] with T <= {self.seq_len}, got {tuple(idx.shape)}")
         positions = torch.arange(idx.size(1), device=idx.device)
         x = self.emb_dropout(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:

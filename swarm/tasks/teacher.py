@@ -67,8 +67,15 @@ class TeacherConfig:
     """Seed of the student's initial weights, used by build_model when it is given no seed."""
 
     def __post_init__(self) -> None:
-        for name in ("input_dim", "num_classes", "num_clusters", "teacher_hidden", "hidden", "num_layers",
-                     "batch_size"):
+        for name in (
+            "input_dim",
+            "num_classes",
+            "num_clusters",
+            "teacher_hidden",
+            "hidden",
+            "num_layers",
+            "batch_size",
+        ):
             _require_int(name, getattr(self, name), minimum=1, maximum=1 << 16)
         _require_int("num_classes", self.num_classes, minimum=2, maximum=1 << 16)
         _require_int("train_size", self.train_size, minimum=1, maximum=1 << 24)
@@ -103,8 +110,8 @@ def _data(config: TeacherConfig) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     c = config
     gen = _generator(c.data_seed, "world")
     centres = torch.randn(c.num_clusters, c.input_dim, generator=gen) * c.cluster_spread
-    w1 = torch.randn(c.input_dim, c.teacher_hidden, generator=gen) / c.input_dim ** 0.5
-    w2 = torch.randn(c.teacher_hidden, c.num_classes, generator=gen) * (2.0 / c.teacher_hidden ** 0.5)
+    w1 = torch.randn(c.input_dim, c.teacher_hidden, generator=gen) / c.input_dim**0.5
+    w2 = torch.randn(c.teacher_hidden, c.num_classes, generator=gen) * (2.0 / c.teacher_hidden**0.5)
 
     def draw(n: int, what: str, *, sort: bool) -> tuple[Tensor, Tensor]:
         g = _generator(c.data_seed, what)
@@ -112,7 +119,7 @@ def _data(config: TeacherConfig) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         if sort:
             cluster, _ = torch.sort(cluster)
         x = centres[cluster] + torch.randn(n, c.input_dim, generator=g)
-        x = x / (1.0 + c.cluster_spread ** 2) ** 0.5  # about unit variance per feature
+        x = x / (1.0 + c.cluster_spread**2) ** 0.5  # about unit variance per feature
         logits = torch.tanh(x @ w1) @ w2
         y = torch.multinomial(torch.softmax(logits / c.temperature, dim=1), 1, generator=g).squeeze(1)
         return x.contiguous(), y
@@ -193,6 +200,7 @@ class TeacherTask:
             while True:
                 index = torch.randint(start, end, (self.config.batch_size,), generator=generator)
                 yield x[index], y[index]
+
         return stream()
 
     def val_batches(self) -> list[Batch]:
@@ -200,7 +208,7 @@ class TeacherTask:
         if self._val_batches is None:
             _, _, x, y = _data(self.config)
             size = _VAL_BATCH
-            self._val_batches = [(x[i:i + size], y[i:i + size]) for i in range(0, x.size(0), size)]
+            self._val_batches = [(x[i : i + size], y[i : i + size]) for i in range(0, x.size(0), size)]
         return list(self._val_batches)
 
     def evaluate(self, model: nn.Module, *, max_batches: int | None = None) -> float:

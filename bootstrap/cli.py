@@ -53,8 +53,9 @@ def _is_part(field: dataclasses.Field) -> bool:
     return field.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(field.default_factory)
 
 
-def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = (),
-                            defaults: Any = None) -> None:
+def add_dataclass_arguments(
+    parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = (), defaults: Any = None
+) -> None:
     """Add one flag per field of ``cls`` (except ``skip``), and of each nested config part (its own group);
     defaults come from the dataclass, or from ``defaults`` (an instance, for a part)."""
     hints = typing.get_type_hints(cls)
