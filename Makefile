@@ -30,6 +30,7 @@ bench-full: setup
 
 lint: setup
 	$(PY) -m ruff check swarm peers averaging bootstrap tests benchmarks examples
+	$(PY) -m ruff format --check swarm peers averaging bootstrap tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo-out

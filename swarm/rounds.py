@@ -93,7 +93,7 @@ def gather_metadata(
 
 
 def joined_entry(
-    *, round_: int, step: int, counters: TrainerCounters, join_s: float, newest: tuple[int, str] | None
+    round_: int, step: int, counters: TrainerCounters, join_s: float, newest: tuple[int, str] | None
 ) -> dict:
     """The ledger's "joined" entry."""
     return {

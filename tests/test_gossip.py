@@ -2,6 +2,7 @@
 was away finds the newest manifest in the run's DHT index."""
 
 import time
+from collections import Counter
 
 import pytest
 
@@ -138,6 +139,7 @@ def test_a_member_accepts_its_own_seal_before_it_has_seen_its_co_signers_records
     manager = CheckpointManager.__new__(CheckpointManager)  # _verify only: no DHT needed
     manager.identity, manager.run_id, manager.task, manager.config_digest = me, RUN, "charlm", "a" * 64
     manager.run_peers = lambda: set()  # neither co-signer's record has been read yet
+    manager.manifest_rejections = Counter()
     ours = sealed_manifest(4, [me, partner])
     assert manager._verify(ours)[1] == 4
     with pytest.raises(ValueError, match="unknown signers"):  # the same for a group this peer was not in
