@@ -7,6 +7,14 @@ Owns
     with a clear error within a timeout instead of hanging, and a `stop_dht` that leaves no `p2pd`;
     `network.start_swarm_dht`: a DHT whose libp2p identity is the peer's Ed25519 key;
   * peer identity and domain-separated Ed25519 signatures (`identity`), which every floor uses;
+  * the one exception taxonomy (`errors`: SwarmError, Rejected, ConfigError, StartError, NetworkError,
+    StateError) and the signed-envelope helpers every signed payload parser uses (`envelope`: strict
+    JSON, exact keys, {p, s} DHT values, typed dataclasses, field checks, a RejectionLog whose counter
+    the owner passes in);
+  * one network runtime per process and DHT (`runtime`: one event loop and one P2P replica hosting every
+    stream handler and client call; `Handler`, `Served`, `StreamServer` for the protocols on it) and
+    the one message framing of every stream protocol (`framing`, with its one `ProtocolError`);
+  * config dataclasses mapped one-to-one onto command-line flags (`cli`);
   * signed capability records and their DHT validator (`records`): every Swarm DHT node, this one
     included, refuses a forged or replayed capability record;
   * the process-lifetime reaper (`lifetime`): children (DHT, averager, `p2pd`) die with their parent;

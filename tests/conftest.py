@@ -138,4 +138,3 @@ def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     yield
     if previous is not None:
         os.environ["HOME"] = previous
-
