@@ -26,9 +26,8 @@ class ProtocolError(Rejected):
 async def write_frame(writer: asyncio.StreamWriter, header: dict, payload: bytes = b"") -> int:
     """Write a header and its payload, then drain; returns the bytes written."""
     data = json.dumps(header, separators=(",", ":")).encode()
-    writer.write(LENGTH.pack(len(data)) + data)
-    if payload:
-        writer.write(payload)  # not concatenated: a payload can be megabytes
+    # one vectored write: the header and a payload of megabytes leave together, without a copy of the payload
+    writer.writelines((LENGTH.pack(len(data)) + data, payload) if payload else (LENGTH.pack(len(data)) + data,))
     await writer.drain()
     return LENGTH.size + len(data) + len(payload)
 
