@@ -50,6 +50,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -315,6 +316,10 @@ class FakeWriter:
         if self.closed:
             raise ConnectionResetError("stream closed")
         self.sent += data
+
+    def writelines(self, data: Iterable[bytes]) -> None:  # as asyncio.StreamWriter: one vectored write
+        for part in data:
+            self.write(part)
 
     async def drain(self) -> None:
         await asyncio.sleep(0)
