@@ -65,7 +65,7 @@ class NetworkRuntime:
     """Live runtimes by id() of their DHT; each holds its DHT (``_dht``), so no id is reused meanwhile."""
 
     def __init__(self, dht: hivemind.DHT, *, start_timeout_s: float) -> None:
-        self._dht, self._dht_key = dht, id(dht)
+        self._dht = dht
         self._users = 0
         self._stop_requested = False
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
@@ -155,8 +155,8 @@ class NetworkRuntime:
             if self._users > 0:
                 return
             self._stop_requested = True
-            if NetworkRuntime._by_dht.get(self._dht_key) is self:
-                del NetworkRuntime._by_dht[self._dht_key]
+            if NetworkRuntime._by_dht.get(id(self._dht)) is self:
+                del NetworkRuntime._by_dht[id(self._dht)]
         with contextlib.suppress(RuntimeError):  # the loop is already closed
             self.loop.call_soon_threadsafe(self._stop.set)
         if threading.current_thread() is not self._thread:

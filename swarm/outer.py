@@ -49,10 +49,6 @@ class DiLoCo:
             self._global, lr=settings.lr, momentum=settings.momentum, nesterov=settings.momentum > 0
         )
 
-    @property
-    def numel(self) -> int:
-        return sum(p.numel() for p in self._global)
-
     def _momentum(self, param: torch.Tensor) -> torch.Tensor:
         buf = self._optimizer.state.get(param, {}).get("momentum_buffer")
         return buf if buf is not None else torch.zeros_like(param)

@@ -33,7 +33,7 @@ from peers import (
     unmet_requirements,
 )
 from peers.bandwidth import BandwidthProber
-from swarm.config import PresenceConfig
+from swarm.config import PresenceConfig, RunMismatch
 from swarm.rounds import RecentPeers
 
 logger = logging.getLogger(__name__)
@@ -241,8 +241,6 @@ def _log_reconnected(future: concurrent.futures.Future) -> None:
 def check_run(graph: ResourceGraph, *, run: str, task: Any, device: torch.device, own: Requirements) -> Requirements:
     """The run's requirements (as advertised by its live peers, else ``own``, this peer's); raise
     RunMismatch if this peer does not meet them or builds a different model (``task``: a TaskInfo)."""
-    from swarm.config import RunMismatch
-
     try:
         summary = next((r for r in graph.runs() if r.name == run), None)
     except Exception as e:  # a DHT hiccup must not stop a peer from starting or joining

@@ -18,6 +18,9 @@ from typing import Any
 
 from averaging import Group, RoundRecord
 from bootstrap.identity import PeerBinding
+from swarm.checkpoint.sync import SealRequest
+from swarm.ledger.chain import GENESIS
+from swarm.ledger.receipts import Receipt, sign_receipt
 
 logger = logging.getLogger(__name__)
 
@@ -221,8 +224,6 @@ def participation_receipt(
 ) -> Any:
     """This peer's (unsigned) participation receipt of a grouped round, or None without a group id.
     Raises ValueError when a field is out of a receipt's bounds (e.g. a group larger than it may name)."""
-    from swarm.ledger.receipts import Receipt
-
     if record is None or not record.group_id:
         return None
     seq, head = ledger_head
@@ -247,9 +248,6 @@ def sign_participation(
 ) -> Any:
     """``identity``'s signed participation receipt of a grouped round, naming the head of its ``ledger``
     (None: no ledger); None when there is none to sign (logged: evidence is skipped, training goes on)."""
-    from swarm.ledger import GENESIS
-    from swarm.ledger.receipts import sign_receipt
-
     try:
         receipt = participation_receipt(
             run=run,
@@ -270,8 +268,6 @@ def sign_participation(
 def seal_request(group: Group, val_loss: float | None, *, state: Callable[[], dict], step: int) -> Any:
     """The `swarm.checkpoint.sync.SealRequest` every member of ``group`` makes: ``state()`` (the global
     state they all hold now) and `seal_fields`."""
-    from swarm.checkpoint.sync import SealRequest
-
     fields = seal_fields(group, val_loss)
     return SealRequest(
         state=state(),

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from swarm.ledger import Ledger
+from swarm.ledger import Ledger, LedgerError, default_ledger_path
 from swarm.rounds import Replacements, group_summary
 
 logger = logging.getLogger(__name__)
@@ -173,8 +173,6 @@ def open_evidence(identity: Any, *, run: str, task: str, ledger_dir: str, metric
     """Evidence with the peer's ledger (DIR/RUN/PEER_ID.sqlite under ``ledger_dir``; empty: none) and its
     Prometheus endpoint (``metrics``: a MetricsConfig; port 0: none). Raises ValueError naming the file
     when the ledger cannot be opened."""
-    from swarm.ledger import Ledger, LedgerError, default_ledger_path
-
     ledger = None
     if ledger_dir:
         path = default_ledger_path(ledger_dir, run=run, peer_id=identity.peer_id)
