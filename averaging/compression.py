@@ -94,42 +94,44 @@ class Codec(ABC):
         return float(bound.max()) if bound.numel() else 0.0
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Fp32Codec(Codec):
-    """Raw little-endian float32: exact, 4 bytes per element."""
+class _FloatCodec(Codec):
+    """What the IEEE float codecs share: little-endian values of one width, ``_wire`` (a numpy dtype)."""
 
-    name: ClassVar[str] = "fp32"
-
-    def encode(self, t: torch.Tensor) -> bytes:
-        return _check_vector(t).numpy().astype("<f4", copy=False).tobytes()
+    __slots__ = ()
+    _wire: ClassVar[str]
 
     def decode(self, data: bytes, *, numel: int) -> torch.Tensor:
         view = _check_message(self, data, numel=numel)
-        return _finite_output(self, np.frombuffer(view, dtype="<f4").astype(np.float32))
+        return _finite_output(self, np.frombuffer(view, dtype=self._wire).astype(np.float32))
 
     def wire_bytes(self, numel: int) -> int:
-        return 4 * _check_numel(numel)
+        return np.dtype(self._wire).itemsize * _check_numel(numel)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fp32Codec(_FloatCodec):
+    """Raw little-endian float32: exact, 4 bytes per element."""
+
+    name: ClassVar[str] = "fp32"
+    _wire: ClassVar[str] = "<f4"
+
+    def encode(self, t: torch.Tensor) -> bytes:
+        return _check_vector(t).numpy().astype(self._wire, copy=False).tobytes()
 
     def error_bound(self, t: torch.Tensor) -> torch.Tensor:
         return torch.zeros(_check_vector(t).numel(), dtype=torch.float64)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Fp16Codec(Codec):
+class Fp16Codec(_FloatCodec):
     """Little-endian float16 after clamping to ``±FP16_MAX``: 2 bytes per element."""
 
     name: ClassVar[str] = "fp16"
+    _wire: ClassVar[str] = "<f2"
 
     def encode(self, t: torch.Tensor) -> bytes:
         half = _check_vector(t).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
-        return half.numpy().astype("<f2", copy=False).tobytes()
-
-    def decode(self, data: bytes, *, numel: int) -> torch.Tensor:
-        view = _check_message(self, data, numel=numel)
-        return _finite_output(self, np.frombuffer(view, dtype="<f2").astype(np.float32))
-
-    def wire_bytes(self, numel: int) -> int:
-        return 2 * _check_numel(numel)
+        return half.numpy().astype(self._wire, copy=False).tobytes()
 
     def error_bound(self, t: torch.Tensor) -> torch.Tensor:
         magnitude = _check_vector(t).abs().double()

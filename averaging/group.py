@@ -523,8 +523,10 @@ class GroupAverager:
             await asyncio.wait_for(state.all_sets.wait(), max(0.0, agreement_deadline - time.monotonic()))
         survivors = frozenset.intersection(*state.received_sets.values())
         logger.debug(
-            f"{self.peer_id[-6:]} group {state.group.group_id[:6]}: received sets "
-            f"{ {k[-6:]: sorted(x[-6:] for x in v) for k, v in state.received_sets.items()} }"
+            "%s group %s: received sets %s",
+            self.peer_id[-6:],
+            state.group.group_id[:6],
+            {k[-6:]: sorted(x[-6:] for x in v) for k, v in state.received_sets.items()},
         )
         record.phase_s["agreement"] = time.monotonic() - started
         await self._fault("reduce", self.peer_id)
@@ -573,7 +575,7 @@ class GroupAverager:
             except asyncio.TimeoutError:
                 return
             except Exception as e:  # a reset or refused stream: try again while time is left
-                logger.debug(f"received-set to {peer[-6:]} failed: {e!r}")
+                logger.debug("received-set to %s failed: %r", peer[-6:], e)
             await asyncio.sleep(0.05)  # a short pause before retrying a failed stream, not a synchronisation
 
     async def _send_part(
@@ -658,17 +660,17 @@ class GroupAverager:
                 raise ProtocolError("unknown op", str(op)[:30])
         except ProtocolError as e:
             self.rejected[e.reason] += 1
-            logger.info(f"rejected a stream from {peer}: {e}")
+            logger.info("rejected a stream from %s: %s", peer, e)
             with contextlib.suppress(Exception):
                 await write_frame(writer, {"status": e.reason})
         except (asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
-            logger.debug(f"stream from {peer} ended: {e!r}")
+            logger.debug("stream from %s ended: %r", peer, e)
         except asyncio.CancelledError:
             # shutting down: hivemind's stream callback would log a cancelled handler as an error
-            logger.debug(f"stream from {peer} cancelled at shutdown")
+            logger.debug("stream from %s cancelled at shutdown", peer)
         except Exception as e:  # never let a peer's bytes crash the server
             self.rejected["internal error"] += 1
-            logger.warning(f"error while serving {peer}: {e!r}")
+            logger.warning("error while serving %s: %r", peer, e)
         finally:
             writer.close()
 

@@ -181,7 +181,7 @@ def _seen(reader: ResourceGraph) -> set[str] | None:
     try:
         return {r.peer_id for r in reader.records()}
     except (TimeoutError, concurrent.futures.TimeoutError) as e:
-        logging.getLogger(__name__).info(f"a resource-graph query failed: {e!r}")
+        logging.getLogger(__name__).info("a resource-graph query failed: %r", e)
         return None
 
 

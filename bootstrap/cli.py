@@ -19,6 +19,16 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+def command_parser(
+    prog: str, doc: str, commands: dict[str, str]
+) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """A parser of required subcommands (``commands``: name -> help), with the first line of ``doc`` as its
+    description; returns it and the subcommands' parsers by name."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    return parser, {name: sub.add_parser(name, help=text) for name, text in commands.items()}
+
+
 @cache
 def field_docs(cls: type) -> dict[str, str]:
     """The string literal under each field of a dataclass (its attribute docstring)."""

@@ -9,6 +9,7 @@ subclass (``rejected``) with a short reason:
 * `expect_keys`: an object with exactly the expected keys;
 * `unwrap_signed`: a DHT value ``{"p": payload bytes, "s": signature bytes}`` within a size bound;
 * `from_dict`: a (nested) frozen dataclass from untrusted JSON, exact fields and types;
+  `as_dict` is its inverse (the JSON-ready fields that get signed), `JsonFields.to_dict` the method;
 * `check_int` / `check_str` / `check_hex`: field checks for ``__post_init__`` (ValueError);
 * `RejectionLog`: counts each refusal in a counter the caller passes in, logs it once per
   (reason, source).
@@ -23,7 +24,7 @@ import re
 import types
 import typing
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from bootstrap.errors import Rejected
@@ -97,6 +98,33 @@ def from_dict(cls: type, data: Any, path: str, *, max_str: int = 512, max_items:
     return cls(**{name: _coerce(hints[name], data[name], f"{path}.{name}", max_str, max_items) for name in fields})
 
 
+def as_dict(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields as JSON-ready data, the inverse of `from_dict`.
+
+    Nested dataclasses become objects, tuples and lists become lists, mappings plain dicts.
+    """
+    return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+
+
+class JsonFields:
+    """Mixin of a dataclass whose ``to_dict()`` is `as_dict`: its fields as JSON-ready data."""
+
+    __slots__ = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return as_dict(self)
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return as_dict(value)
+    if isinstance(value, (tuple, list)):
+        return [_plain(item) for item in value]
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
+
+
 def _coerce(tp: Any, value: Any, path: str, max_str: int, max_items: int) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
@@ -168,7 +196,6 @@ class RejectionLog:
         if key not in self._logged and len(self._logged) < _MAX_LOGGED:
             self._logged.add(key)
             level = logging.INFO if error.reason in self.routine else logging.WARNING
-            logger.log(
-                level,
-                f"{where + ': ' if where else ''}refused a {self.what}{f' for {key[1]!r}' if key[1] else ''}: {error}",
-            )
+            prefix = f"{where}: " if where else ""
+            source_text = f" for {key[1]!r}" if key[1] else ""
+            logger.log(level, "%srefused a %s%s: %s", prefix, self.what, source_text, error)

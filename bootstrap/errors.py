@@ -58,3 +58,9 @@ class NetworkError(SwarmError, RuntimeError):
 
 class StateError(SwarmError, RuntimeError):
     """A file or object is in a state that forbids the call."""
+
+
+def one_line(error: object) -> str:
+    """``error`` as one line for a log or a counter's detail (an exception with no message: its type's name)."""
+    text = " ".join(str(error).split())
+    return text or (type(error).__name__ if isinstance(error, BaseException) else "")

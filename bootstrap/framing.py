@@ -9,6 +9,7 @@ countable ``reason`` (one of `REASONS` here; protocols add their own for their f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import struct
 from typing import Any
@@ -17,10 +18,18 @@ from bootstrap.errors import Rejected
 
 LENGTH = struct.Struct(">I")
 REASONS = ("truncated", "oversized header", "malformed header", "oversized")
+CLOSE_TIMEOUT_S = 1.0
 
 
 class ProtocolError(Rejected):
     """A peer sent something malformed or unexpected on a stream; ``reason`` is a short countable label."""
+
+
+async def close_stream(writer: asyncio.StreamWriter, *, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+    """Close a stream and wait (bounded) until it is closed; the other side may have reset it already."""
+    writer.close()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(writer.wait_closed(), timeout_s)
 
 
 async def write_frame(writer: asyncio.StreamWriter, header: dict, payload: bytes = b"") -> int:

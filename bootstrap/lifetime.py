@@ -259,7 +259,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m bootstrap.lifetime",
         description="Watchdog: once --parent dies, terminate every descendant it had.",
     )
-    parser.add_argument("--parent", type=int, required=True, help="pid of the process to watch")
+    parser.add_argument("--parent", dest="parent_pid", type=int, required=True, help="pid of the process to watch")
     parser.add_argument("--parent-create-time", type=float, required=True, help="its psutil create_time")
     parser.add_argument("--token", required=True, help=f"this reaper's token in ${LIFETIME_TOKENS_ENV}")
     parser.add_argument("--poll-interval-s", type=float, default=0.25, help="seconds between snapshots")
@@ -272,14 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     # our own group/session is separate, but be explicit: only the parent's death ends this process
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return watch(
-        args.parent,
-        parent_create_time=args.parent_create_time,
-        token=args.token,
-        poll_interval_s=args.poll_interval_s,
-        grace_s=args.grace_s,
-        ready_fd=args.ready_fd,
-    )
+    return watch(**vars(args))
 
 
 if __name__ == "__main__":

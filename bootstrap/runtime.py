@@ -19,8 +19,11 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Generic, Protocol, TypeVar
 
 import hivemind
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
+
+from bootstrap.errors import Rejected, one_line
+from bootstrap.framing import close_stream
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +31,20 @@ T = TypeVar("T")
 StreamHandler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 _RPC_TIMEOUT_S = 30.0
+
+
+def _described(error: BaseException) -> str:
+    return f"{type(error).__name__}: {one_line(error)}"
+
+
+def peer_id_of(value: PeerID | str) -> PeerID:
+    """``value`` as a `PeerID`; ValueError (one line, naming it) if it is not a base58 peer ID."""
+    if isinstance(value, PeerID):
+        return value
+    try:
+        return PeerID.from_base58(str(value))
+    except Exception as e:  # the base58 and multihash decoders raise several exception types
+        raise ValueError(f"{value!r} is not a peer id ({one_line(e)})") from None
 
 
 async def _daemon_listen_maddr(_dht: hivemind.DHT, node: hivemind.DHTNode) -> str:
@@ -48,10 +65,6 @@ async def open_p2p_replica(dht: hivemind.DHT, *, timeout_s: float = _RPC_TIMEOUT
         future.cancel()
         raise TimeoutError(f"the DHT process did not answer within {timeout_s:.1f} s") from None
     return await asyncio.wait_for(P2P.replicate(Multiaddr(maddr)), timeout_s)
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(f"{type(error).__name__}: {error}".split())
 
 
 class NetworkRuntime:
@@ -77,7 +90,7 @@ class NetworkRuntime:
             self._ready.cancel()  # tells a late start-up to shut itself down
             if isinstance(e, concurrent.futures.TimeoutError):
                 raise TimeoutError(f"the network runtime did not start within {start_timeout_s:.1f} s") from None
-            raise RuntimeError(f"cannot start the network runtime: {_one_line(e)}") from e
+            raise RuntimeError(f"cannot start the network runtime: {_described(e)}") from e
         self.peer_id = str(self.p2p.peer_id)
 
     @classmethod
@@ -115,7 +128,7 @@ class NetworkRuntime:
                 with contextlib.suppress(concurrent.futures.InvalidStateError):
                     self._ready.set_exception(e)
             else:
-                logger.warning("the network runtime's loop ended with an error: %s", _one_line(e))
+                logger.warning("the network runtime's loop ended with an error: %s", _described(e))
 
     async def _main(self, dht: hivemind.DHT) -> None:
         p2p = await open_p2p_replica(dht)
@@ -248,7 +261,7 @@ class Served(Generic[S]):
             self.runtime.release()
             if isinstance(e, TimeoutError):
                 raise TimeoutError(f"{what} did not start within {start_timeout_s:.1f} s") from None
-            raise RuntimeError(f"cannot start {what}: {_one_line(e)}") from e
+            raise RuntimeError(f"cannot start {what}: {_described(e)}") from e
 
     @property
     def p2p(self) -> P2P:
@@ -275,7 +288,7 @@ class Served(Generic[S]):
         try:
             self.runtime.call(self.server.stop(), timeout_s=timeout_s / 2)
         except Exception as e:
-            logger.warning("%s did not stop cleanly: %s", self.what, _one_line(e))
+            logger.warning("%s did not stop cleanly: %s", self.what, _described(e))
         self.runtime.release(timeout_s=timeout_s)
 
 
@@ -335,6 +348,36 @@ class StreamServer:
             yield
         finally:
             self._active.discard(task)
+
+    @contextlib.asynccontextmanager
+    async def _guarded(
+        self,
+        peer: str,
+        writer: asyncio.StreamWriter,
+        *,
+        timeout_s: float,
+        refuse: Callable[[Rejected], Awaitable[None]] | None = None,
+    ) -> Any:
+        """Serve one stream from ``peer`` inside: a refusal (`Rejected`, then ``refuse`` to tell the peer),
+        a timeout, a broken stream and a bug each end it with one counted reason; the stream is closed."""
+        try:
+            yield
+        except Rejected as e:
+            self._reject(peer, e.reason, e.detail)
+            if refuse is not None:
+                await refuse(e)
+        except (TimeoutError, asyncio.TimeoutError):
+            self._reject(peer, "timeout", f"not served within {timeout_s:.1f} s")
+        except (ConnectionError, OSError, asyncio.IncompleteReadError) as e:
+            self._reject(peer, "disconnected", one_line(e))
+        except asyncio.CancelledError:
+            # stop() or the loop's end: a handler task that ends cancelled makes hivemind log an error
+            logger.debug("%s stream from %s cut short: the server is stopping", self.protocol, peer)
+        except Exception:
+            logger.exception("bug while serving a %s stream from %s", self.protocol, peer)
+            self.rejected["internal error"] += 1
+        finally:
+            await close_stream(writer)
 
     async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         raise NotImplementedError

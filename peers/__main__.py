@@ -20,17 +20,21 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from bootstrap.cli import command_parser
+
 EXIT_BAD_INPUT = 2
 
 
+_COMMANDS = {
+    "list": "live peers with their capabilities and placement score",
+    "runs": "open runs advertised by their peers",
+}
+"""The subcommands and their help."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m peers", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (
-        ("list", "live peers with their capabilities and placement score"),
-        ("runs", "open runs advertised by their peers"),
-    ):
-        cmd = sub.add_parser(name, help=help_text)
+    parser, commands = command_parser("python -m peers", __doc__, _COMMANDS)
+    for name, cmd in commands.items():
         cmd.add_argument(
             "--initial-peers", nargs="+", required=True, metavar="MADDR", help="any live peer of the network"
         )

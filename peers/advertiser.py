@@ -71,7 +71,7 @@ class Advertiser:
                     PEERS_KEY, value, expiration_time=expires_at, subkey=self.identity.peer_id, return_future=True
                 ).result(timeout=self.store_timeout_s)
             except Exception as e:  # a failed heartbeat is retried on the next one
-                logger.warning(f"could not publish this peer's capability record: {e!r}")
+                logger.warning("could not publish this peer's capability record: %r", e)
                 ok = False
             if ok:
                 self.published += 1

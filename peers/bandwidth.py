@@ -34,7 +34,6 @@ its own event loop and its own replica of the DHT's `P2P`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -49,8 +48,9 @@ import hivemind
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
-from bootstrap.errors import NetworkError
-from bootstrap.runtime import Served, ServedFacade, StreamServer
+from bootstrap.errors import NetworkError, one_line
+from bootstrap.framing import CLOSE_TIMEOUT_S, ProtocolError, close_stream
+from bootstrap.runtime import Served, ServedFacade, StreamServer, peer_id_of
 
 __all__ = ["PROTOCOL", "BandwidthProber", "ProbeConfig", "ProbeError", "ProbeResult", "ProbeServer", "probe_peer"]
 
@@ -65,7 +65,6 @@ _PAYLOAD = os.urandom(_CHUNK_BYTES)  # random, so that no layer could compress i
 _MAX_REQUESTS_PER_STREAM = 64
 _MAX_NUM_PINGS = 32  # leaves room for the download and upload under _MAX_REQUESTS_PER_STREAM
 _MAX_LENGTH = 2**63 - 1
-_CLOSE_TIMEOUT_S = 1.0
 _RPC_TIMEOUT_S = 10.0
 _SUMMARY_WINDOW = 32
 _MIB = 1024 * 1024
@@ -128,28 +127,11 @@ class ProbeError(NetworkError):
     """
 
 
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
-
-
 def _mbps(num_bytes: int, seconds: float) -> float:
     return num_bytes * 8 / 1e6 / max(seconds, 1e-9)
 
 
-async def _close(writer: asyncio.StreamWriter) -> None:
-    writer.close()
-    with contextlib.suppress(Exception):  # the other side may have reset the connection already
-        await asyncio.wait_for(writer.wait_closed(), _CLOSE_TIMEOUT_S)
-
-
 # --- server -------------------------------------------------------------------------------------
-
-
-class _Rejected(Exception):
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
 
 
 async def _read_header(reader: asyncio.StreamReader) -> bytes | None:
@@ -159,7 +141,7 @@ async def _read_header(reader: asyncio.StreamReader) -> bytes | None:
     except asyncio.IncompleteReadError as e:
         if not e.partial:
             return None
-        raise _Rejected("truncated_header", f"{len(e.partial)} of {_HEADER_BYTES} header bytes") from None
+        raise ProtocolError("truncated_header", f"{len(e.partial)} of {_HEADER_BYTES} header bytes") from None
 
 
 async def _receive(reader: asyncio.StreamReader, length: int) -> None:
@@ -167,7 +149,7 @@ async def _receive(reader: asyncio.StreamReader, length: int) -> None:
     while received < length:
         chunk = await reader.read(min(_CHUNK_BYTES, length - received))
         if not chunk:
-            raise _Rejected("short_read", f"upload ended after {received} of {length} bytes")
+            raise ProtocolError("short_read", f"upload ended after {received} of {length} bytes")
         received += len(chunk)
 
 
@@ -184,7 +166,7 @@ class ProbeServer(StreamServer):
     """Serves `swarm.probe.v1` on a `P2P` (e.g. `bootstrap.runtime`'s) in the running event loop.
 
     `rejected` counts refused or aborted streams by reason: busy, unknown_op, too_large,
-    truncated_header, short_read, timeout, too_many_requests, disconnected, internal_error.
+    truncated_header, short_read, timeout, too_many_requests, disconnected, internal error.
     `num_served` counts streams served to the end; `num_active` is the number being served now.
     """
 
@@ -199,28 +181,11 @@ class ProbeServer(StreamServer):
         peer = str(info.peer_id)
         if self._busy(self._config.max_concurrent_served):
             self._reject(peer, "busy", f"already serving {len(self._active)} probe streams")
-            await _close(writer)
+            await close_stream(writer)
             return
-        try:
-            async with self._serving():
-                await asyncio.wait_for(self._serve(reader, writer), self._config.timeout_s)
+        async with self._guarded(peer, writer, timeout_s=self._config.timeout_s), self._serving():
+            await asyncio.wait_for(self._serve(reader, writer), self._config.timeout_s)
             self.num_served += 1
-        except _Rejected as e:
-            self._reject(peer, e.reason, e.detail)
-        except asyncio.TimeoutError:
-            self._reject(peer, "timeout", f"stream not finished within {self._config.timeout_s:.1f} s")
-        except (ConnectionError, OSError) as e:
-            self._reject(peer, "disconnected", _one_line(e))
-        except asyncio.CancelledError:
-            if self._running:
-                raise
-            # stop() cancelled us; a handler task that ends cancelled makes asyncio log an error
-            logger.debug("probe stream from %s cut short: the server is stopping", peer)
-        except Exception:
-            logger.exception("bug while serving a probe stream from %s", peer)
-            self.rejected["internal_error"] += 1
-        finally:
-            await _close(writer)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         budget = {OP_DOWNLOAD: self._config.max_request_bytes, OP_UPLOAD: self._config.max_request_bytes}
@@ -234,10 +199,10 @@ class ProbeServer(StreamServer):
                 await writer.drain()
                 continue
             if op not in budget:
-                raise _Rejected("unknown_op", f"op byte {bytes([op])!r}")
+                raise ProtocolError("unknown_op", f"op byte {bytes([op])!r}")
             length = int.from_bytes(argument, "big")
             if length > budget[op]:
-                raise _Rejected("too_large", f"{bytes([op]).decode()} of {length} bytes, {budget[op]} left")
+                raise ProtocolError("too_large", f"{bytes([op]).decode()} of {length} bytes, {budget[op]} left")
             budget[op] -= length
             if op == OP_DOWNLOAD:
                 await _send(writer, length)
@@ -245,19 +210,10 @@ class ProbeServer(StreamServer):
                 await _receive(reader, length)
                 writer.write(length.to_bytes(_COUNT_BYTES, "big"))
                 await writer.drain()
-        raise _Rejected("too_many_requests", f"more than {_MAX_REQUESTS_PER_STREAM} requests")
+        raise ProtocolError("too_many_requests", f"more than {_MAX_REQUESTS_PER_STREAM} requests")
 
 
 # --- client -------------------------------------------------------------------------------------
-
-
-def _to_peer_id(peer_id: PeerID | str) -> PeerID:
-    if isinstance(peer_id, PeerID):
-        return peer_id
-    try:
-        return PeerID.from_base58(str(peer_id))
-    except Exception as e:  # the base58 and multihash decoders raise several exception types
-        raise ProbeError(f"{peer_id!r} is not a peer id ({_one_line(e)})", reason="bad_peer_id") from e
 
 
 @dataclass
@@ -275,7 +231,7 @@ class _Stream:
             self.writer.write(data)
             await self.writer.drain()
         except ConnectionError as e:
-            raise self._refused(f"reset the probe stream while we sent the {what} ({_one_line(e)})") from e
+            raise self._refused(f"reset the probe stream while we sent the {what} ({one_line(e)})") from e
         self.bytes_sent += len(data)
 
     async def receive_exactly(self, num_bytes: int, what: str) -> bytes:
@@ -286,7 +242,7 @@ class _Stream:
                 f"closed the probe stream after {len(e.partial)} of {num_bytes} bytes of the {what}"
             ) from None
         except ConnectionError as e:
-            raise self._refused(f"reset the probe stream during the {what} ({_one_line(e)})") from e
+            raise self._refused(f"reset the probe stream during the {what} ({one_line(e)})") from e
         self.bytes_received += num_bytes
         return data
 
@@ -296,7 +252,7 @@ class _Stream:
             try:
                 chunk = await self.reader.read(min(_CHUNK_BYTES, num_bytes - received))
             except ConnectionError as e:
-                raise self._refused(f"reset the probe stream during the {what} ({_one_line(e)})") from e
+                raise self._refused(f"reset the probe stream during the {what} ({one_line(e)})") from e
             if not chunk:
                 raise self._refused(f"closed the probe stream after {received} of {num_bytes} bytes of the {what}")
             received += len(chunk)
@@ -351,7 +307,7 @@ async def _probe(p2p: P2P, peer_id: PeerID, config: ProbeConfig) -> ProbeResult:
         _, reader, writer = await p2p.call_binary_stream_handler(peer_id, PROTOCOL)
     except Exception as e:  # the daemon reports dial and protocol failures with several types
         raise ProbeError(
-            f"cannot open a {PROTOCOL} stream to peer {peer_id}: {_one_line(e)}", reason="unreachable"
+            f"cannot open a {PROTOCOL} stream to peer {peer_id}: {one_line(e)}", reason="unreachable"
         ) from e
     stream = _Stream(peer=str(peer_id), reader=reader, writer=writer)
     try:
@@ -359,9 +315,9 @@ async def _probe(p2p: P2P, peer_id: PeerID, config: ProbeConfig) -> ProbeResult:
         download_mbps = await _download(stream, config.probe_bytes)
         upload_mbps = await _upload(stream, config.probe_bytes)
     except (ConnectionError, OSError) as e:
-        raise ProbeError(f"probe stream to peer {peer_id} broke: {_one_line(e)}", reason="disconnected") from e
+        raise ProbeError(f"probe stream to peer {peer_id} broke: {one_line(e)}", reason="disconnected") from e
     finally:
-        await _close(writer)
+        await close_stream(writer)
     return ProbeResult(
         peer_id=str(peer_id),
         rtt_ms=statistics.median(rtts_ms),
@@ -379,7 +335,10 @@ async def probe_peer(p2p: P2P, peer_id: PeerID | str, config: ProbeConfig | None
     stream, a malformed reply or the timeout; the stream is closed in every case.
     """
     config = config if config is not None else ProbeConfig()
-    peer = _to_peer_id(peer_id)
+    try:
+        peer = peer_id_of(peer_id)
+    except ValueError as e:
+        raise ProbeError(str(e), reason="bad_peer_id") from None
     try:
         return await asyncio.wait_for(_probe(p2p, peer, config), config.timeout_s)
     except asyncio.TimeoutError:
@@ -431,7 +390,7 @@ class BandwidthProber(ServedFacade):
         p2p = self._served.p2p
         own = str(p2p.peer_id)
         candidates = [peer for peer in dict.fromkeys(map(str, peer_ids)) if peer != own][: 2 * max_peers]
-        bound_s = (len(candidates) + 1) * (self._config.timeout_s + _CLOSE_TIMEOUT_S)
+        bound_s = (len(candidates) + 1) * (self._config.timeout_s + CLOSE_TIMEOUT_S)
         if not self._probe_lock.acquire(timeout=bound_s):
             raise TimeoutError(f"another probe call did not finish within {bound_s:.1f} s")
         try:

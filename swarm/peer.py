@@ -239,8 +239,13 @@ class PeerRunner:
         if self.config.dump_dir:
             self._dump("joined", self.trainer.round, list(self.model.parameters()))
         logger.info(
-            f"peer {self.trainer.peer_id} joined run {self.trainer_config.run!r} at round "
-            f"{self.trainer.round}; training shard {self.shard_index}/{self.config.num_shards} on {self.device}"
+            "peer %s joined run %r at round %s; training shard %s/%s on %s",
+            self.trainer.peer_id,
+            self.trainer_config.run,
+            self.trainer.round,
+            self.shard_index,
+            self.config.num_shards,
+            self.device,
         )
 
     def evaluate_or_nan(self) -> float:
@@ -306,8 +311,11 @@ class PeerRunner:
                     record=result.record.to_dict() if result.record else None,
                 )
                 logger.info(
-                    f"round {result.round}: group of {result.group_size} in {result.duration_s:.2f}s, "
-                    f"val loss {val if val is None else round(val, 4)}"
+                    "round %s: group of %s in %.2fs, val loss %s",
+                    result.round,
+                    result.group_size,
+                    result.duration_s,
+                    val if val is None else round(val, 4),
                 )
                 window_start, window_samples = time.monotonic(), 0
             if progress is not None:

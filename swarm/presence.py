@@ -141,7 +141,7 @@ class Presence:
                 others = [r.peer_id for r in self.graph.records(run=self.run.name) if r.peer_id != self.peer_id]
                 results = self.prober.probe(others, max_peers=3) if others else []
             except Exception as e:  # a failed probe only leaves the figures unmeasured
-                logger.info(f"bandwidth probe failed: {e!r}")
+                logger.info("bandwidth probe failed: %r", e)
                 results = []
             delay_s = self.config.bandwidth_probe_period_s if results else self.config.record_refresh_s
             if results:
@@ -204,7 +204,7 @@ class Presence:
             try:
                 peers = {r.peer_id for r in self.graph.records(run=self.run.name)}
             except Exception as e:  # keep the last known set on a DHT hiccup
-                logger.debug(f"could not read the run's peers: {e!r}")
+                logger.debug("could not read the run's peers: %r", e)
             self._run_peers = (time.monotonic(), peers)
         return peers
 
@@ -218,7 +218,7 @@ class Presence:
         try:
             self._reconnecting = reconnect(self.dht, peers)
         except Exception as e:  # the DHT process is gone or closing: nothing to reconnect
-            logger.debug(f"could not ping known peers: {e!r}")
+            logger.debug("could not ping known peers: %r", e)
             return
         self._reconnecting.add_done_callback(_log_reconnected)
 
@@ -235,7 +235,7 @@ class Presence:
 
 def _log_reconnected(future: concurrent.futures.Future) -> None:
     if not future.cancelled() and future.exception() is None and future.result():
-        logger.info(f"alone in the last round: {future.result()} known peer(s) answered a ping")
+        logger.info("alone in the last round: %s known peer(s) answered a ping", future.result())
 
 
 def check_run(graph: ResourceGraph, *, run: str, task: Any, device: torch.device, own: Requirements) -> Requirements:
@@ -244,7 +244,7 @@ def check_run(graph: ResourceGraph, *, run: str, task: Any, device: torch.device
     try:
         summary = next((r for r in graph.runs() if r.name == run), None)
     except Exception as e:  # a DHT hiccup must not stop a peer from starting or joining
-        logger.warning(f"could not read run {run!r} from the DHT: {e!r}")
+        logger.warning("could not read run %r from the DHT: %r", run, e)
         summary = None
     requirements = summary.requirements if summary is not None else own
     if summary is not None and summary.config_digest != task.config_digest:

@@ -537,15 +537,7 @@ def _contributions(ledgers: list[PeerLedger]) -> dict[str, dict[str, dict[str, A
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for run, receipts in sorted(by_run.items()):
         out[run] = {
-            peer: {
-                "rounds": c.rounds,
-                "receipts": c.num_receipts,
-                "samples": c.samples,
-                "bytes_sent": c.bytes_sent,
-                "bytes_received": c.bytes_received,
-                "first_round": c.first_round,
-                "last_round": c.last_round,
-            }
+            peer: {key: value for key, value in c.to_dict().items() if key != "peer"}
             for peer, c in sorted(contributions(receipts).items())
         }
     return out

@@ -261,7 +261,7 @@ def sign_participation(
         )
         return sign_receipt(receipt, identity) if receipt is not None else None
     except ValueError as e:  # e.g. a group larger than a receipt may name
-        logger.warning(f"round {round_}: no participation receipt: {e}")
+        logger.warning("round %s: no participation receipt: %s", round_, e)
         return None
 
 

@@ -76,7 +76,7 @@ from hivemind import DHT
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from bootstrap import DHTStartError, parse_initial_peers, stop_dht
-from bootstrap.envelope import INT64_MAX, check_int, check_str, expect_keys, unwrap_signed
+from bootstrap.envelope import INT64_MAX, JsonFields, check_int, check_str, expect_keys, unwrap_signed
 from bootstrap.errors import Rejected
 from bootstrap.identity import Identity, canonical_json, verify
 from bootstrap.records import PeerRecord
@@ -131,7 +131,7 @@ def milli(value: float | None) -> int | None:
 
 # ------------------------------------------------------------------------------------------ schema
 @dataclass(frozen=True, kw_only=True, slots=True)
-class StatusEvent:
+class StatusEvent(JsonFields):
     """Something a peer noted about itself (joined, checkpoint sealed, failure, ...)."""
 
     t: int
@@ -146,12 +146,9 @@ class StatusEvent:
         check_str("event kind", self.kind, max_chars=MAX_KIND_CHARS, allow_empty=False, printable=True)
         check_str("event detail", self.detail, max_chars=MAX_DETAIL_CHARS, allow_empty=True, printable=True)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"t": self.t, "kind": self.kind, "detail": self.detail}
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class LastGroup:
+class LastGroup(JsonFields):
     """The averaging group of the peer's last round, as that peer saw it."""
 
     group_id: str
@@ -181,19 +178,9 @@ class LastGroup:
         for name in ("duration_ms", "bytes_sent", "bytes_received"):
             check_int(f"last_group.{name}", getattr(self, name))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "group_id": self.group_id,
-            "members": list(self.members),
-            "outcome": self.outcome,
-            "duration_ms": self.duration_ms,
-            "bytes_sent": self.bytes_sent,
-            "bytes_received": self.bytes_received,
-        }
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class PeerStatus:
+class PeerStatus(JsonFields):
     """One peer's status, exactly as signed (see the module docstring)."""
 
     v: int = STATUS_VERSION
@@ -238,22 +225,6 @@ class PeerStatus:
         if not all(isinstance(e, StatusEvent) for e in self.events):
             raise ValueError("events must hold StatusEvent items")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "v": self.v,
-            "peer": self.peer,
-            "run": self.run,
-            "t": self.t,
-            "state": self.state,
-            "round": self.round,
-            "step": self.step,
-            "samples_per_s_milli": self.samples_per_s_milli,
-            "loss_milli": self.loss_milli,
-            "val_loss_milli": self.val_loss_milli,
-            "last_group": None if self.last_group is None else self.last_group.to_dict(),
-            "events": [e.to_dict() for e in self.events],
-        }
-
     def payload(self) -> bytes:
         """Canonical JSON bytes: what is signed."""
         return canonical_json(self.to_dict())
@@ -295,7 +266,7 @@ def _count(error: StatusRejected, subkey: Any, counter: Counter[str]) -> None:
     peer = str(subkey)[:60]
     if (error.reason, peer) not in _LOGGED and len(_LOGGED) < 10_000:
         _LOGGED.add((error.reason, peer))
-        logger.warning(f"refused a status entry for {peer!r}: {error}")
+        logger.warning("refused a status entry for %r: %s", peer, error)
 
 
 def _parse(subkey: Any, value: Any, *, run: str, now: float) -> PeerStatus:
@@ -470,7 +441,7 @@ class StatusPublisher:
         self.failures += 1
         self._consecutive_failures += 1
         level = logging.WARNING if self._consecutive_failures == 1 else logging.DEBUG
-        logger.log(level, f"could not publish this peer's status for run {self.run!r}: {why}")
+        logger.log(level, "could not publish this peer's status for run %r: %s", self.run, why)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -224,7 +224,7 @@ class Trainer:
                 pseudo.delta, weight=weight, gather=gather, timeout_s=timeout_s
             )
         except Exception as e:  # a failed round must not kill training; the update is applied alone
-            logger.warning(f"averaging round failed: {e!r}; applying this peer's update alone")
+            logger.warning("averaging round failed: %r; applying this peer's update alone", e)
             averaged, record, group = None, None, None
         grouped = averaged is not None and group is not None
         rejected: tuple[str, ...] = ()
@@ -233,7 +233,7 @@ class Trainer:
             problems = rounds.check_gathered(group.gathered)
             self.counters.rejected.update(problems.values())
             for peer_id, reason in problems.items():
-                logger.warning(f"round {self.round}: rejected metadata from {peer_id}: {reason}")
+                logger.warning("round %s: rejected metadata from %s: %s", self.round, peer_id, reason)
             rejected = tuple(problems)
             agree = rounds.base_agreement_group(group, record, self.peer_id)
             if agree is not None:
@@ -241,7 +241,7 @@ class Trainer:
                     agree, pseudo.state, weight=1.0, codec="fp32", timeout_s=timeout_s
                 )
                 if new_state is None:
-                    logger.info(f"round {self.round}: could not average the diverged bases: {agreement.failures[:3]}")
+                    logger.info("round %s: diverged bases not averaged: %s", self.round, agreement.failures[:3])
             next_round = rounds.next_round(self.round, group.gathered)
             self.counters.rounds_ok += 1
             book.solo_streak = 0
@@ -303,7 +303,7 @@ class Trainer:
         streak, before = self._book.solo_streak, self.round
         self._book.solo_streak = 0  # looked again after another max_solo_rounds solo rounds
         if self.load_state(timeout_s=self.config.load_state_timeout_s, reason="resync", newer_than=before):
-            logger.info(f"was cut off for {streak} rounds: re-synced from round {before} to sealed round {self.round}")
+            logger.info("cut off for %s rounds: re-synced from round %s to sealed round %s", streak, before, self.round)
 
     def load_state(self, *, timeout_s: float, reason: str = "join", newer_than: int | None = None) -> bool:
         """Resume from the run's newest sealed checkpoint, verified end to end; True if one was loaded. With

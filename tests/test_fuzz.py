@@ -1160,7 +1160,7 @@ def test_probe_server_ends_every_stream_served_or_with_one_counted_reason(data):
     server = ProbeServer(_PROBE_CONFIG, p2p=None)
     server._running = True
     run_bounded(lambda: server._handle(PEER, reader_of(data), FakeWriter()), _PROBE_CONFIG.timeout_s + HANG_MARGIN_S)
-    assert "internal_error" not in server.rejected, server.rejected
+    assert "internal error" not in server.rejected, server.rejected
     assert set(server.rejected) <= _PROBE_REASONS
     assert server.num_served + sum(server.rejected.values()) == 1 and server.num_active == 0
 

@@ -86,7 +86,7 @@ class Evidence:
             try:
                 self.ledger.append(kind, body, t=t)
             except Exception as e:
-                logger.warning(f"could not append {kind!r} to the ledger: {e!r}")
+                logger.warning("could not append %r to the ledger: %r", kind, e)
         note = _status_note(kind, body)
         if note is not None and self.status is not None:
             self.status.note(*note)
@@ -96,7 +96,7 @@ class Evidence:
             try:
                 listener(kind, body)
             except Exception as e:
-                logger.warning(f"evidence listener failed on {kind!r}: {e!r}")
+                logger.warning("evidence listener failed on %r: %r", kind, e)
 
     def round(self, entry: dict, *, group: Any | None, record: Any | None, peer_id: str) -> None:
         """A finished round: its ledger entry (``swarm.rounds.round_entry``), one entry per failure seen,
@@ -156,7 +156,7 @@ class Evidence:
             elif kind == "state_synced":
                 m.state_synced(str(body.get("reason")))
         except Exception as e:  # metrics are best effort
-            logger.debug(f"metrics update for {kind!r} failed: {e!r}")
+            logger.debug("metrics update for %r failed: %r", kind, e)
 
     def close(self) -> None:
         """Stop the status publisher and the metrics server, close the ledger. Idempotent."""
@@ -165,7 +165,7 @@ class Evidence:
                 try:
                     part.close()
                 except Exception as e:
-                    logger.warning(f"could not close {type(part).__name__}: {e!r}")
+                    logger.warning("could not close %s: %r", type(part).__name__, e)
         self.status = self.metrics = self.ledger = None
 
 
@@ -194,5 +194,5 @@ def open_evidence(identity: Any, *, run: str, task: str, ledger_dir: str, metric
         if ledger is not None:
             ledger.close()
         raise
-    logger.info(f"Prometheus metrics on http://{metrics.metrics_host}:{metrics.metrics_port}/metrics")
+    logger.info("Prometheus metrics on http://%s:%s/metrics", metrics.metrics_host, metrics.metrics_port)
     return Evidence(ledger=ledger, metrics=served)

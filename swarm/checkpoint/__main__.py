@@ -17,20 +17,22 @@ from rich.console import Console
 from rich.table import Table
 from safetensors.torch import save_file
 
+from bootstrap.cli import command_parser
 from swarm.checkpoint.manifest import ManifestRejected, SignedManifest, default_quorum, verify_lineage, verify_manifest
 from swarm.checkpoint.store import CheckpointStore, ShardRejected
 
+_COMMANDS = {
+    "list": "sealed checkpoints in the store, oldest first",
+    "show": "one manifest as JSON",
+    "verify": "digests, signatures, quorum and lineage",
+    "export": "write the model parameters as one safetensors file",
+}
+"""The subcommands and their help."""
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m swarm.checkpoint", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (
-        ("list", "sealed checkpoints in the store, oldest first"),
-        ("show", "one manifest as JSON"),
-        ("verify", "digests, signatures, quorum and lineage"),
-        ("export", "write the model parameters as one safetensors file"),
-    ):
-        cmd = sub.add_parser(name, help=help_text)
+    parser, commands = command_parser("python -m swarm.checkpoint", __doc__, _COMMANDS)
+    for name, cmd in commands.items():
         if name == "verify":
             where = cmd.add_mutually_exclusive_group(required=True)
             where.add_argument("--dir", type=Path, help="checkpoint store folder")

@@ -58,9 +58,9 @@ import hivemind
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
-from bootstrap.errors import NetworkError
-from bootstrap.framing import ProtocolError, read_exactly, read_frame, write_frame
-from bootstrap.runtime import Served, ServedFacade, StreamServer
+from bootstrap.errors import NetworkError, Rejected, one_line
+from bootstrap.framing import CLOSE_TIMEOUT_S, ProtocolError, close_stream, read_exactly, read_frame, write_frame
+from bootstrap.runtime import Served, ServedFacade, StreamServer, peer_id_of
 
 __all__ = [
     "PARTIAL_SOURCE",
@@ -91,7 +91,6 @@ _MIB = 1024 * 1024
 _MAX_CHUNK_BYTES = 256 * _MIB
 _MAX_SHARD_BYTES = 2**50
 _LINGER_S = 2.0  # how long a server waits for the client to hang up after a final reply
-_CLOSE_TIMEOUT_S = 1.0
 _RPC_TIMEOUT_S = 10.0
 _MAX_CONSECUTIVE_FAILURES = 3  # a donor failing this often in a row is dropped for the fetch
 _BACKOFF_S = 0.05
@@ -107,10 +106,6 @@ def _is_digest(value: object) -> bool:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 # --- shard sources ------------------------------------------------------------------------------
@@ -266,12 +261,6 @@ class ChunkReply:
 # --- streams ------------------------------------------------------------------------------------
 
 
-async def _close(writer: asyncio.StreamWriter) -> None:
-    writer.close()
-    with contextlib.suppress(Exception):  # the other side may have reset the stream already
-        await asyncio.wait_for(writer.wait_closed(), _CLOSE_TIMEOUT_S)
-
-
 async def _linger(reader: asyncio.StreamReader) -> None:
     # closing right after a reply can make p2pd reset the stream while the reply is in flight:
     # wait (bounded) for the client to hang up, discarding whatever it still sends
@@ -326,32 +315,21 @@ class ShardServer(StreamServer):
 
     async def _handle(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(info.peer_id)
-        try:
+
+        async def refuse(e: Rejected) -> None:
+            await self._refuse(reader, writer, {"status": STATUS_BAD_REQUEST, "reason": str(e)[:200]})
+
+        async with self._guarded(peer, writer, timeout_s=self._config.timeout_s, refuse=refuse):
             if self._busy(self._config.max_concurrent_per_donor):
                 self._reject(peer, "busy", f"already serving {len(self._active)} streams")
                 await self._refuse(reader, writer, {"status": STATUS_BUSY})
                 return
             async with self._serving():
                 await self._serve(peer, reader, writer)
-        except ProtocolError as e:
-            self._reject(peer, e.reason, e.detail)
-            await self._refuse(reader, writer, {"status": STATUS_BAD_REQUEST, "reason": str(e)[:200]})
-        except (TimeoutError, asyncio.TimeoutError):
-            self._reject(peer, "timeout", f"no request or reply within {self._config.timeout_s:.1f} s")
-        except (ConnectionError, OSError, asyncio.IncompleteReadError) as e:
-            self._reject(peer, "disconnected", _one_line(e))
-        except asyncio.CancelledError:
-            # stop() or the loop's end: a handler task that ends cancelled makes hivemind log an error
-            logger.debug("shard stream from %s cut short: the server is stopping", peer)
-        except Exception:
-            logger.exception("bug while serving a shard stream to %s", peer)
-            self.rejected["internal error"] += 1
-        finally:
-            await _close(writer)
 
     async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: dict[str, Any]) -> None:
         with contextlib.suppress(Exception):  # the client may be gone; it was refused either way
-            await asyncio.wait_for(write_frame(writer, reply), _CLOSE_TIMEOUT_S)
+            await asyncio.wait_for(write_frame(writer, reply), CLOSE_TIMEOUT_S)
             await _linger(reader)
 
     async def _serve(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -367,7 +345,7 @@ class ShardServer(StreamServer):
             try:
                 size, data = await asyncio.to_thread(_read_source, self._source, digest, offset, length)
             except Exception as e:  # a source is the store's code: its errors must not end serving
-                self._reject(peer, "source error", f"{digest[:12]}: {_one_line(e)}")
+                self._reject(peer, "source error", f"{digest[:12]}: {one_line(e)}")
                 await asyncio.wait_for(write_frame(writer, {"status": STATUS_NOT_FOUND}), timeout_s)
                 continue
             if size is None:
@@ -395,15 +373,6 @@ class _AttemptFailed(Exception):
         self.reason = reason
 
 
-def _to_peer_id(peer_id: PeerID | str) -> PeerID:
-    if isinstance(peer_id, PeerID):
-        return peer_id
-    try:
-        return PeerID.from_base58(str(peer_id))
-    except Exception as e:  # the base58 and multihash decoders raise several exception types
-        raise ValueError(f"donors: {peer_id!r} is not a peer id ({_one_line(e)})") from None
-
-
 @dataclass
 class _Session:
     donor: str
@@ -417,7 +386,7 @@ class _Session:
         except (TimeoutError, asyncio.TimeoutError):
             raise _AttemptFailed("unreachable", f"no {PROTOCOL} stream to {donor} within {timeout_s:.1f} s") from None
         except Exception as e:  # the daemon reports dial and protocol failures with several types
-            raise _AttemptFailed("unreachable", f"cannot open a {PROTOCOL} stream to {donor}: {_one_line(e)}") from e
+            raise _AttemptFailed("unreachable", f"cannot open a {PROTOCOL} stream to {donor}: {one_line(e)}") from e
         return cls(donor=str(donor), reader=reader, writer=writer)
 
     async def request(self, digest: str, offset: int, length: int, timeout_s: float) -> ChunkReply:
@@ -429,7 +398,7 @@ class _Session:
             reason = "disconnected" if e.reason == "truncated" else "malformed"
             raise _AttemptFailed(reason, str(e)) from None
         except (ConnectionError, OSError) as e:
-            raise _AttemptFailed("disconnected", _one_line(e)) from None
+            raise _AttemptFailed("disconnected", one_line(e)) from None
 
     async def _request(self, digest: str, offset: int, length: int) -> ChunkReply:
         await write_frame(self.writer, {"digest": digest, "offset": offset, "length": length})
@@ -448,7 +417,7 @@ class _Session:
         return ChunkReply(status=status, size=size, data=data)
 
     async def close(self) -> None:
-        await _close(self.writer)
+        await close_stream(self.writer)
 
 
 async def request_chunk(
@@ -460,7 +429,7 @@ async def request_chunk(
     unreachable, timeout, disconnected or malformed) if no well-formed reply came back.
     """
     try:
-        session = await _Session.open(p2p, _to_peer_id(donor), timeout_s)
+        session = await _Session.open(p2p, peer_id_of(donor), timeout_s)
         try:
             return await session.request(digest, offset, length, timeout_s)
         finally:
@@ -729,7 +698,10 @@ def _validated_shards(wanted: Mapping[str, int], partial: Mapping[str, bytes] | 
 def _validated_donors(donors: Sequence[PeerID | str], own: str) -> list[PeerID]:
     if isinstance(donors, (str, bytes)):
         raise TypeError(f"donors: expected a sequence of peer ids, got the single value {donors!r}")
-    peers = {str(p): p for p in map(_to_peer_id, donors)}
+    try:
+        peers = {str(p): p for p in map(peer_id_of, donors)}
+    except ValueError as e:
+        raise ValueError(f"donors: {e}") from None
     return [peer for name, peer in peers.items() if name != own]
 
 

@@ -142,7 +142,7 @@ class ManifestGossip:
         except ValueError as e:
             reason = str(e).split(":")[0][:60] or "invalid"
             self.rejected[reason] += 1
-            logger.info(f"rejected a manifest from {source or 'this peer'}: {e}")
+            logger.info("rejected a manifest from %s: %s", source or "this peer", e)
             return False
         with self._lock:
             if source != _FROM_INDEX and (self.newest is None or step >= self.newest[0]):
@@ -185,7 +185,7 @@ class ManifestGossip:
                     writer.close()
             self.forwarded += 1
         except Exception as e:  # an unreachable peer only slows the epidemic down
-            logger.debug(f"push to {peer} failed: {e!r}")
+            logger.debug("push to %s failed: %r", peer, e)
 
     async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         source = str(info.peer_id)
@@ -220,7 +220,7 @@ class ManifestGossip:
             try:
                 data = await asyncio.wait_for(self._from_index(), self.config.push_timeout_s)
             except Exception as e:  # the next pull tries again
-                logger.debug(f"anti-entropy pull failed: {e!r}")
+                logger.debug("anti-entropy pull failed: %r", e)
                 continue
             if data is not None and (self.newest is None or data != self.newest[2]):
                 await self._accept(data, source=_FROM_INDEX)
@@ -249,7 +249,7 @@ def _ask(name: str, policy: Callable[..., Any], *args: Any, default: Any) -> Any
     try:
         return policy(*args)
     except Exception as e:
-        logger.debug(f"{name} policy failed: {e!r}")
+        logger.debug("%s policy failed: %r", name, e)
         return default
 
 

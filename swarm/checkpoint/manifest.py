@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bootstrap.envelope import INT64_MAX, check_hex, check_int, check_str, expect_keys, strict_json
+from bootstrap.envelope import INT64_MAX, JsonFields, check_hex, check_int, check_str, expect_keys, strict_json
 from bootstrap.errors import Rejected
 from bootstrap.identity import Identity, canonical_json, public_key_from_peer_id, verify
 from swarm.ledger.receipts import ReceiptRejected, SignedReceipt, verify_receipt
@@ -56,7 +56,7 @@ class ManifestRejected(Rejected):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TensorInfo:
+class TensorInfo(JsonFields):
     """One tensor of a shard, as recorded in the manifest."""
 
     name: str
@@ -77,12 +77,9 @@ class TensorInfo:
         for dim in self.shape:
             check_int(f"tensor {self.name!r} shape", dim)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ShardInfo:
+class ShardInfo(JsonFields):
     """One shard: a safetensors file named by the SHA-256 of its bytes."""
 
     name: str
@@ -104,17 +101,9 @@ class ShardInfo:
         if len(set(names)) != len(names):
             raise ValueError(f"shard {self.name!r}: duplicate tensor names")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "digest": self.digest,
-            "size_bytes": self.size_bytes,
-            "tensors": [t.to_dict() for t in self.tensors],
-        }
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Manifest:
+class Manifest(JsonFields):
     """The canonical, signable description of one checkpoint."""
 
     version: int = MANIFEST_VERSION
@@ -181,22 +170,6 @@ class Manifest:
             check_str("participant", peer_id, max_chars=_MAX_ID_CHARS)
         if list(self.participants) != sorted(set(self.participants)):
             raise ValueError("participants must be sorted and unique")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "run_id": self.run_id,
-            "step": self.step,
-            "round": self.round,
-            "task": self.task,
-            "config_digest": self.config_digest,
-            "parent": self.parent,
-            "shards": [s.to_dict() for s in self.shards],
-            "participants": list(self.participants),
-            "metrics": dict(self.metrics),
-            "created_at": self.created_at,
-            "contributions": dict(self.contributions),
-        }
 
     def payload(self) -> bytes:
         """Canonical JSON bytes: what is signed and digested."""

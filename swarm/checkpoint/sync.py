@@ -196,7 +196,7 @@ class CheckpointManager:
         self.store.put_manifest(data)
         with self._lock:
             self.newest = SignedManifest.from_bytes(data).manifest
-        logger.info(f"sealed checkpoint of run {self.run_id!r} at step {step} ({digest[:12]})")
+        logger.info("sealed checkpoint of run %r at step %s (%s)", self.run_id, step, digest[:12])
 
     def newest_digest(self) -> tuple[int, str] | None:
         with self._lock:
@@ -227,7 +227,7 @@ class CheckpointManager:
                 self._tell("receipts", {"receipts": [r.to_dict() for r in receipts.sorted()]})
             return sealed
         except Exception as e:  # evidence and sealing are best effort: training goes on, the next round seals
-            logger.warning(f"after round {round_}: could not swap receipts or seal: {e!r}")
+            logger.warning("after round %s: could not swap receipts or seal: %r", round_, e)
             return False
 
     def _tell(self, kind: str, body: dict) -> None:
@@ -235,7 +235,7 @@ class CheckpointManager:
             try:
                 self.on_event(kind, body)
             except Exception as e:  # a listener's bug must not stop sealing
-                logger.warning(f"checkpoint event listener failed on {kind}: {e!r}")
+                logger.warning("checkpoint event listener failed on %s: %r", kind, e)
 
     def _seal(self, seal: SealRequest, receipts: _ReceiptSwap | None) -> bool:
         step = seal.step
@@ -269,7 +269,7 @@ class CheckpointManager:
             if receipts is not None:
                 receipts.poll()
             self._closing.wait(0.2)  # polling the DHT for the others' signatures, with a deadline
-        logger.info(f"step {step}: fewer than {quorum} signatures within {self.seal_timeout_s:.0f}s; not sealed")
+        logger.info("step %s: fewer than %s signatures within %.0fs; not sealed", step, quorum, self.seal_timeout_s)
         return False
 
     def _publish_sealed(self, manifest: Manifest, signatures: dict[str, str], receipts: _ReceiptSwap | None) -> None:
@@ -334,7 +334,7 @@ class CheckpointManager:
                 return newest, self._download(newest, timeout_s=max(1.0, deadline - time.monotonic()))
             except Exception as e:  # pruned by its donors meanwhile, or unreachable: try the newest again
                 last_error = e
-                logger.info(f"could not download sealed step {newest.step}: {e!r}; asking for the newest again")
+                logger.info("could not download sealed step %s: %r; asking for the newest again", newest.step, e)
         raise RuntimeError(f"no sealed checkpoint could be downloaded in {attempts} attempts: {last_error!r}")
 
     def resume(
@@ -349,7 +349,7 @@ class CheckpointManager:
         try:
             loaded = self.load_newest(timeout_s=timeout_s, newer_than=newer_than)
         except Exception as e:  # a bad or unreachable checkpoint: say why; the caller trains on
-            logger.warning(f"could not load the newest sealed checkpoint: {e!r}")
+            logger.warning("could not load the newest sealed checkpoint: %r", e)
             return None, "sealed checkpoint"
         if loaded is None:
             logger.info(
@@ -363,10 +363,10 @@ class CheckpointManager:
         if newer_than is not None and manifest.round <= newer_than:
             problem = f"sealed at round {manifest.round}, not after this peer's round {newer_than}"
         if problem is not None:
-            logger.warning(f"rejected the sealed checkpoint: {problem}")
+            logger.warning("rejected the sealed checkpoint: %s", problem)
             return None, f"sealed checkpoint: {problem}"
         outer.load_state_dict(state, round_=manifest.round)
-        logger.info(f"resumed from sealed checkpoint {manifest.digest()[:12]} at round {manifest.round}")
+        logger.info("resumed from sealed checkpoint %s at round %s", manifest.digest()[:12], manifest.round)
         self._tell(
             "state_synced",
             {
@@ -392,8 +392,10 @@ class CheckpointManager:
                     fetched[shard.digest], expected_digest=shard.digest, expected_size_bytes=shard.size_bytes
                 )
             logger.info(
-                f"downloaded {report.bytes_downloaded} bytes of checkpoint shards from "
-                f"{len(report.per_donor_bytes)} donor(s) in {report.seconds:.2f}s"
+                "downloaded %s bytes of checkpoint shards from %s donor(s) in %.2fs",
+                report.bytes_downloaded,
+                len(report.per_donor_bytes),
+                report.seconds,
             )
         return self.store.load_state_dict(manifest)
 

@@ -18,12 +18,12 @@ import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from bootstrap.cli import command_parser
 from swarm.ledger.chain import (
     DEFAULT_LEDGER_DIR,
     LedgerEntry,
@@ -49,12 +49,18 @@ class _BadInput(Exception):
     """The command cannot run on what it was given (exit status 2)."""
 
 
+_COMMANDS = {
+    "verify": "check ledgers' hash chains and signatures, and cross-check receipts",
+    "receipts": "per-peer contributions backed by verified receipts",
+    "show": "print a ledger's entries (not verified)",
+}
+"""The subcommands and their help."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m swarm.ledger", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    verify = sub.add_parser("verify", help="check ledgers' hash chains and signatures, and cross-check receipts")
+    parser, commands = command_parser("python -m swarm.ledger", __doc__, _COMMANDS)
+    verify, receipts, show = commands.values()
     verify.add_argument("paths", nargs="+", metavar="PATH_OR_DIR", help="ledger files, or folders holding them")
-    receipts = sub.add_parser("receipts", help="per-peer contributions backed by verified receipts")
     receipts.add_argument("--run", required=True, help="run name")
     receipts.add_argument(
         "--dir",
@@ -62,7 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_LEDGER_DIR,
         help=f"folder holding the ledgers (default {DEFAULT_LEDGER_DIR})",
     )
-    show = sub.add_parser("show", help="print a ledger's entries (not verified)")
     show.add_argument("path", type=Path, metavar="PATH", help="a ledger file")
     show.add_argument("--kind", default=None, help="only entries of this kind")
     show.add_argument("--last", type=_positive_int, default=None, metavar="N", help="only the last N entries")
@@ -198,7 +203,7 @@ def cmd_receipts(args: argparse.Namespace, console: Console) -> int:
     totals = contributions(receipts)
     unverified = [str(v.path) for v in verdicts if not v.ok]
     if args.json:
-        rows = [{**_contribution_dict(c), "witnessed": witnessed[peer]} for peer, c in totals.items()]
+        rows = [{**c.to_dict(), "witnessed": witnessed[peer]} for peer, c in totals.items()]
         print(
             json.dumps(
                 {
@@ -230,19 +235,6 @@ def _gather_receipts(
             if verdict.ok and verdict.peer != signed.receipt.peer and verdict.peer in signed.receipt.members:
                 witnessed_keys.add(receipt_key(signed.receipt))
     return receipts, Counter(key[0] for key in witnessed_keys)
-
-
-def _contribution_dict(c: Contribution) -> dict[str, Any]:
-    return {
-        "peer": c.peer,
-        "rounds": c.rounds,
-        "receipts": c.num_receipts,
-        "samples": c.samples,
-        "bytes_sent": c.bytes_sent,
-        "bytes_received": c.bytes_received,
-        "first_round": c.first_round,
-        "last_round": c.last_round,
-    }
 
 
 def _print_contributions(

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bootstrap.envelope import JsonFields
 from bootstrap.errors import StateError
 from bootstrap.identity import Identity, public_key_from_peer_id, verify
 
@@ -72,7 +73,7 @@ class LedgerError(StateError):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class LedgerEntry:
+class LedgerEntry(JsonFields):
     """One entry as stored (see the module docstring for what is digested and signed)."""
 
     seq: int
@@ -93,20 +94,6 @@ class LedgerEntry:
     """SHA-256 hex of the stored fields (:func:`entry_digest`)."""
     signature: str
     """Hex Ed25519 signature of the digest by the owner."""
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields, as ``show --json`` prints them."""
-        return {
-            "seq": self.seq,
-            "t": self.t,
-            "kind": self.kind,
-            "peer": self.peer,
-            "run": self.run,
-            "body": self.body,
-            "prev": self.prev,
-            "digest": self.digest,
-            "signature": self.signature,
-        }
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

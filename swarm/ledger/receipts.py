@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bootstrap.envelope import check_hex, check_int, check_str, expect_keys, strict_json
+from bootstrap.envelope import JsonFields, check_hex, check_int, check_str, expect_keys, strict_json
 from bootstrap.errors import Rejected
 from bootstrap.identity import Identity, canonical_json, public_key_from_peer_id, verify
 from swarm.ledger.chain import GENESIS, LedgerEntry, LedgerVerdict
@@ -68,7 +68,7 @@ class ReceiptRejected(Rejected):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Receipt:
+class Receipt(JsonFields):
     """One peer's signed account of its part in one round. Invalid fields raise ReceiptRejected (a ValueError)."""
 
     v: int = RECEIPT_VERSION
@@ -123,10 +123,6 @@ class Receipt:
             raise ReceiptRejected("members not sorted and unique", f"{len(self.members)} members")
         if self.peer not in self.members:
             raise ReceiptRejected("peer not a member", f"{self.peer} is not among the {len(self.members)} members")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as JSON-ready ints, strings and a list of members."""
-        return {name: list(self.members) if name == "members" else getattr(self, name) for name in _FIELDS}
 
     def payload(self) -> bytes:
         """Canonical JSON of the fields: what is signed."""
@@ -245,6 +241,19 @@ class Contribution:
     """Highest round with a receipt."""
     num_receipts: int = 0
     """Distinct receipts (more than ``rounds`` when a round was retried in another group)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields, as ``swarm.ledger`` and ``swarm.report`` print them (``num_receipts`` as "receipts")."""
+        return {
+            "peer": self.peer,
+            "rounds": self.rounds,
+            "receipts": self.num_receipts,
+            "samples": self.samples,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "first_round": self.first_round,
+            "last_round": self.last_round,
+        }
 
 
 def receipt_key(receipt: Receipt) -> tuple[str, str, int, str]:
