@@ -274,28 +274,31 @@ def run_lab(
                 lab.set_rate(i, donor_rate_mbit)
         donors: list[dict[str, Any]] = []
         with console.status("starting 3 donors (each writes the state to its store)"):
-            for i in (1, 2, 3):
+
+            def start_donor(i: int, initial: list[str]) -> tuple[Any, Path, Path]:
                 ready, log = work / f"donor{i}.json", work / f"donor{i}.log"
-                initial = donors[0]["maddrs"] if donors else []
-                proc = lab.spawn(
-                    i,
-                    [
-                        *worker,
-                        "donor",
-                        "--numel",
-                        str(numel),
-                        "--host-maddr",
-                        lab.hosts[i].maddr(0),
-                        "--initial-peers",
-                        *initial,
-                        "--dir",
-                        str(work / f"donor{i}"),
-                        "--out",
-                        str(ready),
-                        *(["--hivemind"] if i == 1 else []),
-                    ],
-                    log=log,
-                )
+                command = [
+                    *worker,
+                    "donor",
+                    "--numel",
+                    str(numel),
+                    "--host-maddr",
+                    lab.hosts[i].maddr(0),
+                    "--initial-peers",
+                    *initial,
+                    "--dir",
+                    str(work / f"donor{i}"),
+                    "--out",
+                    str(ready),
+                    *(["--hivemind"] if i == 1 else []),
+                ]
+                return lab.spawn(i, command, log=log), ready, log
+
+            # donor 1 first; donors 2 and 3 join through it, starting together
+            proc, ready, log = start_donor(1, [])
+            donors.append(_wait_file(ready, proc, 300, "donor 1", log))
+            started = {i: start_donor(i, donors[0]["maddrs"]) for i in (2, 3)}
+            for i, (proc, ready, log) in started.items():
                 donors.append(_wait_file(ready, proc, 300, f"donor {i}", log))
         initial = [m for d in donors for m in d["maddrs"]]
         for repeat in range(repeats):

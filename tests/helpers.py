@@ -6,7 +6,8 @@ Everything here polls with a deadline; nothing sleeps for a fixed time to synchr
   `Child.stdout_lines` / `Child.stderr_lines`, so a chatty child never blocks on a full pipe.
 * `read_line_matching(child, pattern, timeout_s)` waits for a matching output line.
 * `wait_until(predicate, timeout_s)` polls any condition.
-* `terminate(child, timeout_s)` stops a process (SIGTERM by default) and returns its exit code.
+* `terminate(child, timeout_s)` stops a process (SIGTERM by default) and returns its exit code;
+  `terminate_all(children, timeout_s)` signals them all at once, then waits for each.
 * `descendants(pid)`, `p2pd_pids(pid)`, `alive(pids)` inspect process trees (psutil).
 * `free_port()`, `bootstrap_cmd(...)`, `start_bootstrap(...)` for bootstrap nodes.
 """
@@ -187,6 +188,30 @@ def terminate(child: Child | subprocess.Popen, timeout_s: float = 10.0, *, sig: 
         popen.kill()
         popen.wait(timeout=10)
         raise AssertionError(f"pid {popen.pid} did not exit within {timeout_s:.1f} s of signal {sig}") from None
+
+
+def terminate_all(children: Sequence[Child | subprocess.Popen], timeout_s: float = 10.0) -> list[int]:
+    """`terminate` for several processes: SIGTERM to all at once (peers leave together, as a cluster's
+    shutdown does), then wait for each within one shared `timeout_s`; returns their exit codes.
+
+    Every process is waited for (stragglers SIGKILLed) before `AssertionError` names those that ignored it.
+    """
+    popens = [c.popen if isinstance(c, Child) else c for c in children]
+    for popen in popens:
+        if popen.poll() is None:
+            popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    stuck = []
+    for popen in popens:
+        try:
+            popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait(timeout=10)
+            stuck.append(popen.pid)
+    if stuck:
+        raise AssertionError(f"pids {stuck} did not exit within {timeout_s:.1f} s of SIGTERM")
+    return [popen.returncode for popen in popens]
 
 
 def descendants(pid: int) -> list[psutil.Process]:

@@ -270,7 +270,7 @@ def test_sigkilled_peer_process_mid_round(tmp_path, phase):
     with the exact weighted mean of their own contributions, and nobody hangs."""
     from safetensors.torch import load_file
 
-    from tests.helpers import python_cmd, spawn, start_bootstrap, terminate, wait_until
+    from tests.helpers import python_cmd, spawn, start_bootstrap, terminate, terminate_all, wait_until
 
     node = start_bootstrap(tmp_path / "bootstrap.id")
     script = str(Path(__file__).with_name("avg_peer.py"))
@@ -312,8 +312,7 @@ def test_sigkilled_peer_process_mid_round(tmp_path, phase):
             assert record["outcome"] in ("ok", "partial", "retried"), record
             assert record["outcome"] == "ok" or record["failures"], record
     finally:
-        for child in children:
-            terminate(child, timeout_s=15)
+        terminate_all(children, timeout_s=15)
         terminate(node.child, timeout_s=15)
 
 

@@ -20,7 +20,7 @@ from swarm.checkpoint.manifest import SignedManifest, verify_manifest
 from swarm.ledger import find_ledgers, read_entries, verify_ledger
 from swarm.metrics import METRIC_NAMES
 from swarm.report import PNG_NAMES
-from tests.helpers import free_port, python_cmd, spawn, terminate, wait_until
+from tests.helpers import free_port, python_cmd, spawn, terminate_all, wait_until
 
 
 @pytest.mark.timeout(300)
@@ -172,8 +172,7 @@ def test_metrics_and_status_board_of_a_live_run(bootstrap_node, tmp_path):
         assert snapshot["progress"]["round"] >= 2 and snapshot["progress"]["val_loss"] is not None
         assert any(e["kind"] == "joined" for e in snapshot["events"])
     finally:
-        for peer in peers:
-            terminate(peer, timeout_s=30)
+        terminate_all(peers, timeout_s=30)
     assert [p.returncode for p in peers] == [0, 0], [p.describe() for p in peers]
     for path in find_ledgers(tmp_path / "ledgers"):
         assert verify_ledger(path).ok and read_entries(Path(path))[-1].kind == "stop"

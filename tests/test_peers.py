@@ -37,7 +37,7 @@ from peers import (
 )
 from peers.testing import NO_REQUIREMENTS, make_record, record_builder
 from swarm.tasks import get_task
-from tests.helpers import python_cmd, spawn, terminate, wait_until
+from tests.helpers import python_cmd, spawn, terminate_all, wait_until
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 
@@ -373,8 +373,7 @@ def test_real_peers_measure_bandwidth_and_a_killed_peer_vanishes_in_time(bootstr
         assert vanish_s <= expiry_s + refresh_s, f"{vanish_s:.2f} s > expiry + refresh"
     finally:
         stop_dht(reader)
-        for peer in peers:
-            terminate(peer, timeout_s=30)
+        terminate_all(peers, timeout_s=30)
 
 
 @pytest.mark.timeout(120)

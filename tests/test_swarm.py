@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from swarm.events import read_events
 from swarm.tasks import get_task
-from tests.helpers import python_cmd, spawn, start_bootstrap, terminate, wait_until
+from tests.helpers import python_cmd, spawn, start_bootstrap, terminate, terminate_all, wait_until
 
 NUM_PEERS = 3
 
@@ -110,8 +110,7 @@ def test_three_peers_average_exactly_and_learn(bootstrap_node, tmp_path, outer_l
             wait_until(lambda p=peer: p.returncode is not None, timeout_s=180, message=peer.describe)
             assert peer.returncode == 0, peer.describe()
     finally:
-        for peer in peers:
-            terminate(peer, timeout_s=15)
+        terminate_all(peers, timeout_s=15)
 
     expected = _reference_rounds(tmp_path, outer_lr=outer_lr, outer_momentum=outer_momentum)
     for round_, reference in enumerate(expected, start=1):
@@ -186,8 +185,7 @@ def test_user_script_on_the_trainer_api_joins_a_swarm_peer_run(bootstrap_node, t
             wait_until(lambda c=child: c.returncode is not None, timeout_s=200, message=child.describe)
             assert child.returncode == 0, child.describe()
     finally:
-        for child in (peer, script):
-            terminate(child, timeout_s=15)
+        terminate_all([peer, script], timeout_s=15)
     script.join_output()
     assert "group of 2" in script.stdout(), script.describe()
     rounds = [e for e in read_events(tmp_path / "peer.jsonl") if e["event"] == "round"]
@@ -255,15 +253,17 @@ def test_a_joiner_resumes_bit_exactly_from_a_sealed_checkpoint(bootstrap_node, t
         for name in want:
             assert torch.equal(got[name], want[name]), f"{name} differs from the donors' state at step {step}"
         # the CLI verifies the newest sealed manifest announced in the swarm, and fails for an unknown run
-        for run, code in (("sealed", 0), ("no-such-run", 1)):
-            cli = spawn(
+        clis = {
+            code: spawn(
                 python_cmd("-m", "swarm.checkpoint", "verify", "--initial-peers", *bootstrap_node, "--run", run)
             )
+            for run, code in (("sealed", 0), ("no-such-run", 1))
+        }
+        for code, cli in clis.items():
             wait_until(lambda c=cli: c.returncode is not None, timeout_s=60, message=cli.describe)
             assert cli.returncode == code, cli.describe()
     finally:
-        for child in [*donors, *([joiner] if joiner else [])]:
-            terminate(child, timeout_s=30)
+        terminate_all([*donors, *([joiner] if joiner else [])], timeout_s=30)
 
 
 @pytest.mark.timeout(180)
@@ -331,8 +331,7 @@ def test_a_lone_survivor_keeps_training_forward_after_its_partner_is_killed(boot
         wait_until(lambda: survivor.returncode is not None, timeout_s=120, message=survivor.describe)
         assert survivor.returncode == 0, survivor.describe()
     finally:
-        for child in (survivor, victim):
-            terminate(child, timeout_s=30)
+        terminate_all([survivor, victim], timeout_s=30)
     events = read_events(tmp_path / "survivor.jsonl")
     rounds = [e for e in events if e["event"] == "round"]
     solo_after = [e for e in rounds[len(grouped_rounds()) :] if e["group_size"] == 1]
