@@ -405,12 +405,13 @@ def main(argv: list[str] | None = None) -> int:
         config = dataclass_from_args(PeerConfig, args)
         dataclass_from_args(TrainerConfig, args, run=args.run or "unnamed", initial_peers=tuple(peers))  # validate
         get_task(config.task, preset=config.task_preset)  # unknown task: fail before touching any file
+        identity = Identity.load_or_create(config.identity_key)
+        identity.lock()
+        # process-wide settings only once every argument has been checked
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         stop = _StopFlag()
         stop.install()
-        identity = Identity.load_or_create(config.identity_key)
-        identity.lock()
         run = args.run
         if run is None:
             dht = start_swarm_dht(

@@ -1,6 +1,6 @@
 """One averaging peer as its own OS process, for tests that SIGKILL a peer mid-round.
 
-    python tests/avg_peer.py --initial-peers MADDR --index I --out DIR [--kill-phase send|reduce|matchmaking]
+    python tests/avg_peer.py --initial-peers MADDR --index I --out DIR [--kill-phase send|reduce|matchmaking] [--prefix P]
 
 Averages torch.randn(numel) seeded by (seed, index) with weight index+1 (fp32, mean) and writes
 DIR/result{I}.safetensors plus DIR/record{I}.json. With --kill-phase it SIGKILLs itself there.
@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=50_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kill-phase", default=None)
+    parser.add_argument("--prefix", default="killtest", help="the averaging key prefix (one per test)")
     args = parser.parse_args()
     start_reaper()
     dht = start_dht(args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
@@ -38,7 +39,7 @@ def main() -> None:
         min_group_size=2,
         codec="fp32",
     )
-    averager = GroupAverager(dht, prefix="killtest", config=config)
+    averager = GroupAverager(dht, prefix=args.prefix, config=config)
     if args.kill_phase:
         faults = FaultInjector()
         faults.attach(averager, f"peer{args.index}")

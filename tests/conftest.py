@@ -18,7 +18,6 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import psutil
 import pytest
@@ -115,13 +114,15 @@ def free_port_fixture() -> Callable[[], int]:
     return _free_port
 
 
-@pytest.fixture
-def bootstrap_node(tmp_path: Path) -> Iterator[list[str]]:
-    """A loopback bootstrap node (`python -m bootstrap`); yields its `--initial-peers` maddrs.
+@pytest.fixture(scope="session")
+def bootstrap_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    """One loopback bootstrap node (`python -m bootstrap`) for the session, started on first use; yields
+    its `--initial-peers` maddrs. Tests on it keep apart by run name (or averaging prefix), as runs on
+    one network do.
 
     Teardown sends SIGTERM and requires exit code 0 within 15 s.
     """
-    node: BootstrapNode = start_bootstrap(tmp_path / "bootstrap.id")
+    node: BootstrapNode = start_bootstrap(tmp_path_factory.mktemp("bootstrap") / "bootstrap.id")
     try:
         yield node.maddrs
     finally:

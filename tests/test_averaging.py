@@ -265,14 +265,13 @@ def test_group_drawing_is_deterministic_bounded_and_bandwidth_aware():
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("phase", ["send", "reduce"])
-def test_sigkilled_peer_process_mid_round(tmp_path, phase):
+def test_sigkilled_peer_process_mid_round(bootstrap_node, tmp_path, phase):
     """TESTMATRIX rows 2-3 with real processes: SIGKILL while sending / reducing; the survivors end
     with the exact weighted mean of their own contributions, and nobody hangs."""
     from safetensors.torch import load_file
 
-    from tests.helpers import python_cmd, spawn, start_bootstrap, terminate, terminate_all, wait_until
+    from tests.helpers import python_cmd, spawn, terminate_all, wait_until
 
-    node = start_bootstrap(tmp_path / "bootstrap.id")
     script = str(Path(__file__).with_name("avg_peer.py"))
     children = []
     try:
@@ -283,7 +282,9 @@ def test_sigkilled_peer_process_mid_round(tmp_path, phase):
                     python_cmd(
                         script,
                         "--initial-peers",
-                        *node.maddrs,
+                        *bootstrap_node,
+                        "--prefix",
+                        f"killtest-{phase}",
                         "--index",
                         str(i),
                         "--out",
@@ -313,7 +314,6 @@ def test_sigkilled_peer_process_mid_round(tmp_path, phase):
             assert record["outcome"] == "ok" or record["failures"], record
     finally:
         terminate_all(children, timeout_s=15)
-        terminate(node.child, timeout_s=15)
 
 
 @pytest.mark.timeout(60)

@@ -1,6 +1,8 @@
 """Every command-line entry point: --help works, the option set is frozen, bad input fails clearly."""
 
+import importlib
 import os
+import signal
 import stat
 import time
 
@@ -8,6 +10,7 @@ import pytest
 
 from bootstrap.cli import dataclass_flags
 from swarm.peer import PeerConfig, build_parser
+from swarm.peer import main as peer_main
 from swarm.trainer import TrainerConfig
 from tests.helpers import free_port, python_cmd, spawn, wait_until
 
@@ -88,25 +91,35 @@ def test_peer_flags_are_frozen_and_map_onto_config_fields():
     }  # the last: renamed, kept
 
 
-@pytest.mark.parametrize(
-    "module",
-    [
-        "bootstrap",
-        "swarm.peer",
-        "swarm.demo",
-        "peers",
-        "swarm.checkpoint",
-        "swarm.ledger",
-        "swarm.status",
-        "swarm.report",
-    ],
-)
-def test_help(module):
+@pytest.mark.parametrize("module", ["bootstrap", "swarm.peer"])
+def test_help_of_the_entry_points(module):
+    """The README's two entry points, as a user starts them (``python -m``)."""
     child = spawn(python_cmd("-m", module, "--help"))
     wait_until(lambda: child.returncode is not None, timeout_s=60, message=child.describe)
     child.join_output()
     assert child.returncode == 0, child.describe()
     assert "usage:" in child.stdout()
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "bootstrap.node",
+        "swarm.peer",
+        "swarm.demo",
+        "peers.__main__",
+        "swarm.checkpoint.__main__",
+        "swarm.ledger.__main__",
+        "swarm.status",
+        "swarm.report",
+    ],
+)
+def test_help(module, capsys):
+    """Every CLI's ``main(["--help"])``, in this process (``python -m X`` runs ``sys.exit(main())``)."""
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(module).main(["--help"])
+    assert exit_info.value.code == 0
+    assert "usage:" in capsys.readouterr().out
 
 
 def _run_peer(*args: str, timeout_s: float = 60):
@@ -117,10 +130,21 @@ def _run_peer(*args: str, timeout_s: float = 60):
     return child, time.monotonic() - started
 
 
-def test_malformed_initial_peer_is_named_and_exits_2(tmp_path):
-    child, _ = _run_peer("--run", "x", "--identity-key", str(tmp_path / "k"), "--initial-peers", "/ip4/1.2.3/tcp/x")
-    assert child.returncode == 2, child.describe()
-    assert "/ip4/1.2.3/tcp/x" in child.stderr()
+def _peer_main(capsys, *args: str) -> tuple[int, str]:
+    """``swarm.peer``'s ``main`` in this process, for input it must refuse before it starts anything
+    (no DHT, no signal handler, no file); returns the exit code and what it wrote to stderr."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    code = peer_main(["--no-progress", *args])
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers, "refused input installed a signal handler"
+    return code, " ".join(capsys.readouterr().err.split())
+
+
+def test_malformed_initial_peer_is_named_and_exits_2(tmp_path, capsys):
+    code, err = _peer_main(
+        capsys, "--run", "x", "--identity-key", str(tmp_path / "k"), "--initial-peers", "/ip4/1.2.3/tcp/x"
+    )
+    assert code == 2, err
+    assert "/ip4/1.2.3/tcp/x" in err
 
 
 def test_unreachable_initial_peer_is_named_within_the_timeout(tmp_path):
@@ -142,22 +166,22 @@ def test_unreachable_initial_peer_is_named_within_the_timeout(tmp_path):
     assert elapsed_s < 30
 
 
-def test_unknown_task_lists_known_tasks(tmp_path):
-    child, _ = _run_peer("--run", "x", "--task", "nope", "--identity-key", str(tmp_path / "k"))
-    assert child.returncode == 2, child.describe()
-    assert "known tasks: charlm" in child.stderr()
+def test_unknown_task_lists_known_tasks(tmp_path, capsys):
+    code, err = _peer_main(capsys, "--run", "x", "--task", "nope", "--identity-key", str(tmp_path / "k"))
+    assert code == 2, err
+    assert "known tasks: charlm" in err
     assert not (tmp_path / "k").exists(), "a failed start must not create files"
 
 
 @pytest.mark.parametrize("problem", ["corrupt", "unsafe"])
-def test_bad_identity_key_is_refused_and_left_alone(tmp_path, problem):
+def test_bad_identity_key_is_refused_and_left_alone(tmp_path, problem, capsys):
     key = tmp_path / "identity.key"
     key.write_bytes(b"not a key" if problem == "corrupt" else b"swarm-ed25519-v1\n" + b"ab" * 32 + b"\n")
     os.chmod(key, 0o600 if problem == "corrupt" else 0o644)
     before = key.read_bytes()
-    child, _ = _run_peer("--run", "x", "--identity-key", str(key))
-    assert child.returncode == 2, child.describe()
-    assert str(key) in " ".join(child.stderr().split())
+    code, err = _peer_main(capsys, "--run", "x", "--identity-key", str(key))
+    assert code == 2, err
+    assert str(key) in err
     assert key.read_bytes() == before
     assert stat.S_IMODE(key.stat().st_mode) == (0o600 if problem == "corrupt" else 0o644)
 
@@ -183,7 +207,7 @@ def test_port_in_use_is_a_clear_error(tmp_path):
     assert str(port) in child.stderr()
 
 
-def test_bad_config_value_names_the_field(tmp_path):
-    child, _ = _run_peer("--run", "x", "--sync-every", "0", "--identity-key", str(tmp_path / "k"))
-    assert child.returncode == 2, child.describe()
-    assert "sync_every" in child.stderr()
+def test_bad_config_value_names_the_field(tmp_path, capsys):
+    code, err = _peer_main(capsys, "--run", "x", "--sync-every", "0", "--identity-key", str(tmp_path / "k"))
+    assert code == 2, err
+    assert "sync_every" in err

@@ -48,16 +48,7 @@ from swarm.status import (
     snapshot,
     status_key,
 )
-from tests.helpers import (
-    alive,
-    descendants,
-    python_cmd,
-    read_line_matching,
-    spawn,
-    start_bootstrap,
-    terminate,
-    wait_until,
-)
+from tests.helpers import alive, descendants, python_cmd, read_line_matching, spawn, terminate, wait_until
 
 RUN = "board"
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
@@ -516,13 +507,13 @@ def test_status_flags_are_frozen_and_bad_input_exits_2(capsys):
 
 
 @pytest.fixture(scope="module")
-def live_board(tmp_path_factory):
-    """A bootstrap node, one peer publishing its record and status, and a forged status entry beside it."""
-    node = start_bootstrap(tmp_path_factory.mktemp("status") / "bootstrap.id")
+def live_board(bootstrap_node):
+    """One peer publishing its record and status on the session's bootstrap node, and a forged status
+    entry beside it."""
     ident, victim, attacker = Identity.generate(), Identity.generate(), Identity.generate()
     dht = publisher = advertiser = None
     try:
-        dht = start_swarm_dht(ident, initial_peers=node.maddrs, host_maddrs=LOOPBACK)
+        dht = start_swarm_dht(ident, initial_peers=bootstrap_node, host_maddrs=LOOPBACK)
         advertiser = Advertiser(dht, ident, record_builder(ident, run=RUN), refresh_s=10, expiry_s=60).start()
         group = {
             "group_id": "feed" * 8,
@@ -545,14 +536,13 @@ def live_board(tmp_path_factory):
         payload = _status(victim).payload()
         forged = {"p": payload, "s": attacker.sign(kind=STATUS_KIND, run_id=RUN, payload=payload)}
         assert dht.store(status_key(RUN), forged, expiration_time=time.time() + 60, subkey=victim.peer_id)
-        yield SimpleNamespace(maddrs=node.maddrs, ident=ident, victim=victim, group=group)
+        yield SimpleNamespace(maddrs=bootstrap_node, ident=ident, victim=victim, group=group)
     finally:
         for part in (publisher, advertiser):
             if part is not None:
                 part.close()
         if dht is not None:
             stop_dht(dht)
-        assert terminate(node.child, timeout_s=15) == 0, node.child.describe()
 
 
 def _run_once(maddrs: list[str]) -> dict[str, Any]:

@@ -14,20 +14,9 @@ from safetensors.torch import load_file
 
 from swarm.events import read_events
 from swarm.tasks import get_task
-from tests.helpers import python_cmd, spawn, start_bootstrap, terminate, terminate_all, wait_until
+from tests.helpers import python_cmd, spawn, terminate, terminate_all, wait_until
 
 NUM_PEERS = 3
-
-
-@pytest.fixture(scope="module")
-def bootstrap_node(tmp_path_factory):
-    """One bootstrap node for the module (each test trains its own run): started once, not per test."""
-    node = start_bootstrap(tmp_path_factory.mktemp("bootstrap") / "bootstrap.id")
-    try:
-        yield node.maddrs
-    finally:
-        returncode = terminate(node.child, timeout_s=15)
-    assert returncode == 0, node.child.describe()
 
 
 NUM_ROUNDS = 3
