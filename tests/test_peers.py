@@ -289,8 +289,11 @@ def test_peers_list_json_schema(network):
     build = record_builder(ident)
     advertiser = Advertiser(own_dht, ident, build, refresh_s=5, expiry_s=30).start()
     try:
-        for args, key in ((["list", "--run", "r"], "peers"), (["runs"], "runs")):
-            child = spawn(python_cmd("-m", "peers", *args, "--initial-peers", *visible_maddrs(honest_dht), "--json"))
+        children = {  # both commands at once
+            key: spawn(python_cmd("-m", "peers", *args, "--initial-peers", *visible_maddrs(honest_dht), "--json"))
+            for args, key in ((["list", "--run", "r"], "peers"), (["runs"], "runs"))
+        }
+        for key, child in children.items():
             wait_until(lambda c=child: c.returncode is not None, timeout_s=60, message=child.describe)
             child.join_output()
             assert child.returncode == 0, child.describe()
