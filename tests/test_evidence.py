@@ -26,7 +26,7 @@ from tests.helpers import free_port, python_cmd, spawn, terminate_all, wait_unti
 @pytest.mark.timeout(300)
 def test_demo_run_leaves_verifiable_ledgers_receipts_and_a_report(tmp_path):
     out = tmp_path / "demo"
-    demo = spawn(python_cmd("-m", "swarm.demo", "--peers", "3", "--duration", "42", "--out", str(out)))
+    demo = spawn(python_cmd("-m", "swarm.demo", "--peers", "3", "--duration", "34", "--out", str(out)))
     wait_until(lambda: demo.returncode is not None, timeout_s=240, message=demo.describe)
     assert demo.returncode == 0, demo.describe()
 
