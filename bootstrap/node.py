@@ -34,7 +34,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
 from bootstrap._private import procs
-from bootstrap.errors import StartError
+from bootstrap.errors import StartError, one_line
 from bootstrap.lifetime import start_reaper
 from bootstrap.metrics import BootstrapMetrics
 from bootstrap.records import PeerRecordValidator, dht_record_rejections
@@ -77,15 +77,11 @@ class DHTStartError(StartError):
 # --- validation ---------------------------------------------------------------------------------
 
 
-def _one_line(text: object) -> str:
-    return " ".join(str(text).split())
-
-
 def _parse_maddr(name: str, value: str) -> Multiaddr:
     try:
         return Multiaddr(value)
     except Exception as e:  # the multiaddr parser raises several unrelated exception types
-        raise ValueError(f"{name}: {value!r} is not a valid multiaddr ({_one_line(e)})") from e
+        raise ValueError(f"{name}: {value!r} is not a valid multiaddr ({one_line(e)})") from e
 
 
 def _value(maddr: Multiaddr, protocol: str) -> str | None:
@@ -110,7 +106,7 @@ def parse_initial_peers(maddrs: Iterable[str]) -> list[str]:
         try:
             PeerID.from_base58(maddr["p2p"])
         except Exception as e:
-            raise ValueError(f"initial_peers: {value!r} has a bad peer id ({_one_line(e)})") from e
+            raise ValueError(f"initial_peers: {value!r} has a bad peer id ({one_line(e)})") from e
         if protocols[0] == "p2p":
             raise ValueError(f"initial_peers: {value!r} has no address before /p2p/ (e.g. /ip4/HOST/tcp/PORT)")
         if str(maddr) not in peers:
@@ -137,7 +133,7 @@ def check_identity_file(path: str | os.PathLike[str]) -> PeerID:
     try:
         peer_id = _peer_id_of_identity(data)
     except Exception as e:  # protobuf and cryptography raise various exception types
-        reason = _one_line(e) or type(e).__name__
+        reason = one_line(e)
         raise ValueError(f"cannot read identity file {path}: not a libp2p private key ({reason}); {hint}") from e
     if mode & 0o077:
         raise ValueError(
@@ -209,7 +205,7 @@ def _explain(
     identity_path: Path | None,
     elapsed_s: float,
 ) -> DHTStartError:
-    text = _one_line(error)
+    text = one_line(error)
     if "address already in use" in text:
         return DHTStartError(
             f"cannot listen on {' '.join(host_maddrs)}: address already in use; "
@@ -563,7 +559,7 @@ def _interrupt(signum: int, _frame: object) -> None:
 
 
 def _fail(message: object) -> int:
-    print(f"bootstrap: error: {_one_line(message)}", file=sys.stderr, flush=True)
+    print(f"bootstrap: error: {one_line(message)}", file=sys.stderr, flush=True)
     return 2
 
 

@@ -237,8 +237,8 @@ def _check_enums(record: PeerRecord) -> None:
         raise RecordRejected("malformed", f"dtype {record.run.requirements.dtype!r}")
 
 
-def RejectionCounter() -> RejectionLog:  # noqa: N802 (the name readers of the graph and validator know)
-    """Counts rejected capability records by reason; logs each once per (reason, peer)."""
+def record_rejections() -> RejectionLog:
+    """A fresh count of rejected capability records by reason (each logged once per reason and peer)."""
     return RejectionLog("capability record", routine=frozenset({"expired"}))
 
 
@@ -251,7 +251,7 @@ class PeerRecordValidator(RecordValidatorBase):
 
     def __init__(self) -> None:
         self._key_id = DHTID.generate(source=PEERS_KEY).to_bytes()
-        self.rejections = RejectionCounter()
+        self.rejections = record_rejections()
 
     def validate(self, record: DHTRecord) -> bool:
         if record.key != self._key_id:

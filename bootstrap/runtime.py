@@ -76,6 +76,8 @@ class NetworkRuntime:
     _lock = threading.Lock()
     _by_dht: dict[int, NetworkRuntime] = {}
     """Live runtimes by id() of their DHT; each holds its DHT (``_dht``), so no id is reused meanwhile."""
+    _starting: dict[int, threading.Lock] = {}
+    """Per DHT (by id), the lock its first users start its runtime under."""
 
     def __init__(self, dht: hivemind.DHT, *, start_timeout_s: float) -> None:
         self._dht = dht
@@ -97,11 +99,17 @@ class NetworkRuntime:
     def acquire(cls, dht: hivemind.DHT, *, start_timeout_s: float = 30.0) -> NetworkRuntime:
         """The runtime of `dht` in this process (started now if it is the first user); `release()` it."""
         with cls._lock:
-            runtime = cls._by_dht.get(id(dht))
-            if runtime is None or runtime._dht is not dht or not runtime.alive:
-                runtime = cls(dht, start_timeout_s=start_timeout_s)
+            start_lock = cls._starting.setdefault(id(dht), threading.Lock())
+        with start_lock:  # one start at a time per DHT; a start never holds up another DHT's components
+            with cls._lock:
+                runtime = cls._by_dht.get(id(dht))
+                if runtime is not None and runtime._dht is dht and runtime.alive:
+                    runtime._users += 1
+                    return runtime
+            runtime = cls(dht, start_timeout_s=start_timeout_s)
+            with cls._lock:
                 cls._by_dht[id(dht)] = runtime
-            runtime._users += 1
+                runtime._users += 1
             return runtime
 
     @classmethod
@@ -170,6 +178,7 @@ class NetworkRuntime:
             self._stop_requested = True
             if NetworkRuntime._by_dht.get(id(self._dht)) is self:
                 del NetworkRuntime._by_dht[id(self._dht)]
+                NetworkRuntime._starting.pop(id(self._dht), None)
         with contextlib.suppress(RuntimeError):  # the loop is already closed
             self.loop.call_soon_threadsafe(self._stop.set)
         if threading.current_thread() is not self._thread:

@@ -31,10 +31,10 @@ from bootstrap.records import (
     Hardware,
     PeerRecord,
     RecordRejected,
-    RejectionCounter,
     Requirements,
     Software,
     parse_record,
+    record_rejections,
 )
 
 logger = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ class ResourceGraph:
 
     def __init__(self, dht: DHT):
         self.dht = dht
-        self.rejections = RejectionCounter()
+        self.rejections = record_rejections()
 
     def records(self, *, run: str | None = None, timeout_s: float = 10.0) -> list[PeerRecord]:
         """Verified, live records (of ``run``'s peers, if given), each peer once."""

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from hivemind import DHT
@@ -33,8 +33,11 @@ from peers import (
     unmet_requirements,
 )
 from peers.bandwidth import BandwidthProber
-from swarm.config import PresenceConfig, RunMismatch
+from swarm.config import PresenceConfig, RunMismatch, TaskInfo, TrainerConfig
 from swarm.rounds import RecentPeers
+
+if TYPE_CHECKING:
+    from swarm.status import StatusPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -64,15 +67,15 @@ class RunFacts:
     device: torch.device
 
     @classmethod
-    def of(cls, run: str, task: Any, requirements: Requirements, device: torch.device) -> RunFacts:
-        """The facts of ``run`` for ``task`` (a `swarm.config.TaskInfo`)."""
+    def of(cls, run: str, task: TaskInfo, requirements: Requirements, device: torch.device) -> RunFacts:
+        """The facts of ``run`` for ``task``."""
         return cls(run, task.name, task.preset, task.config_digest, requirements, device)
 
 
 class Presence:
     """Advertises, probes and keeps in touch, each on its own heartbeat, until `close()`.
 
-    ``trainer_config`` is the trainer's `swarm.config.TrainerConfig` (its presence part and initial peers).
+    ``trainer_config`` is the trainer's config (its presence part and initial peers are read).
     ``view()`` is called from the heartbeat threads; ``status()`` feeds the status board.
     Without ``advertise`` (or when the DHT's peer ID is not this identity's) nothing is published,
     but `run_peers` and `reconnect` still work.
@@ -83,7 +86,7 @@ class Presence:
         dht: DHT,
         identity: Identity,
         graph: ResourceGraph,
-        trainer_config: Any,
+        trainer_config: TrainerConfig,
         run: RunFacts,
         *,
         view: Callable[[], PeerView],
@@ -102,8 +105,8 @@ class Presence:
         self.recent = RecentPeers()
         self.advertiser: Advertiser | None = None
         self.prober: BandwidthProber | None = None
-        self.status: Any | None = None
-        """A ``swarm.status.StatusPublisher`` once advertising."""
+        self.status: StatusPublisher | None = None
+        """The status board's publisher, once advertising."""
         if not config.advertise:
             return
         if identity.peer_id != self.peer_id:
@@ -238,9 +241,11 @@ def _log_reconnected(future: concurrent.futures.Future) -> None:
         logger.info("alone in the last round: %s known peer(s) answered a ping", future.result())
 
 
-def check_run(graph: ResourceGraph, *, run: str, task: Any, device: torch.device, own: Requirements) -> Requirements:
+def check_run(
+    graph: ResourceGraph, *, run: str, task: TaskInfo, device: torch.device, own: Requirements
+) -> Requirements:
     """The run's requirements (as advertised by its live peers, else ``own``, this peer's); raise
-    RunMismatch if this peer does not meet them or builds a different model (``task``: a TaskInfo)."""
+    RunMismatch if this peer does not meet them or builds a different model from ``task``."""
     try:
         summary = next((r for r in graph.runs() if r.name == run), None)
     except Exception as e:  # a DHT hiccup must not stop a peer from starting or joining
