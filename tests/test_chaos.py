@@ -1,10 +1,10 @@
-"""The chaos runner (benchmarks.chaos): its checks can fail, and a 64-second chaos run on the namespace
+"""The chaos runner (benchmarks.chaos): its checks can fail, and an 80-second chaos run on the namespace
 test hosts passes every one of them with every fault having fired (TESTMATRIX rows 5, 6, 7, 17, 18, 20).
 
 The full run (`python -m benchmarks.chaos --duration 600 --peers 6`, with its no-chaos arm for the
 steps/min ratio) is too long for `make test`; its figures are in RESILIENCE.md. The short run uses a 15 s
 round deadline (a cut that lands inside a round stalls its members until the deadline: seen, 31 s of a
-30 s partition) and a 20 s partition, and judges three timing-sensitive checks in a weaker form (below).
+30 s partition) and a 25 s partition, and judges three timing-sensitive checks in a weaker form (below).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def test_progress_is_judged_against_the_no_chaos_arm() -> None:
     assert {c["check"]: c["ok"] for c in checks(config, summary, baseline=baseline)}["progress vs no-chaos"] is True
 
 
-# Judged by the full run (RESILIENCE.md) against the matrix's bounds; in a 64-second run they depend on where
+# Judged by the full run (RESILIENCE.md) against the matrix's bounds; in a 80-second run they depend on where
 # the kills land (three runs here: a cut inside a round stalled the majority side for the whole cut; a
 # re-merge took 4 rounds; no restart after the bootstrap's death lived 30 s), so the test checks weaker
 # forms of them below.
@@ -130,12 +130,12 @@ _TIMING_SENSITIVE = {
 @pytest.mark.skipif(not _NETNS, reason="the chaos run needs network namespaces (root, ip, tc)")
 def test_short_chaos_run_survives_every_fault(tmp_path) -> None:
     config = ChaosConfig(
-        duration_s=64,
+        duration_s=80,
         peers=4,
         seed=7,
         baseline_s=0,
-        kill_every_s=11,
-        partition_s=20,
+        kill_every_s=13,
+        partition_s=25,
         joiners=0,
         lab="netns",
         sync_every=10,
@@ -147,13 +147,13 @@ def test_short_chaos_run_survives_every_fault(tmp_path) -> None:
     peer_kills = [k for k in chaos["kills"] if k["victim"] != "bootstrap"]
     assert len(peer_kills) >= 3, chaos["kills"]
     assert chaos["restarts"]["restarts"] == len(peer_kills)
-    assert chaos["partition"] is not None and chaos["partition"]["seconds"] >= config.partition_s
+    assert chaos["partition"] is not None and chaos["partition"]["seconds"] >= 25
     assert chaos["slow_host"] is not None
     assert chaos["bootstrap_killed_at_s"] is not None
     assert any(k["via"] == "live peers" for k in peer_kills), "no peer restarted after the bootstrap node died"
     failed = [c for c in result["checks"] if c["ok"] is False and c["check"] not in _TIMING_SENSITIVE]
     assert not failed, f"failed checks: {failed}; logs in {tmp_path}"
-    # the timing-sensitive ones, in the form a 64-second run on a shared machine always owes
+    # the timing-sensitive ones, in the form a 80-second run on a shared machine always owes
     part = chaos["partition"]
     assert part["isolated_side_steps"] > 0, part  # the cut-off peer kept training
     assert part["rounds_to_remerge"] is not None, part  # and was back in a group before the end
