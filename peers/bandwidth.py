@@ -179,12 +179,12 @@ class ProbeServer(StreamServer):
 
     async def _handle(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(info.peer_id)
-        if self._busy(self._config.max_concurrent_served):
-            self._reject(peer, "busy", f"already serving {len(self._active)} probe streams")
-            await close_stream(writer)
-            return
-        async with self._guarded(peer, writer, timeout_s=self._config.timeout_s), self._serving():
-            await asyncio.wait_for(self._serve(reader, writer), self._config.timeout_s)
+        async with self._guarded(peer, writer, timeout_s=self._config.timeout_s):
+            if self._busy(self._config.max_concurrent_served):
+                self._reject(peer, "busy", f"already serving {len(self._active)} probe streams")
+                return
+            async with self._serving():
+                await asyncio.wait_for(self._serve(reader, writer), self._config.timeout_s)
             self.num_served += 1
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
