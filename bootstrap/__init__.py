@@ -18,6 +18,7 @@ Owns
   * signed capability records and their DHT validator (`records`): every Swarm DHT node, this one
     included, refuses a forged or replayed capability record;
   * the process-lifetime reaper (`lifetime`): children (DHT, averager, `p2pd`) die with their parent;
+    and `StopSignal`, SIGINT/SIGTERM as a stop request every entry point uses;
   * the Prometheus endpoint (`metrics`): `serve_metrics` for any component's private registry, and
     the bootstrap node's own metrics (`--metrics-port`); the release, `version.SWARM_VERSION`.
 
@@ -34,7 +35,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from bootstrap.lifetime import set_parent_death_signal, start_reaper
+    from bootstrap.lifetime import StopSignal, set_parent_death_signal, start_reaper
     from bootstrap.metrics import MetricsServer, MetricsServerError, serve_metrics
     from bootstrap.node import (
         BootstrapConfig,
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "start_reaper": "bootstrap.lifetime",
     "set_parent_death_signal": "bootstrap.lifetime",
+    "StopSignal": "bootstrap.lifetime",
     "BootstrapConfig": "bootstrap.node",
     "DHTStartError": "bootstrap.node",
     "check_identity_file": "bootstrap.node",
@@ -76,6 +78,7 @@ __all__ = [
     "DHTStartError",
     "MetricsServer",
     "MetricsServerError",
+    "StopSignal",
     "check_identity_file",
     "ensure_identity",
     "initial_peers_line",

@@ -28,13 +28,16 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import psutil
 
 from bootstrap._private import procs
 
-__all__ = ["LIFETIME_TOKENS_ENV", "set_parent_death_signal", "start_reaper"]
+__all__ = ["LIFETIME_TOKENS_ENV", "StopSignal", "set_parent_death_signal", "start_reaper"]
 
 LIFETIME_TOKENS_ENV = "SWARM_LIFETIME_TOKENS"
 """Environment variable holding a `:`-separated list of tokens, one per reaped ancestor.
@@ -162,6 +165,69 @@ def _await_ready(read_fd: int, reaper: subprocess.Popen) -> None:
         f"lifetime reaper (pid {reaper.pid}) did not start within {_READY_TIMEOUT_S:.0f} s "
         f"(exit code {reaper.returncode}); children of this process would outlive it"
     )
+
+
+class StopSignal:
+    """SIGINT and SIGTERM as a request to stop: the first sets `event`; nothing is raised where it lands.
+
+    A handler that raises KeyboardInterrupt can land anywhere, and one that lands inside a string
+    `eval`/`exec` (a namedtuple or dataclass being built by a lazy import) makes CPython 3.11 exit by
+    SIGINT (code -2) at the very end, even after the exception was caught and handled. So the first
+    signal only sets `event`, records `signal_name` and runs the `on_stop` callbacks (in the handler:
+    keep them short and non-blocking, e.g. `loop.call_soon_threadsafe`); the owner polls or waits on
+    `event`. A second signal while stopping raises KeyboardInterrupt if `second_interrupts` (the user
+    insists) and is ignored otherwise. A forked child (the DHT, an averager) that inherited the
+    handler dies by the signal, as if it had never been set.
+
+    Use as a context manager: it installs the handlers on entry and restores the previous ones on exit.
+    """
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, *, second_interrupts: bool = True) -> None:
+        self.event = threading.Event()
+        self.signal_name: str | None = None
+        self.on_stop: list[Callable[[], object]] = []
+        self.second_interrupts = second_interrupts
+        self._pid = os.getpid()
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> StopSignal:
+        self._pid = os.getpid()
+        for sig in self._SIGNALS:
+            self._previous.setdefault(sig, signal.signal(sig, self._handle))
+        return self
+
+    def restore(self) -> None:
+        """Put back the handlers that were there before `install`."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def ignore(self) -> None:
+        """Ignore both signals from now on (a bounded clean-up that must not be cut short)."""
+        for sig in self._SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+    def __enter__(self) -> StopSignal:
+        return self.install()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.restore()
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if os.getpid() != self._pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self.event.is_set():
+            if self.second_interrupts:
+                raise KeyboardInterrupt
+            return
+        self.signal_name = signal.Signals(signum).name
+        self.event.set()
+        for callback in self.on_stop:
+            callback()
 
 
 def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:

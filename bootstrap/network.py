@@ -3,6 +3,7 @@ capability record it stores or reads is checked by :class:`bootstrap.records.Pee
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 from hivemind import DHT
@@ -20,8 +21,12 @@ def start_swarm_dht(
     announce_maddrs: Sequence[str] = (),
     connect_timeout_s: float = 30.0,
     client_mode: bool = False,
+    cancel: threading.Event | None = None,
 ) -> DHT:
-    """A started DHT whose peer ID is ``identity.peer_id``; raises bootstrap.DHTStartError on failure."""
+    """A started DHT whose peer ID is ``identity.peer_id``; raises bootstrap.DHTStartError on failure.
+
+    `cancel` as in `start_dht`: once set, the start-up wait gives up and raises KeyboardInterrupt.
+    """
     with identity.libp2p_identity_file() as identity_path:
         return start_dht(
             list(initial_peers),
@@ -30,6 +35,7 @@ def start_swarm_dht(
             identity_path=identity_path,
             connect_timeout_s=connect_timeout_s,
             client_mode=client_mode,
+            cancel=cancel,
             # hivemind's "is this identity taken" probe only understands RSA keys; Identity.lock()
             # guards against running one key twice on this machine instead.
             check_if_identity_free=False,

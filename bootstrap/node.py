@@ -17,8 +17,8 @@ import logging
 import math
 import os
 import secrets
-import signal
 import sys
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -35,7 +35,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from bootstrap._private import procs
 from bootstrap.errors import StartError, one_line
-from bootstrap.lifetime import start_reaper
+from bootstrap.lifetime import StopSignal, start_reaper
 from bootstrap.metrics import BootstrapMetrics
 from bootstrap.records import PeerRecordValidator, dht_record_rejections
 
@@ -65,6 +65,7 @@ DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/31337",)
 _UNSPECIFIED_HOSTS = {"0.0.0.0", "::"}
 _RPC_TIMEOUT_S = 10.0
 _GRACEFUL_STOP_S = 1.0
+_CANCEL_POLL_S = 0.1
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _METRICS_REFRESH_S = 5.0
 _METRICS_CLOSE_S = 2.0
@@ -238,6 +239,21 @@ def _kill_tree(dht: hivemind.DHT, grace_s: float) -> None:
     dht.join(timeout=grace_s)
 
 
+def _wait_until_ready(dht: hivemind.DHT, timeout_s: float, cancel: threading.Event | None) -> None:
+    if cancel is None:
+        dht.wait_until_ready(timeout=timeout_s)
+        return
+    deadline = time.monotonic() + timeout_s
+    while not cancel.is_set():
+        try:
+            dht.wait_until_ready(timeout=max(0.0, min(_CANCEL_POLL_S, deadline - time.monotonic())))
+            return
+        except concurrent.futures.TimeoutError:
+            if time.monotonic() >= deadline:
+                raise
+    raise KeyboardInterrupt  # raised here, in our own frame: see `StopSignal`
+
+
 def start_dht(
     initial_peers: Sequence[str] = (),
     *,
@@ -246,6 +262,7 @@ def start_dht(
     identity_path: str | os.PathLike[str] | None = None,
     connect_timeout_s: float = 30.0,
     client_mode: bool = False,
+    cancel: threading.Event | None = None,
     **dht_kwargs: Any,
 ) -> hivemind.DHT:
     """Start a `hivemind.DHT` and return it once it serves requests and has reached a peer.
@@ -255,7 +272,9 @@ def start_dht(
     are given, know at least one peer; otherwise its process tree (DHT child, p2pd) is killed and
     `DHTStartError` is raised naming the unreachable address, the busy port or the identity.
     Bad arguments raise `ValueError`. `dht_kwargs` go to `hivemind.DHT` (and on to DHTNode/P2P),
-    e.g. `record_validators`, `nat_port_map`. Stop the result with `stop_dht`.
+    e.g. `record_validators`, `nat_port_map`. Stop the result with `stop_dht`. Once `cancel` is set
+    (e.g. `StopSignal.event`), the start-up wait gives up within ~0.1 s: the process tree is killed
+    and KeyboardInterrupt is raised.
     """
     if not (math.isfinite(connect_timeout_s) and connect_timeout_s > 0):
         raise ValueError(f"connect_timeout_s must be a positive number of seconds, got {connect_timeout_s!r}")
@@ -280,7 +299,7 @@ def start_dht(
         **dht_kwargs,
     )
     try:
-        dht.wait_until_ready(timeout=connect_timeout_s)
+        _wait_until_ready(dht, connect_timeout_s, cancel)
         if peers and num_known_peers(dht, timeout_s=connect_timeout_s) == 0:
             raise _unreachable(peers, "joined but found no DHT peer", time.monotonic() - started)
     except BaseException as error:
@@ -524,38 +543,28 @@ async def _log_peers(dht: hivemind.DHT) -> None:
     logger.info("%d known DHT peers (not counting this node)", num_peers)
 
 
-async def _serve(dht: hivemind.DHT, config: BootstrapConfig) -> None:
-    """Log the peer count every refresh period until SIGINT or SIGTERM."""
+async def _serve(dht: hivemind.DHT, config: BootstrapConfig, stop: StopSignal) -> None:
+    """Log the peer count every refresh period until `stop` is set (SIGINT or SIGTERM)."""
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    wake = asyncio.Event()
+
+    def on_stop() -> None:
+        loop.call_soon_threadsafe(wake.set)
+
+    stop.on_stop.append(on_stop)  # before the first check: a signal between the two still wakes us
     try:
-        while not stop.is_set():
+        while not stop.event.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=config.refresh_period_s)
+                await asyncio.wait_for(wake.wait(), timeout=config.refresh_period_s)
                 break
             log_task = asyncio.ensure_future(_log_peers(dht))
-            stop_task = asyncio.ensure_future(stop.wait())
-            await asyncio.wait({log_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-            for task in (log_task, stop_task):
+            wake_task = asyncio.ensure_future(wake.wait())
+            await asyncio.wait({log_task, wake_task}, return_when=asyncio.FIRST_COMPLETED)
+            for task in (log_task, wake_task):
                 task.cancel()
-            await asyncio.gather(log_task, stop_task, return_exceptions=True)
+            await asyncio.gather(log_task, wake_task, return_exceptions=True)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-
-
-_MAIN_PID = os.getpid()
-
-
-def _interrupt(signum: int, _frame: object) -> None:
-    if os.getpid() != _MAIN_PID:
-        # a forked child (the DHT) inherited this handler: behave as if it had never been set
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        return
-    raise KeyboardInterrupt
+        stop.on_stop.remove(on_stop)
 
 
 def _fail(message: object) -> int:
@@ -583,9 +592,8 @@ def run(config: BootstrapConfig) -> int:
     """Run the bootstrap node until SIGINT/SIGTERM. Returns the exit code: 0, or 2 on bad input."""
     import uvloop
 
-    global _MAIN_PID
-    _MAIN_PID = os.getpid()
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # the first signal asks to stop; a second one is ignored: the clean-up below is bounded
+    stop = StopSignal(second_interrupts=False).install()
     dht = None
     metrics = None
     try:
@@ -601,30 +609,29 @@ def run(config: BootstrapConfig) -> int:
             connect_timeout_s=config.connect_timeout_s,
             nat_port_map=config.nat_port_map,
             record_validators=[PeerRecordValidator()],
+            cancel=stop.event,
         )
         # after the DHT: its forked process would otherwise inherit the listening socket
         metrics = _start_metrics(dht, config)
         line = initial_peers_line(dht)
         print(line, flush=True)
         _print_banner(config, line, metrics.url if metrics is not None else None)
-        uvloop.run(_serve(dht, config))
-        logger.info("shutting down")
+        uvloop.run(_serve(dht, config, stop))
+        logger.info("%s, shutting down", stop.signal_name or "stopped")
     except (ValueError, DHTStartError) as error:
         return _fail(error)
     except TimeoutError as error:
         _fail(error)
         return 1
-    except KeyboardInterrupt:
-        logger.info("interrupted, shutting down")
+    except KeyboardInterrupt:  # the start-up wait was cancelled by the signal
+        logger.info("%s while starting, shutting down", stop.signal_name)
     finally:
-        for sig in previous:  # a second Ctrl+C must not cut the (bounded) clean-up short
-            signal.signal(sig, signal.SIG_IGN)
+        stop.ignore()
         if metrics is not None:
             metrics.close(timeout_s=_METRICS_CLOSE_S)
         if dht is not None:
             stop_dht(dht)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        stop.restore()
     return 0
 
 

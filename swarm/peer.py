@@ -16,9 +16,7 @@ import hashlib
 import logging
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +29,7 @@ from rich.logging import RichHandler
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from safetensors.torch import save_file
 
-from bootstrap import DHTStartError, parse_initial_peers, stop_dht
+from bootstrap import DHTStartError, StopSignal, parse_initial_peers, stop_dht
 from bootstrap.cli import add_dataclass_arguments, dataclass_from_args, field_docs
 from bootstrap.identity import Identity, IdentityError
 from bootstrap.network import start_swarm_dht
@@ -140,33 +138,6 @@ def default_shard(identity: Identity, num_shards: int) -> int:
     return int.from_bytes(hashlib.sha256(identity.public_key).digest()[:8], "big") % num_shards
 
 
-class _StopFlag:
-    """Set by SIGINT/SIGTERM; the training loop checks it between steps."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.signal_name: str | None = None
-        self.on_stop: list = []
-        """Callbacks run in the signal handler, e.g. to abandon a round in progress."""
-        self._pid = os.getpid()
-
-    def install(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        if os.getpid() != self._pid:  # a forked child (DHT, averager) inherited this handler: die as told
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        if self.event.is_set():  # a second Ctrl+C: the user insists
-            raise KeyboardInterrupt
-        self.signal_name = signal.Signals(signum).name
-        self.event.set()
-        for callback in self.on_stop:
-            callback()
-
-
 class PeerRunner:
     """Owns one peer's training loop: the task, the model, the trainer and the event log."""
 
@@ -175,7 +146,7 @@ class PeerRunner:
         trainer_config: TrainerConfig,
         config: PeerConfig,
         *,
-        stop: _StopFlag,
+        stop: StopSignal,
         identity: Identity,
         dht: DHT | None = None,
     ):
@@ -410,8 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         # process-wide settings only once every argument has been checked
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
-        stop = _StopFlag()
-        stop.install()
+        stop = StopSignal().install()  # the first signal: leave cleanly; a second one: leave now
         run = args.run
         if run is None:
             dht = start_swarm_dht(

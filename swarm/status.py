@@ -61,8 +61,6 @@ import hashlib
 import json
 import logging
 import math
-import os
-import signal
 import sys
 import threading
 import time
@@ -75,7 +73,7 @@ from typing import Any
 from hivemind import DHT
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from bootstrap import DHTStartError, parse_initial_peers, stop_dht
+from bootstrap import DHTStartError, StopSignal, parse_initial_peers, stop_dht
 from bootstrap.envelope import INT64_MAX, JsonFields, check_int, check_str, expect_keys, unwrap_signed
 from bootstrap.errors import Rejected
 from bootstrap.identity import Identity, canonical_json, verify
@@ -808,33 +806,12 @@ def build_parser() -> Any:
     return parser
 
 
-class _Stop:
-    """Set by the first SIGINT/SIGTERM; a second one interrupts whatever is running."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self._pid = os.getpid()
-
-    def install(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        if os.getpid() != self._pid:  # the forked DHT process inherited this handler: die as told
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        if self.event.is_set():
-            raise KeyboardInterrupt
-        self.event.set()
-
-
 def _error(message: object) -> int:
     print(f"swarm.status: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
     return EXIT_BAD_INPUT
 
 
-def _start_client(config: BoardConfig) -> DHT:
+def _start_client(config: BoardConfig, cancel: threading.Event) -> DHT:
     from bootstrap.network import start_swarm_dht
 
     # a throwaway key: the board only reads, and must not claim the user's peer identity
@@ -844,6 +821,7 @@ def _start_client(config: BoardConfig) -> DHT:
         client_mode=True,
         host_maddrs=("/ip4/127.0.0.1/tcp/0",),
         connect_timeout_s=config.timeout_s,
+        cancel=cancel,
     )
 
 
@@ -897,31 +875,24 @@ def main(argv: list[str] | None = None) -> int:
         config = dataclass_from_args(BoardConfig, args, initial_peers=tuple(parse_initial_peers(config.initial_peers)))
     except ValueError as e:
         return _error(e)
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    stop = _Stop()
-    stop.install()
-    try:
-        return _run(config, stop.event)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with StopSignal() as stop:  # the first signal: close the board; a second one: interrupt what runs
+        return _run(config, stop)
 
 
-def _run(config: BoardConfig, stop: threading.Event) -> int:
+def _run(config: BoardConfig, stop: StopSignal) -> int:
     try:
-        dht = _start_client(config)
+        dht = _start_client(config, stop.event)
     except (ValueError, DHTStartError) as e:
         return _error(e)
-    except KeyboardInterrupt:  # a second Ctrl+C while joining: start_dht has cleaned up
+    except KeyboardInterrupt:  # Ctrl+C while joining: start_dht has cleaned up
         return 0
     try:
-        if not stop.is_set():
-            _show(dht, config, stop)
+        if not stop.event.is_set():
+            _show(dht, config, stop.event)
     except KeyboardInterrupt:
         pass
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # the (bounded) clean-up must not be cut short
-            signal.signal(sig, signal.SIG_IGN)
+        stop.ignore()  # the (bounded) clean-up must not be cut short
         stop_dht(dht)
     return 0
 

@@ -98,6 +98,8 @@ class Child:
 
     def describe(self) -> str:
         """Command, exit code and the tail of the output, for assertion messages."""
+        if self.popen.poll() is not None:
+            self.join_output(timeout_s=2.0)  # an exited process's last lines (a traceback) may still be in the pipe
         return (
             f"cmd={' '.join(self.cmd)}\nreturncode={self.returncode}\n"
             f"--- stdout ---\n{self.stdout()[-3000:]}\n--- stderr ---\n{self.stderr()[-3000:]}"

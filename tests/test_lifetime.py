@@ -11,6 +11,8 @@ import psutil
 import pytest
 from helpers import alive, python_cmd, read_line_matching, spawn, terminate, wait_until
 
+from bootstrap.lifetime import StopSignal
+
 # Runs in a subprocess: reaper first, then a DHT (forked DHT child + its p2pd), then report the
 # tree and idle (bounded) until the test kills us.
 _VICTIM = textwrap.dedent(
@@ -113,3 +115,57 @@ def test_parent_death_signal_kills_the_child_with_its_parent() -> None:
     parent.popen.kill()
     parent.popen.wait(timeout=10)
     wait_until(lambda: not alive([child]), timeout_s=5.0, message="child exit after its parent's SIGKILL")
+
+
+# A signal that lands inside a string eval (a namedtuple being built by a lazy import: the bootstrap
+# node's CI flake) with a handler that raises KeyboardInterrupt: CPython 3.11 then exits by SIGINT
+# (-2) even though the exception was caught. StopSignal raises nothing on the first signal.
+_SIGNAL_IN_EVAL = textwrap.dedent(
+    """
+    import signal, sys
+    from bootstrap.lifetime import StopSignal
+
+    def raising(signum, frame):
+        raise KeyboardInterrupt
+
+    stop = StopSignal()
+    if sys.argv[1] == "raising":
+        signal.signal(signal.SIGTERM, raising)
+    else:
+        stop.install()
+    try:
+        eval("__import__('signal').raise_signal(signal.SIGTERM)", {"signal": signal})
+    except KeyboardInterrupt:
+        print("caught KeyboardInterrupt", flush=True)
+    print(f"stop requested: {stop.event.is_set()} by {stop.signal_name}", flush=True)
+    stop.restore()
+    """
+)
+
+
+@pytest.mark.parametrize("handler", ["raising", "StopSignal"])
+def test_a_signal_inside_eval_exits_0_only_with_stop_signal(handler: str) -> None:
+    child = spawn(python_cmd("-c", _SIGNAL_IN_EVAL, handler))
+    returncode = terminate(child, timeout_s=30, sig=None)
+    child.join_output()
+    if handler == "raising":  # the hazard is real: the fault fired and was caught, yet the exit is -2
+        assert "caught KeyboardInterrupt" in child.stdout() and returncode == -signal.SIGINT, child.describe()
+    else:
+        assert child.stdout().splitlines() == ["stop requested: True by SIGTERM"] and returncode == 0, child.describe()
+
+
+@pytest.mark.parametrize("second_interrupts", [True, False])
+def test_stop_signal_second_signal_interrupts_only_if_asked(second_interrupts: bool) -> None:
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    called = []
+    with StopSignal(second_interrupts=second_interrupts) as stop:
+        stop.on_stop.append(lambda: called.append(True))
+        signal.raise_signal(signal.SIGINT)
+        assert stop.event.is_set() and stop.signal_name == "SIGINT" and called == [True]
+        if second_interrupts:
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGTERM)
+        else:
+            signal.raise_signal(signal.SIGTERM)
+        assert called == [True] and stop.signal_name == "SIGINT"
+    assert {sig: signal.getsignal(sig) for sig in before} == before
