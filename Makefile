@@ -4,6 +4,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO_ARGS ?=
+# `make test` runs on TEST_WORKERS processes (pytest-xdist); TEST_WORKERS=0 runs it in this process
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test bench bench-full lint clean
 
@@ -20,7 +22,7 @@ demo: setup
 	$(PY) -m swarm.demo $(DEMO_ARGS)
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load tests
 
 bench: setup
 	$(PY) -m benchmarks.run --quick

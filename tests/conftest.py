@@ -139,3 +139,15 @@ def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     yield
     if previous is not None:
         os.environ["HOME"] = previous
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The `heavy` tests first, longest first (stable otherwise): with `make test`'s two workers
+    (pytest-xdist, `--dist load`) the long end-to-end runs start at once, on both workers, and the
+    short tests fill in around them, so neither worker is left with a long test at the end."""
+
+    def weight(item: pytest.Item) -> float:
+        marker = item.get_closest_marker("heavy")
+        return -float(marker.kwargs.get("seconds", 1)) if marker is not None else 0.0
+
+    items.sort(key=weight)

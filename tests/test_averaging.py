@@ -265,6 +265,7 @@ def test_group_drawing_is_deterministic_bounded_and_bandwidth_aware():
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("phase", ["send", "reduce"])
+@pytest.mark.heavy(seconds=15)
 def test_sigkilled_peer_process_mid_round(bootstrap_node, tmp_path, phase):
     """TESTMATRIX rows 2-3 with real processes: SIGKILL while sending / reducing; the survivors end
     with the exact weighted mean of their own contributions, and nobody hangs."""

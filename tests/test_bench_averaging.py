@@ -86,6 +86,7 @@ def test_check_accepts_the_mean_within_codec_bounds_and_rejects_a_wrong_value() 
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.heavy(seconds=15)
 def test_tiny_run_passes_its_result_checks_and_writes_the_documented_json(tmp_path) -> None:
     out = tmp_path / "averaging_round.json"
     code = averaging_round.main(

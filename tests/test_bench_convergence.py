@@ -50,6 +50,7 @@ def test_plan_gives_every_arm_the_same_whole_rounds():
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.heavy(seconds=43)
 def test_four_arms_on_loopback_write_curves_and_table(tmp_path):
     out = tmp_path / "convergence.json"
     code = main(

@@ -24,6 +24,7 @@ def _read(path: Path) -> dict:
     return result
 
 
+@pytest.mark.heavy(seconds=40)
 def test_churn_observes_the_kill_and_the_replacements_state_sync(tmp_path: Path) -> None:
     out = tmp_path / "churn.json"
     code = churn.main(
@@ -116,6 +117,7 @@ def test_state_sync_on_loopback(tmp_path: Path) -> None:
     assert block["lab"] == "loopback" and block["floor_s"] is None
 
 
+@pytest.mark.heavy(seconds=31)
 def test_state_sync_on_shaped_test_hosts(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip(f"netns labs need root (euid {os.geteuid()})")

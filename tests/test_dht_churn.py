@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 import psutil
+import pytest
 from helpers import p2pd_pids
 
 from benchmarks.dht_churn import DHTChurnConfig, run
@@ -42,6 +43,7 @@ def _running(entry: dict[str, Any]) -> bool:
         return False
 
 
+@pytest.mark.heavy(seconds=31)
 def test_dht_survives_churn_and_a_new_peer_joins_after_bootstrap_loss() -> None:
     seen: dict[str, Any] = {}
 

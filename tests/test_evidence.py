@@ -24,6 +24,7 @@ from tests.helpers import free_port, python_cmd, spawn, terminate_all, wait_unti
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.heavy(seconds=44)
 def test_demo_run_leaves_verifiable_ledgers_receipts_and_a_report(tmp_path):
     out = tmp_path / "demo"
     demo = spawn(python_cmd("-m", "swarm.demo", "--peers", "3", "--duration", "34", "--out", str(out)))
@@ -95,6 +96,7 @@ def _rounds_ok(url: str) -> float:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.heavy(seconds=19)
 def test_metrics_and_status_board_of_a_live_run(bootstrap_node, tmp_path):
     port = free_port()
     peers = []

@@ -324,6 +324,7 @@ def test_validator_ignores_other_keys():
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.heavy(seconds=13)
 def test_real_peers_measure_bandwidth_and_a_killed_peer_vanishes_in_time(bootstrap_node, tmp_path):
     refresh_s, expiry_s = 1, 4
     common = [

@@ -89,6 +89,7 @@ def _reference_rounds(tmp_path: Path, *, outer_lr: float, outer_momentum: float)
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("outer_lr", "outer_momentum"), [(1.0, 0.0), (0.7, 0.9)], ids=["plain-mean", "diloco"])
+@pytest.mark.heavy(seconds=16)
 def test_three_peers_average_exactly_and_learn(bootstrap_node, tmp_path, outer_lr, outer_momentum):
     peers = [
         spawn(_peer_cmd(tmp_path, bootstrap_node, i, outer_lr=outer_lr, outer_momentum=outer_momentum))
@@ -122,6 +123,7 @@ def test_three_peers_average_exactly_and_learn(bootstrap_node, tmp_path, outer_l
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.heavy(seconds=19)
 def test_user_script_on_the_trainer_api_joins_a_swarm_peer_run(bootstrap_node, tmp_path):
     """examples/train_charlm.py and `python -m swarm.peer` average together in the same run."""
     repo = Path(__file__).resolve().parents[1]
@@ -182,6 +184,7 @@ def test_user_script_on_the_trainer_api_joins_a_swarm_peer_run(bootstrap_node, t
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.heavy(seconds=45)
 def test_a_joiner_resumes_bit_exactly_from_a_sealed_checkpoint(bootstrap_node, tmp_path):
     """Three peers seal a checkpoint every round; a fourth joins later, takes the newest sealed
     manifest, verifies it, downloads its shards from the donors and resumes at that step with
@@ -256,6 +259,7 @@ def test_a_joiner_resumes_bit_exactly_from_a_sealed_checkpoint(bootstrap_node, t
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.heavy(seconds=25)
 def test_a_lone_survivor_keeps_training_forward_after_its_partner_is_killed(bootstrap_node, tmp_path):
     """Two peers seal checkpoints together; one is SIGKILLed. The survivor trains on alone: its round and
     step never go back, and when it looks for newer sealed state (after 3 solo rounds) it finds none
