@@ -22,7 +22,7 @@ demo: setup
 	$(PY) -m swarm.demo $(DEMO_ARGS)
 
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 bench: setup
 	$(PY) -m benchmarks.run --quick

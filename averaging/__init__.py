@@ -5,6 +5,8 @@ Policy (see averaging.group for the protocol):
     ordered by bandwidth class (peers of a similar class average together, so a slow peer does not
     drag a fast group down), then by a hash salted with the candidate list, so membership reshuffles
     every round and updates mix across the swarm (Moshpit-style);
+  * on an open network (with the peer's identity) matchmaking entries are owner-signed and only live
+    members of the run are drawn; no-shows are suspects for a while (averaging.membership);
   * every part is validated (shape, codec, finite values, weight finite and within bounds) and each
     slice is aggregated with CenteredClip by default (trimmed mean or plain mean selectable);
   * a sender silent past its deadline is dropped and the survivors average exactly the surviving

@@ -28,6 +28,9 @@ class AveragingConfig:
     round_timeout_s: float = 30.0
     """Deadline of a whole round (matchmaking, all-reduce, retries); a trainer with no group by then applies
     its own update alone."""
+    suspect_s: float = 30.0
+    """A candidate that was drawn and did not join, or a leader that did not answer, is not drawn for
+    this long (doubling on each repeat, up to 16x); see averaging.membership."""
     max_attempts: int = 3
     """All-reduce attempts per round (a failed slice re-forms the group from the survivors)."""
     codec: Literal["fp32", "fp16", "int8"] = "int8"
@@ -53,6 +56,7 @@ class AveragingConfig:
             "reducer_timeout_s",
             "agreement_timeout_s",
             "round_timeout_s",
+            "suspect_s",
             "max_weight",
         ):
             value = getattr(self, name)

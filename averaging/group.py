@@ -6,7 +6,9 @@ sort that list the same way -- by bandwidth class (so a slow peer does not drag 
 then by a hash of (peer ID, the list's own digest), which reshuffles groups from round to round so
 updates mix across the swarm (Moshpit-style) -- and cut it into groups of at most
 ``target_group_size``. The first member of each chunk leads: the others join it over a stream and it
-answers with the final membership (who actually joined) and everyone's gathered metadata.
+answers with the final membership (who actually joined) and everyone's gathered metadata. With the
+peer's identity, entries are owner-signed and the list is filtered first (averaging.membership): only
+signed entries of live members of the run, minus recent no-shows, are drawn.
 
 All-reduce (butterfly). Member i reduces slice i: every member sends slice i of its vector to member
 i (encoded as fp32, fp16 or 8-bit), member i validates each part and aggregates the parts with a
@@ -43,13 +45,16 @@ from hivemind.utils.timed_storage import get_dht_time
 from averaging.aggregation import Contribution, aggregate
 from averaging.compression import get_codec, wire_bytes
 from averaging.config import AveragingConfig, RoundRecord
+from averaging.membership import EntryRejected, RunMembers, Suspects, parse_entry, sign_entry
 from bootstrap.framing import ProtocolError, header_field, read_exactly, read_frame, write_frame
+from bootstrap.identity import Identity
 from bootstrap.runtime import Handler
 
 logger = logging.getLogger(__name__)
 
 _MAX_HEADER_BYTES = 64 * 1024
 _MAX_MEMBERS = 64
+_MAX_ENTRIES_READ = 16 * _MAX_MEMBERS
 
 
 # --------------------------------------------------------------------------------------------- groups
@@ -132,6 +137,11 @@ class GroupAverager:
     Runs its own event loop in a background thread over a P2P replica of ``dht``'s daemon.
     ``step`` returns ``(averaged_tensor or None, RoundRecord)``: None when no group could average
     within the round's deadline (the caller then keeps its own values).
+
+    With ``identity`` (the key of ``dht``'s peer ID) matchmaking entries are owner-signed and only
+    signed entries are drawn; with ``run`` too, only peers holding a live capability record of that
+    run are drawn or admitted to a group this peer leads (see averaging.membership). Without them
+    (tests, benchmarks on plain hivemind DHTs) any well-formed entry is drawn.
     """
 
     def __init__(
@@ -142,12 +152,19 @@ class GroupAverager:
         config: AveragingConfig | None = None,
         bandwidth_mbps: Callable[[], float | None] | None = None,
         region: str | None = None,
+        identity: Identity | None = None,
+        run: str | None = None,
         start_timeout_s: float = 30.0,
     ):
         self.dht, self.prefix, self.region = dht, prefix, (region or "")[:64]
         self.config = config or AveragingConfig()
-        self._bandwidth_mbps = bandwidth_mbps or (lambda: None)
         self.rejected: Counter = Counter()
+        if run is not None and identity is None:
+            raise ValueError("drawing only members of a run needs signed entries: pass identity= too")
+        self._identity = identity
+        self._members = RunMembers(run, self.rejected) if run is not None else None
+        self._suspects = Suspects(self.config.suspect_s)
+        self._bandwidth_mbps = bandwidth_mbps or (lambda: None)
         self.fault_hook: FaultHook | None = None
         self._dead = False
         self._current: concurrent.futures.Future | None = None
@@ -163,6 +180,9 @@ class GroupAverager:
         )
         self._loop, self._p2p = self._service.loop, self._service.p2p
         self.peer_id = str(self._p2p.peer_id)
+        if identity is not None and identity.peer_id != self.peer_id:
+            self._service.close()
+            raise ValueError(f"identity {identity.peer_id} is not the key of the DHT's peer {self.peer_id}")
 
     # ------------------------------------------------------------------------------------ lifetime
     @property
@@ -268,7 +288,8 @@ class GroupAverager:
         try:
             lonely_windows = 0
             while group is None and time.monotonic() + self.config.matchmaking_time_s < deadline:
-                suspects = {f["peer"] for f in record.failures}  # a peer that failed us is not drawn again
+                # a peer that failed us this round is not drawn again, nor one that failed to join lately
+                suspects = {f["peer"] for f in record.failures} | self._suspects.active()
                 group = await self._form_group(gather, record, deadline, suspects)
                 lonely_windows = lonely_windows + 1 if group is None and self._lonely else 0
                 if lonely_windows >= 2:  # nobody else has been looking for two whole windows: stop waiting
@@ -292,6 +313,7 @@ class GroupAverager:
                     gathered={m: group.gathered.get(m) for m in survivors},
                 )
             if result is not None:
+                self._suspects.prove(record.included)
                 record.outcome = (
                     "retried"
                     if record.attempts > 1
@@ -302,6 +324,9 @@ class GroupAverager:
             return result, group
         finally:
             record.phase_s["total"] = time.monotonic() - started
+            for peer in {f["peer"] for f in record.failures if f["phase"] in ("send", "reduce", "gather")}:
+                if peer != self.peer_id:
+                    self._suspects.add(peer)  # joined, then failed the all-reduce: not drawn for a while
 
     # ------------------------------------------------------------------------------------ matchmaking
     async def _form_group(self, gather: Any, record: RoundRecord, deadline: float, suspects: set[str]) -> Group | None:
@@ -310,13 +335,13 @@ class GroupAverager:
         looking_since = time.time()
         my_class = (self.region, bandwidth_class(self._bandwidth_mbps()))
         expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s
-        await self.dht.store(
-            key,
-            {"t": looking_since, "c": my_class[1], "r": self.region},
-            expiration_time=expiration,
-            subkey=self.peer_id,
-            return_future=True,
-        )
+        if self._identity is not None:
+            entry = sign_entry(
+                self._identity, key, bandwidth_class=my_class[1], region=self.region, expires_at=expiration
+            )
+        else:
+            entry = {"t": looking_since, "c": my_class[1], "r": self.region}
+        await self.dht.store(key, entry, expiration_time=expiration, subkey=self.peer_id, return_future=True)
         # the gathering window; it closes early once exactly a full group is looking and that view is
         # stable (what hivemind's leader does when its group fills up); more peers wait the whole
         # window, so that everyone draws the groups from the same list
@@ -344,20 +369,43 @@ class GroupAverager:
 
     async def _read_candidates(self, key: str, my_class: tuple[str, int], suspects: set[str]) -> dict:
         found = await self.dht.get(key, latest=True, return_future=True)
-        candidates: dict[str, tuple[str, int]] = {self.peer_id: my_class}
+        entries: dict[str, tuple[str, int]] = {}
         if found is not None and isinstance(found.value, dict):
-            for subkey, item in found.value.items():
-                value = getattr(item, "value", None)
-                if (
-                    isinstance(subkey, str)
-                    and subkey not in suspects
-                    and isinstance(value, dict)
-                    and isinstance(value.get("c"), int)
-                    and isinstance(value.get("r", ""), str)
-                    and len(candidates) < 4 * _MAX_MEMBERS
-                ):
-                    candidates.setdefault(subkey, (value.get("r", "")[:64], value["c"]))
+            now = get_dht_time()
+            for index, (subkey, item) in enumerate(found.value.items()):
+                if index >= _MAX_ENTRIES_READ or len(entries) >= 4 * _MAX_MEMBERS:
+                    self.rejected["candidates beyond the read limit"] += 1
+                    break
+                if subkey == self.peer_id:
+                    continue
+                entry = self._parse_entry(key, subkey, item, now)
+                if entry is not None:
+                    entries[subkey] = entry
+        if self._members is not None and entries:
+            members = await self._members.get(self.dht, set(entries))
+            for peer in [p for p in entries if p not in members]:
+                self.rejected["candidate not a run member"] += 1
+                del entries[peer]
+        candidates: dict[str, tuple[str, int]] = {self.peer_id: my_class}
+        candidates.update((peer, entry) for peer, entry in entries.items() if peer not in suspects)
         return candidates
+
+    def _parse_entry(self, key: str, subkey: Any, item: Any, now: float) -> tuple[str, int] | None:
+        value = getattr(item, "value", None)
+        if self._identity is not None:
+            try:
+                return parse_entry(key, subkey, value, getattr(item, "expiration_time", math.inf), now)
+            except EntryRejected as e:
+                self.rejected[f"candidate {e.reason}"] += 1
+                return None
+        if (
+            isinstance(subkey, str)
+            and isinstance(value, dict)
+            and isinstance(value.get("c"), int)
+            and isinstance(value.get("r", ""), str)
+        ):
+            return value.get("r", "")[:64], value["c"]
+        return None
 
     async def _lead(self, expected: frozenset, gather: Any, record: RoundRecord, join_deadline: float) -> Group | None:
         lobby = _Lobby(expected=expected)
@@ -370,6 +418,7 @@ class GroupAverager:
             followers = sorted(lobby.joined)[: self.config.target_group_size - 1]
             for missing in expected - set(lobby.joined):
                 record.fail(missing, "matchmaking", "did not join its leader")
+                self._suspects.add(missing)
             if len(followers) + 1 < self.config.min_group_size:
                 lobby.final.set_result(None)
                 return None
@@ -396,6 +445,7 @@ class GroupAverager:
                     writer.close()
         except (asyncio.TimeoutError, ProtocolError, OSError, Exception) as e:
             record.fail(leader, "matchmaking", f"join failed: {e!r}"[:200])
+            self._suspects.add(leader)  # a leader that does not answer costs us its join timeout once
             return None
         if reply.get("status") != "ok":
             record.fail(leader, "matchmaking", f"leader said {str(reply.get('status'))[:50]}")
@@ -419,6 +469,11 @@ class GroupAverager:
         return Group(group_id=group_id, members=members, gathered=gathered)
 
     async def _serve_join(self, peer: str, header: dict, writer: asyncio.StreamWriter) -> None:
+        if self._members is not None and peer not in await self._members.get(self.dht, {peer}):
+            self.rejected["join from a non-member"] += 1
+            await write_frame(writer, {"status": "not a member"})
+            return
+        self._suspects.clear(peer)  # it is live and looking: a no-show of an earlier window, not a Sybil
         lobby = None
         deadline = time.monotonic() + self.config.join_timeout_s
         while lobby is None and time.monotonic() < deadline:  # the leader may still be reading the DHT

@@ -124,10 +124,10 @@ class Trainer:
             self.dht, self.identity, graph, cfg, run, view=self._view, status=self._status_snapshot
         )
         self.evidence.status = self.presence.status
-        bandwidth, prefix = self.presence.bandwidth_mbps, f"swarm_{cfg.run}"
-        self.group_averager = GroupAverager(
-            self.dht, prefix=prefix, config=cfg.averaging, bandwidth_mbps=bandwidth, region=cfg.presence.region
-        )
+        # own DHT: owner-signed matchmaking entries, and (advertising) only members of the run are drawn
+        signed = {"identity": self.identity, "run": cfg.run if cfg.presence.advertise else None} if own else {}
+        where = {"bandwidth_mbps": self.presence.bandwidth_mbps, "region": cfg.presence.region, **signed}
+        self.group_averager = GroupAverager(self.dht, prefix=f"swarm_{cfg.run}", config=cfg.averaging, **where)
         if own:
             on_event = self.evidence.checkpoint_event
             self.checkpoints = CheckpointManager.for_run(

@@ -141,13 +141,21 @@ def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         os.environ["HOME"] = previous
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The `heavy` tests first, longest first (stable otherwise): with `make test`'s two workers
-    (pytest-xdist, `--dist load`) the long end-to-end runs start at once, on both workers, and the
-    short tests fill in around them, so neither worker is left with a long test at the end."""
+    """Schedule `make test`'s two workers (pytest-xdist, `--dist loadgroup`).
+
+    The `heavy` tests come first, longest first (stable otherwise), so the long end-to-end runs start
+    at once and the short tests fill in around them. The `heavy(timed=True)` ones (fixed-duration runs
+    with kills and deadlines: chaos, demo, churn) all go to one worker, so two of them never share the
+    two cores; the other worker runs everything else beside them."""
 
     def weight(item: pytest.Item) -> float:
         marker = item.get_closest_marker("heavy")
         return -float(marker.kwargs.get("seconds", 1)) if marker is not None else 0.0
 
     items.sort(key=weight)
+    for item in items:
+        marker = item.get_closest_marker("heavy")
+        if marker is not None and marker.kwargs.get("timed"):
+            item.add_marker(pytest.mark.xdist_group("timed"))

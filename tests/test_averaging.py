@@ -6,18 +6,25 @@ asserts both the outcome and that its fault fired. Seeded; the seed is in every 
 
 import itertools
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import wait_until
+from hivemind.utils.timed_storage import get_dht_time
 
 from averaging.compression import get_codec
 from averaging.config import AveragingConfig
 from averaging.faults import Crashed, FaultInjector
 from averaging.group import GroupAverager, draw_groups, slice_bounds
+from averaging.membership import EntryRejected, parse_entry, sign_entry
 from bootstrap import start_dht, stop_dht, visible_maddrs
+from bootstrap.identity import Identity
+from bootstrap.records import PEERS_KEY, sign_record
+from peers.testing import make_record
 
 NUM_PEERS = 4
 SEED = 1234
@@ -265,7 +272,7 @@ def test_group_drawing_is_deterministic_bounded_and_bandwidth_aware():
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("phase", ["send", "reduce"])
-@pytest.mark.heavy(seconds=15)
+@pytest.mark.heavy(seconds=15, timed=True)
 def test_sigkilled_peer_process_mid_round(bootstrap_node, tmp_path, phase):
     """TESTMATRIX rows 2-3 with real processes: SIGKILL while sending / reducing; the survivors end
     with the exact weighted mean of their own contributions, and nobody hangs."""
@@ -332,3 +339,147 @@ def test_a_peer_nobody_else_looks_for_stops_waiting_after_two_windows(make_group
         "reason": "no other peer looking for a group",
     } in record.failures, record.to_dict()
     assert elapsed < 10, f"waited {elapsed:.1f}s for nobody (round deadline 40 s)"
+
+
+# --------------------------------------------------------------------------- an open network (issue 15)
+# Two Swarm peers (Ed25519 identities, our DHT start-up) join the module's plain hivemind DHTs; a plain
+# hivemind node of that network (no Swarm code, no validator) plays the outsider.
+
+MM_CONFIG = {"matchmaking_time_s": 1.0, "join_timeout_s": 1.5, "round_timeout_s": 15.0, "suspect_s": 60.0}
+
+
+@pytest.fixture(scope="module")
+def swarm_peers(dhts):
+    from bootstrap.network import start_swarm_dht
+
+    identities = [Identity.generate() for _ in range(2)]
+    nodes = []
+    try:
+        for identity in identities:
+            initial = visible_maddrs(dhts[0])
+            nodes.append(start_swarm_dht(identity, initial_peers=initial, host_maddrs=LOOPBACK))
+        yield list(zip(identities, nodes))
+    finally:
+        for node in nodes:
+            stop_dht(node)
+
+
+def _signed_entry_pairs(prefix, identities, expires_at):
+    return {
+        i.peer_id: sign_entry(i, f"{prefix}.mm", bandwidth_class=0, region="", expires_at=expires_at)
+        for i in identities
+    }
+
+
+class _Flood:
+    """Writes `entries` (subkey -> value) under a matchmaking key from a plain hivemind node, twice a second."""
+
+    def __init__(self, dht, key, entries):
+        self.dht, self.key, self.entries = dht, key, entries
+        self.stop, self.writes = threading.Event(), 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self.stop.is_set():
+            expiration = get_dht_time() + 5
+            for subkey, value in self.entries.items():
+                self.dht.store(self.key, value, expiration_time=expiration, subkey=subkey)
+            self.writes += 1
+            self.stop.wait(0.5)
+
+    def __enter__(self):
+        self.thread.start()
+        wait_until(lambda: self.writes > 0, timeout_s=10, message="the flood's first write")
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(timeout=10)
+
+
+def _two_step(averagers, *, seed=SEED):
+    tensors = [torch.randn(1000, generator=torch.Generator().manual_seed(seed + i)) for i in range(2)]
+    return _run(averagers, tensors, [1.0, 1.0], timeout_s=MM_CONFIG["round_timeout_s"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signed", [True, False], ids=["signed entries", "unsigned (negative control)"])
+def test_an_outsider_flooding_matchmaking_stalls_only_unsigned_rounds(dhts, swarm_peers, signed):
+    """24 fake candidates, rewritten twice a second by a plain hivemind node: signed readers skip them."""
+    prefix = f"flood{next(_prefixes)}"
+    fakes = {Identity.generate().peer_id: {"t": time.time(), "c": 0, "r": ""} for _ in range(20)}
+    fakes.update({f"fake-{i}": {"t": time.time(), "c": 0, "r": ""} for i in range(4)})
+    config = AveragingConfig(codec="fp32", aggregator="mean", **MM_CONFIG)
+    averagers = [
+        GroupAverager(dht, prefix=prefix, config=config, identity=identity if signed else None)
+        for identity, dht in swarm_peers
+    ]
+    try:
+        with _Flood(dhts[1], f"{prefix}.mm", fakes):
+            results = _two_step(averagers)
+            written = dhts[2].get(f"{prefix}.mm", latest=True).value
+        assert len(set(written) & set(fakes)) == len(fakes), "the flood must be in the key (the fault fired)"
+        failed_on_fakes = [f for _, record, _ in results for f in record.failures if f["peer"] in fakes]
+        if signed:
+            for averager, (_out, record, group) in zip(averagers, results):
+                assert record.outcome == "ok" and set(group.members) == {a.peer_id for a in averagers}, record.to_dict()
+                assert not failed_on_fakes and record.phase_s["matchmaking"] < MM_CONFIG["join_timeout_s"], record
+                assert sum(n for r, n in averager.rejected.items() if r.startswith("candidate ")) >= len(fakes)
+        else:  # the same flood, read as-is: the peers wait for leaders and followers that do not exist
+            assert failed_on_fakes, [r.to_dict() for _, r, _ in results]
+    finally:
+        for averager in averagers:
+            averager.close()
+
+
+@pytest.mark.timeout(150)
+def test_only_run_members_are_drawn_and_a_no_show_is_not_waited_for_again(dhts, swarm_peers):
+    """Signed entries of non-members are skipped; signed Sybils with records that never join cost a join
+    timeout once, then are suspects: the next round groups the two honest peers without waiting."""
+    prefix, run = f"sybil{next(_prefixes)}", f"run{next(_prefixes)}"
+    sybils = [Identity.generate() for _ in range(2)]
+    strangers = [Identity.generate() for _ in range(3)]  # signed entries, no capability record of the run
+    for identity, dht in [*swarm_peers, *((s, dhts[1]) for s in sybils)]:
+        record = make_record(identity, run=run, lifetime_s=240)
+        assert dht.store(PEERS_KEY, sign_record(record, identity), record.expires_at, subkey=identity.peer_id)
+    config = AveragingConfig(codec="fp32", aggregator="mean", **MM_CONFIG)
+    averagers = [GroupAverager(dht, prefix=prefix, config=config, identity=i, run=run) for i, dht in swarm_peers]
+    honest = {a.peer_id for a in averagers}
+    try:
+        entries = _signed_entry_pairs(prefix, [*sybils, *strangers], get_dht_time() + 240)
+        with _Flood(dhts[1], f"{prefix}.mm", entries):
+            history = []
+            for attempt in range(len(sybils) + 2):  # a Sybil may lead (and fail) once per Sybil, then no more
+                history.append(_two_step(averagers, seed=SEED + 10 * attempt))
+                if all(r.outcome == "ok" and set(g.members) == honest for _, r, g in history[-1] if g):
+                    break
+            last = _two_step(averagers, seed=SEED + 999)
+        failures = [f["peer"] for round_ in history for _, record, _ in round_ for f in record.failures]
+        assert failures and set(failures) <= {s.peer_id for s in sybils}, failures  # the no-shows fired, only they
+        for averager, (_out, record, group) in zip(averagers, last):
+            assert record.outcome == "ok" and set(group.members) == honest and not record.failures, record.to_dict()
+            assert record.phase_s["matchmaking"] < MM_CONFIG["join_timeout_s"], record.to_dict()
+            assert averager.rejected["candidate not a run member"] >= len(strangers), dict(averager.rejected)
+    finally:
+        for averager in averagers:
+            averager.close()
+
+
+def test_matchmaking_entries_accept_only_what_the_owner_signed_for_this_key_until_its_expiry():
+    owner, other = Identity.generate(), Identity.generate()
+    now = time.time()
+    good = sign_entry(owner, "k.mm", bandwidth_class=3, region="eu", expires_at=now + 5)
+    assert parse_entry("k.mm", owner.peer_id, good, now + 5, now) == ("eu", 3)
+    forged = sign_entry(other, "k.mm", bandwidth_class=3, region="eu", expires_at=now + 5)
+    cases = {
+        "subkey is not a peer id": ("k.mm", "fake-1", good, now + 5, now),
+        "bad signature": ("k.mm", owner.peer_id, forged, now + 5, now),  # another key under the owner's subkey
+        "outlives its expiry": ("k.mm", owner.peer_id, good, now + 60, now),
+        "expired": ("k.mm", owner.peer_id, good, now + 5, now + 6),  # a replay after its expiry
+        "malformed": ("k.mm", owner.peer_id, {"t": now, "c": 0, "r": ""}, now + 5, now),  # an unsigned entry
+    }
+    cases["bad signature, other key"] = ("other.mm", owner.peer_id, good, now + 5, now)  # moved to another run
+    for reason, args in cases.items():
+        with pytest.raises(EntryRejected) as caught:
+            parse_entry(*args)
+        assert caught.value.reason == reason.split(",")[0], (reason, caught.value)

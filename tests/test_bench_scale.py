@@ -24,7 +24,7 @@ def _read(path: Path) -> dict:
     return result
 
 
-@pytest.mark.heavy(seconds=40)
+@pytest.mark.heavy(seconds=40, timed=True)
 def test_churn_observes_the_kill_and_the_replacements_state_sync(tmp_path: Path) -> None:
     out = tmp_path / "churn.json"
     code = churn.main(

@@ -128,7 +128,7 @@ _TIMING_SENSITIVE = {
 
 
 @pytest.mark.skipif(not _NETNS, reason="the chaos run needs network namespaces (root, ip, tc)")
-@pytest.mark.heavy(seconds=100)
+@pytest.mark.heavy(seconds=100, timed=True)
 def test_short_chaos_run_survives_every_fault(tmp_path) -> None:
     config = ChaosConfig(
         duration_s=80,

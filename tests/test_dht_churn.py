@@ -43,7 +43,7 @@ def _running(entry: dict[str, Any]) -> bool:
         return False
 
 
-@pytest.mark.heavy(seconds=31)
+@pytest.mark.heavy(seconds=31, timed=True)
 def test_dht_survives_churn_and_a_new_peer_joins_after_bootstrap_loss() -> None:
     seen: dict[str, Any] = {}
 

@@ -24,7 +24,7 @@ from tests.helpers import free_port, python_cmd, spawn, terminate_all, wait_unti
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.heavy(seconds=44)
+@pytest.mark.heavy(seconds=44, timed=True)
 def test_demo_run_leaves_verifiable_ledgers_receipts_and_a_report(tmp_path):
     out = tmp_path / "demo"
     demo = spawn(python_cmd("-m", "swarm.demo", "--peers", "3", "--duration", "34", "--out", str(out)))

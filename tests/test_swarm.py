@@ -184,7 +184,7 @@ def test_user_script_on_the_trainer_api_joins_a_swarm_peer_run(bootstrap_node, t
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.heavy(seconds=45)
+@pytest.mark.heavy(seconds=45, timed=True)
 def test_a_joiner_resumes_bit_exactly_from_a_sealed_checkpoint(bootstrap_node, tmp_path):
     """Three peers seal a checkpoint every round; a fourth joins later, takes the newest sealed
     manifest, verifies it, downloads its shards from the donors and resumes at that step with
@@ -259,7 +259,7 @@ def test_a_joiner_resumes_bit_exactly_from_a_sealed_checkpoint(bootstrap_node, t
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.heavy(seconds=25)
+@pytest.mark.heavy(seconds=25, timed=True)
 def test_a_lone_survivor_keeps_training_forward_after_its_partner_is_killed(bootstrap_node, tmp_path):
     """Two peers seal checkpoints together; one is SIGKILLed. The survivor trains on alone: its round and
     step never go back, and when it looks for newer sealed state (after 3 solo rounds) it finds none
