@@ -45,7 +45,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from averaging.aggregation import Contribution, aggregate
 from averaging.compression import get_codec, wire_bytes
 from averaging.config import AveragingConfig, RoundRecord
-from averaging.membership import EntryRejected, RunMembers, Suspects, parse_entry, sign_entry
+from averaging.membership import JOIN_MIN_REFRESH_S, EntryRejected, RunMembers, Suspects, parse_entry, sign_entry
 from bootstrap.framing import ProtocolError, header_field, read_exactly, read_frame, write_frame
 from bootstrap.identity import Identity
 from bootstrap.runtime import Handler
@@ -469,7 +469,9 @@ class GroupAverager:
         return Group(group_id=group_id, members=members, gathered=gathered)
 
     async def _serve_join(self, peer: str, header: dict, writer: asyncio.StreamWriter) -> None:
-        if self._members is not None and peer not in await self._members.get(self.dht, {peer}):
+        if self._members is not None and peer not in await self._members.get(
+            self.dht, {peer}, min_age_s=JOIN_MIN_REFRESH_S
+        ):
             self.rejected["join from a non-member"] += 1
             await write_frame(writer, {"status": "not a member"})
             return

@@ -40,6 +40,7 @@ ENTRY_KIND = "swarm/mm"
 MAX_ENTRY_BYTES = 512
 MEMBERS_TTL_S = 10.0
 MEMBERS_MIN_REFRESH_S = 1.0
+JOIN_MIN_REFRESH_S = 0.25
 _MAX_SUSPICION_DOUBLINGS = 4
 _CLOCK_SKEW_S = 30.0
 _MAX_CLASS = 64
@@ -92,10 +93,11 @@ class RunMembers:
         self._members: frozenset[str] = frozenset()
         self._read_at = -float("inf")
 
-    async def get(self, dht: Any, wanted: set[str]) -> frozenset[str]:
-        """The members, re-read if stale, or if one of ``wanted`` is unknown and the last read is not brand new."""
+    async def get(self, dht: Any, wanted: set[str], *, min_age_s: float = MEMBERS_MIN_REFRESH_S) -> frozenset[str]:
+        """The members, re-read if stale, or if one of ``wanted`` is unknown and the last read is older
+        than ``min_age_s`` (records spread through the DHT within seconds of a peer's start)."""
         age = time.monotonic() - self._read_at
-        if age > MEMBERS_TTL_S or (not wanted <= self._members and age > MEMBERS_MIN_REFRESH_S):
+        if age > MEMBERS_TTL_S or (not wanted <= self._members and age > min_age_s):
             await self._read(dht)
         return self._members
 
@@ -143,7 +145,7 @@ class Suspects:
         self._until.pop(peer, None)
 
     def add(self, peer: str) -> None:
-        if peer in self._proven:
+        if peer in self._proven or self.period_s <= 0:
             return
         if len(self._offences) >= _MAX_TRACKED:  # a flood of identities: forget the past offences of non-suspects
             self._offences = Counter({p: n for p, n in self._offences.items() if p in self.active()})

@@ -161,6 +161,22 @@ PLAN: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
         [["--peers", "50"]],
     ),
     "dht_churn": ("benchmarks.dht_churn", [], [["--peers", "30", "--kill-fraction", "0.1", "--lookups", "300"]]),
+    # about 11 minutes: grouped rounds per minute beside an outsider and signed Sybils, defaults and hardened
+    "adversary": (
+        "benchmarks.adversary",
+        [],
+        [
+            ["--window-s", "60", "--out", str(RESULTS_DIR / "adversary.json")],
+            [
+                "--window-s",
+                "60",
+                "--peer-flags",
+                "--members-only --suspect-s 30",
+                "--out",
+                str(RESULTS_DIR / "adversary_hardened.json"),
+            ],
+        ],
+    ),
     # about 23 minutes: a 10-minute no-chaos arm, then the 10-minute chaos arm (RESILIENCE.md)
     "chaos": ("benchmarks.chaos", [], [["--duration", "600", "--peers", "6", "--seed", "1"]]),
 }

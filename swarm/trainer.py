@@ -124,8 +124,8 @@ class Trainer:
             self.dht, self.identity, graph, cfg, run, view=self._view, status=self._status_snapshot
         )
         self.evidence.status = self.presence.status
-        # own DHT: owner-signed matchmaking entries, and (advertising) only members of the run are drawn
-        signed = {"identity": self.identity, "run": cfg.run if cfg.presence.advertise else None} if own else {}
+        # own DHT: owner-signed matchmaking entries; with members_only, only members of the run are drawn
+        signed = {"identity": self.identity, "run": cfg.run if cfg.averaging.members_only else None} if own else {}
         where = {"bandwidth_mbps": self.presence.bandwidth_mbps, "region": cfg.presence.region, **signed}
         self.group_averager = GroupAverager(self.dht, prefix=f"swarm_{cfg.run}", config=cfg.averaging, **where)
         if own:

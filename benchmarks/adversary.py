@@ -1,0 +1,219 @@
+"""Rounds under attack (TESTMATRIX rows 21 and 22): grouped rounds per minute beside an adversary, in one run.
+
+Three `swarm.peer` peers (charlm tiny, their defaults, loopback) train one run. Once every peer has
+grouped, the benchmark counts grouped rounds (a peer's round whose group had >= 2 members, summed over
+the peers) in consecutive windows of ``--window-s`` seconds:
+
+* ``clean``: no adversary;
+* ``outsider``: a plain hivemind DHT node (no Swarm code, no validator) writes ``--fakes`` fake
+  candidates to the run's matchmaking key twice a second (issue 15's measured attack: before signed
+  entries the peers' 51 grouped rounds in a minute fell to 4);
+* ``sybils``: ``--fakes`` real Ed25519 identities with valid capability records of the run write
+  signed matchmaking entries twice a second and never join a group;
+* ``clean again``: no adversary, to see the drift of the machine over the run.
+
+Each adversary window reports its ratio to the mean of the two clean windows. Prints a table and
+writes JSON (default benchmarks/results/adversary.json)::
+
+    .venv/bin/python -m benchmarks.adversary --window-s 60
+    .venv/bin/python -m benchmarks.adversary --window-s 60 --peer-flags "--members-only --suspect-s 30"
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import hivemind
+from hivemind.utils.timed_storage import get_dht_time
+from rich.console import Console
+from rich.table import Table
+
+from averaging.membership import sign_entry
+from benchmarks._common import run_metadata, save_result, signals_unwind, start_bootstrap_node
+from benchmarks.netlab import loopback_lab
+from bootstrap.identity import Identity
+from bootstrap.records import PEERS_KEY, sign_record
+from peers.testing import make_record
+from swarm.events import read_events
+
+RESULTS = Path(__file__).parent / "results" / "adversary.json"
+_PEERS = 3
+_WRITE_EVERY_S = 0.5
+_ENTRY_LIFETIME_S = 5.0
+_RECORD_LIFETIME_S = 120
+
+
+class Adversary:
+    """Writes fake or Sybil entries under the run's matchmaking key from a plain hivemind node, in a thread."""
+
+    def __init__(self, dht: hivemind.DHT, run: str, kind: str, count: int) -> None:
+        self.dht, self.key, self.kind = dht, f"swarm_{run}.mm", kind
+        self.identities = [Identity.generate() for _ in range(count)]
+        self.run, self.writes = run, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"adversary-{kind}", daemon=True)
+
+    def start(self) -> None:
+        if self.kind == "sybils":  # real identities, each with a valid, signed capability record of the run
+            for identity in self.identities:
+                record = make_record(identity, run=self.run, lifetime_s=_RECORD_LIFETIME_S)
+                self.dht.store(PEERS_KEY, sign_record(record, identity), record.expires_at, subkey=identity.peer_id)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            expiration = get_dht_time() + _ENTRY_LIFETIME_S
+            for identity in self.identities:
+                if self.kind == "sybils":
+                    value: Any = sign_entry(identity, self.key, bandwidth_class=0, region="", expires_at=expiration)
+                else:  # what an outsider can write: entries under peer IDs that look real, signed by no one
+                    value = {"t": time.time(), "c": 0, "r": ""}
+                self.dht.store(self.key, value, expiration_time=expiration, subkey=identity.peer_id, return_future=True)
+            self.writes += 1
+            self._stop.wait(_WRITE_EVERY_S)
+
+
+def _peer_argv(run: str, slot: int, initial: list[str], work: Path, extra: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "swarm.peer",
+        "--initial-peers",
+        *initial,
+        "--run",
+        run,
+        "--task",
+        "charlm",
+        "--task-preset",
+        "tiny",
+        "--host-maddrs",
+        "/ip4/127.0.0.1/tcp/0",
+        "--shard-index",
+        str(slot),
+        "--num-shards",
+        str(_PEERS),
+        "--identity-key",
+        str(work / f"peer{slot}.key"),
+        "--events",
+        str(work / f"peer{slot}.jsonl"),
+        "--torch-threads",
+        "1",
+        "--no-progress",
+        "--checkpoint-dir",
+        str(work / "checkpoints"),
+        "--ledger-dir",
+        str(work / "ledgers"),
+        *extra,
+    ]
+
+
+def _grouped(work: Path, start: float, end: float) -> list[int]:
+    """Grouped rounds of each peer that ended in [start, end)."""
+    counts = []
+    for slot in range(_PEERS):
+        events = read_events(work / f"peer{slot}.jsonl")
+        counts.append(
+            sum(
+                1 for e in events if e["event"] == "round" and start <= e["t"] < end and (e.get("group_size") or 0) >= 2
+            )
+        )
+    return counts
+
+
+def run(*, window_s: float, fakes: int, work: Path, console: Console, peer_flags: list[str]) -> dict[str, Any]:
+    run_name = "adversary"
+    windows: list[dict[str, Any]] = []
+    with loopback_lab(_PEERS + 1) as lab:
+        _, maddrs = start_bootstrap_node(lab, _PEERS, work=work, timeout_s=120)
+        if maddrs is None:
+            raise RuntimeError(f"the bootstrap node did not start; see {work / 'bootstrap.log'}")
+        for slot in range(_PEERS):
+            lab.spawn(slot, _peer_argv(run_name, slot, maddrs, work, peer_flags), log=work / f"peer{slot}.log")
+        deadline = time.time() + 240
+        while not all(_grouped(work, 0, time.time() + 1)):
+            if time.time() > deadline:
+                raise RuntimeError(f"the peers did not all group within 240 s; see the logs in {work}")
+            time.sleep(1.0)
+        console.print("every peer has grouped; measuring")
+        dht = hivemind.DHT(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        try:
+            for name in ("clean", "outsider", "sybils", "clean again"):
+                adversary = Adversary(dht, run_name, name, fakes) if name in ("outsider", "sybils") else None
+                if adversary is not None:
+                    adversary.start()
+                start = time.time()
+                time.sleep(window_s)  # the window's wall-clock length is what is measured
+                end = time.time()
+                if adversary is not None:
+                    adversary.stop()
+                counts = _grouped(work, start, end)
+                per_min = sum(counts) * 60 / (end - start)
+                windows.append({"window": name, "grouped_per_peer": counts, "grouped_per_min": per_min})
+                console.print(f"  {name}: {counts} grouped rounds per peer, {per_min:.1f} per minute")
+        finally:
+            dht.shutdown()
+    clean = statistics.mean(w["grouped_per_min"] for w in windows if w["window"].startswith("clean"))
+    for w in windows:
+        w["ratio_to_clean"] = w["grouped_per_min"] / clean if clean else None
+    return {"peers": _PEERS, "fakes": fakes, "window_s": window_s, "peer_flags": peer_flags, "windows": windows}
+
+
+def print_table(result: dict[str, Any], console: Console) -> None:
+    flags = " ".join(result["peer_flags"]) or "defaults"
+    table = Table(
+        title=f"grouped rounds per minute, {result['peers']} swarm.peer peers ({flags}), {result['fakes']} fakes"
+    )
+    for column in ("window", "grouped rounds per peer", "per minute", "vs clean"):
+        table.add_column(column, justify="right")
+    for w in result["windows"]:
+        ratio = w["ratio_to_clean"]
+        table.add_row(
+            w["window"],
+            str(w["grouped_per_peer"]),
+            f"{w['grouped_per_min']:.1f}",
+            "-" if ratio is None else f"{ratio:.2f}x",
+        )
+    console.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.adversary", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--window-s", type=float, default=60.0, help="length of each window (default: %(default)s)")
+    parser.add_argument("--fakes", type=int, default=24, help="fake candidates or Sybils (default: %(default)s)")
+    parser.add_argument("--peer-flags", default="", help="extra swarm.peer flags, e.g. '--members-only --suspect-s 30'")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON result (default: %(default)s)")
+    args = parser.parse_args(argv)
+    console = Console()
+    work = Path(tempfile.mkdtemp(prefix="swarm-adversary-"))
+    try:
+        with signals_unwind():
+            flags = shlex.split(args.peer_flags)
+            result = run(window_s=args.window_s, fakes=args.fakes, work=work, console=console, peer_flags=flags)
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted; logs kept in {work}[/]")
+        return 130
+    except RuntimeError as e:
+        console.print(f"[red]{e}[/]")
+        return 1
+    result["meta"] = run_metadata("adversary", argv)
+    print_table(result, console)
+    console.print(f"wrote {save_result(args.out, result)}")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
