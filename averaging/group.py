@@ -45,7 +45,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from averaging.aggregation import Contribution, aggregate
 from averaging.compression import get_codec, wire_bytes
 from averaging.config import AveragingConfig, RoundRecord
-from averaging.membership import JOIN_MIN_REFRESH_S, EntryRejected, RunMembers, Suspects, parse_entry, sign_entry
+from averaging.membership import JOIN_MIN_REFRESH_S, Admission, EntryRejected, parse_entry, sign_entry
 from bootstrap.framing import ProtocolError, header_field, read_exactly, read_frame, write_frame
 from bootstrap.identity import Identity
 from bootstrap.runtime import Handler
@@ -159,11 +159,7 @@ class GroupAverager:
         self.dht, self.prefix, self.region = dht, prefix, (region or "")[:64]
         self.config = config or AveragingConfig()
         self.rejected: Counter = Counter()
-        if run is not None and identity is None:
-            raise ValueError("drawing only members of a run needs signed entries: pass identity= too")
-        self._identity = identity
-        self._members = RunMembers(run, self.rejected) if run is not None else None
-        self._suspects = Suspects(self.config.suspect_s)
+        self._admission = Admission(identity, run, self.config.suspect_s, self.rejected)
         self._bandwidth_mbps = bandwidth_mbps or (lambda: None)
         self.fault_hook: FaultHook | None = None
         self._dead = False
@@ -178,13 +174,20 @@ class GroupAverager:
         self._service = Handler(
             dht, handler_name=self._handler_name, handler=self._handle_stream, start_timeout_s=start_timeout_s
         )
-        self._loop, self._p2p = self._service.loop, self._service.p2p
         self.peer_id = str(self._p2p.peer_id)
         if identity is not None and identity.peer_id != self.peer_id:
             self._service.close()
             raise ValueError(f"identity {identity.peer_id} is not the key of the DHT's peer {self.peer_id}")
 
     # ------------------------------------------------------------------------------------ lifetime
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        return self._service.loop
+
+    @property
+    def _p2p(self) -> Any:
+        return self._service.p2p
+
     @property
     def _handler_name(self) -> str:
         return f"swarm.avg.v1.{self.prefix}"
@@ -289,7 +292,7 @@ class GroupAverager:
             lonely_windows = 0
             while group is None and time.monotonic() + self.config.matchmaking_time_s < deadline:
                 # a peer that failed us this round is not drawn again, nor one that failed to join lately
-                suspects = {f["peer"] for f in record.failures} | self._suspects.active()
+                suspects = {f["peer"] for f in record.failures} | self._admission.suspects.active()
                 group = await self._form_group(gather, record, deadline, suspects)
                 lonely_windows = lonely_windows + 1 if group is None and self._lonely else 0
                 if lonely_windows >= 2:  # nobody else has been looking for two whole windows: stop waiting
@@ -313,7 +316,7 @@ class GroupAverager:
                     gathered={m: group.gathered.get(m) for m in survivors},
                 )
             if result is not None:
-                self._suspects.prove(record.included)
+                self._admission.suspects.prove(record.included)
                 record.outcome = (
                     "retried"
                     if record.attempts > 1
@@ -326,7 +329,7 @@ class GroupAverager:
             record.phase_s["total"] = time.monotonic() - started
             for peer in {f["peer"] for f in record.failures if f["phase"] in ("send", "reduce", "gather")}:
                 if peer != self.peer_id:
-                    self._suspects.add(peer)  # joined, then failed the all-reduce: not drawn for a while
+                    self._admission.suspects.add(peer)  # joined, then failed the all-reduce: not drawn for a while
 
     # ------------------------------------------------------------------------------------ matchmaking
     async def _form_group(self, gather: Any, record: RoundRecord, deadline: float, suspects: set[str]) -> Group | None:
@@ -335,9 +338,9 @@ class GroupAverager:
         looking_since = time.time()
         my_class = (self.region, bandwidth_class(self._bandwidth_mbps()))
         expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s
-        if self._identity is not None:
+        if self._admission.identity is not None:
             entry = sign_entry(
-                self._identity, key, bandwidth_class=my_class[1], region=self.region, expires_at=expiration
+                self._admission.identity, key, bandwidth_class=my_class[1], region=self.region, expires_at=expiration
             )
         else:
             entry = {"t": looking_since, "c": my_class[1], "r": self.region}
@@ -381,8 +384,8 @@ class GroupAverager:
                 entry = self._parse_entry(key, subkey, item, now)
                 if entry is not None:
                     entries[subkey] = entry
-        if self._members is not None and entries:
-            members = await self._members.get(self.dht, set(entries))
+        if self._admission.members is not None and entries:
+            members = await self._admission.members.get(self.dht, set(entries))
             for peer in [p for p in entries if p not in members]:
                 self.rejected["candidate not a run member"] += 1
                 del entries[peer]
@@ -392,7 +395,7 @@ class GroupAverager:
 
     def _parse_entry(self, key: str, subkey: Any, item: Any, now: float) -> tuple[str, int] | None:
         value = getattr(item, "value", None)
-        if self._identity is not None:
+        if self._admission.identity is not None:
             try:
                 return parse_entry(key, subkey, value, getattr(item, "expiration_time", math.inf), now)
             except EntryRejected as e:
@@ -418,7 +421,7 @@ class GroupAverager:
             followers = sorted(lobby.joined)[: self.config.target_group_size - 1]
             for missing in expected - set(lobby.joined):
                 record.fail(missing, "matchmaking", "did not join its leader")
-                self._suspects.add(missing)
+                self._admission.suspects.add(missing)
             if len(followers) + 1 < self.config.min_group_size:
                 lobby.final.set_result(None)
                 return None
@@ -445,7 +448,7 @@ class GroupAverager:
                     writer.close()
         except (asyncio.TimeoutError, ProtocolError, OSError, Exception) as e:
             record.fail(leader, "matchmaking", f"join failed: {e!r}"[:200])
-            self._suspects.add(leader)  # a leader that does not answer costs us its join timeout once
+            self._admission.suspects.add(leader)  # a leader that does not answer costs us its join timeout once
             return None
         if reply.get("status") != "ok":
             record.fail(leader, "matchmaking", f"leader said {str(reply.get('status'))[:50]}")
@@ -469,13 +472,13 @@ class GroupAverager:
         return Group(group_id=group_id, members=members, gathered=gathered)
 
     async def _serve_join(self, peer: str, header: dict, writer: asyncio.StreamWriter) -> None:
-        if self._members is not None and peer not in await self._members.get(
+        if self._admission.members is not None and peer not in await self._admission.members.get(
             self.dht, {peer}, min_age_s=JOIN_MIN_REFRESH_S
         ):
             self.rejected["join from a non-member"] += 1
             await write_frame(writer, {"status": "not a member"})
             return
-        self._suspects.clear(peer)  # it is live and looking: a no-show of an earlier window, not a Sybil
+        self._admission.suspects.clear(peer)  # it is live and looking: a no-show of an earlier window, not a Sybil
         lobby = None
         deadline = time.monotonic() + self.config.join_timeout_s
         while lobby is None and time.monotonic() < deadline:  # the leader may still be reading the DHT

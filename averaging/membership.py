@@ -158,3 +158,15 @@ class Suspects:
         for peer in [p for p, until in self._until.items() if until <= now]:
             del self._until[peer]
         return set(self._until)
+
+
+class Admission:
+    """Who a GroupAverager may draw and admit: its signing identity (None: unsigned entries, any
+    well-formed entry is drawn), the run's members (None: anyone) and its suspects."""
+
+    def __init__(self, identity: Identity | None, run: str | None, suspect_s: float, rejected: Counter) -> None:
+        if run is not None and identity is None:
+            raise ValueError("drawing only members of a run needs signed entries: pass identity= too")
+        self.identity = identity
+        self.members = RunMembers(run, rejected) if run is not None else None
+        self.suspects = Suspects(suspect_s)

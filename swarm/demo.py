@@ -36,7 +36,8 @@ class DemoConfig:
     peers: int = 4
     """Contributing peers started at the beginning."""
     duration: float = 120.0
-    """Seconds of training, from the moment all peers are started."""
+    """Seconds of training, from the moment all peers are started (longer when the kill waits for the
+    run's first round: the replacement always gets half of this after the kill)."""
     out: str = "demo-out"
     """Output folder for logs, summary.json and loss.png."""
     task_preset: str = "tiny"
@@ -44,7 +45,7 @@ class DemoConfig:
     sync_every: int = 15
     """Local steps between averaging rounds."""
     kill: bool = True
-    """SIGKILL one peer halfway and start a replacement."""
+    """SIGKILL one peer halfway (once a round is done) and start a replacement."""
     seed: int = 0
     """Seed of the model and data order."""
 
@@ -184,9 +185,18 @@ def run_demo(config: DemoConfig, console: Console) -> dict[str, Any]:
         peers = [swarm.start_peer(f"peer{i}", shard=i) for i in range(config.peers)]
         train_start = time.time()
         killed, replacement, round_at_kill = None, None, None
+        end_s = config.duration
         with console.status("training") as status:
-            while (elapsed := time.time() - train_start) < config.duration:
-                if config.kill and killed is None and elapsed >= config.duration / 2:
+            while (elapsed := time.time() - train_start) < end_s:
+                # the kill comes at half time, once the run has a round behind it (a slow machine may not
+                # at half time), and the replacement then always gets half a run to join and catch up
+                if (
+                    config.kill
+                    and killed is None
+                    and elapsed >= config.duration / 2
+                    and (_last_round(peers) >= 1 or elapsed >= config.duration)
+                ):
+                    end_s = max(end_s, elapsed + config.duration / 2)
                     killed = peers[-1]
                     round_at_kill = _last_round(peers)
                     killed.proc.send_signal(signal.SIGKILL)
@@ -199,7 +209,7 @@ def run_demo(config: DemoConfig, console: Console) -> dict[str, Any]:
                 dead = [c.name for c in swarm.children if c is not killed and c.proc.poll() is not None]
                 if dead:
                     raise RuntimeError(f"{', '.join(dead)} exited early; see the logs in {out}")
-                status.update(f"training: {elapsed:.0f}/{config.duration:.0f}s, round {_last_round(peers)}")
+                status.update(f"training: {elapsed:.0f}/{end_s:.0f}s, round {_last_round(peers)}")
                 time.sleep(1.0)  # a display refresh, not synchronisation
     finally:
         swarm.stop_all()

@@ -33,6 +33,8 @@ PEER_FLAGS = [
     "--reducer-timeout-s",
     "--agreement-timeout-s",
     "--round-timeout-s",
+    "--members-only",
+    "--suspect-s",
     "--max-attempts",
     "--codec",
     "--aggregator",
@@ -87,6 +89,7 @@ def test_peer_flags_are_frozen_and_map_onto_config_fields():
         "--no-load-state",
         "--no-progress",
         "--no-advertise",
+        "--no-members-only",
         "--averaging-timeout-s",
     }  # the last: renamed, kept
 

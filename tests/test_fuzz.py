@@ -70,6 +70,7 @@ from safetensors.torch import save as safetensors_save
 from averaging.compression import get_codec
 from averaging.config import AveragingConfig, RoundRecord
 from averaging.group import Group, GroupAverager, _ReduceState
+from averaging.membership import Admission
 from bootstrap import start_dht, stop_dht, visible_maddrs
 from bootstrap.framing import ProtocolError, read_frame
 from bootstrap.identity import Identity, IdentityError, PeerBinding, canonical_json, verify
@@ -934,6 +935,7 @@ def _bare_averager(codec: str) -> tuple[GroupAverager, _ReduceState]:
     averager.rejected, averager.fault_hook, averager._dead = Counter(), None, False
     averager._states, averager._lobbies, averager._state_added = {}, {}, asyncio.Event()
     averager._active_serves = 0
+    averager._admission = Admission(None, None, 0.0, averager.rejected)
     averager.peer_id = OWNER.peer_id
     group = Group(group_id=AVG_GROUP, members=(OTHER.peer_id, OWNER.peer_id), gathered={})
     state = _ReduceState(
