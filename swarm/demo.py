@@ -164,6 +164,13 @@ class _Swarm:
             child.log.close()
 
 
+def _synced(child: _Child) -> bool:
+    """Whether `child` loaded the run's state and took a training step on it."""
+    events = read_events(child.events) if child.events else []
+    joined = _last(events, "joined")
+    return bool(joined and joined.get("state_loaded") and _first(events, "first_step"))
+
+
 def _last_round(children: list[_Child]) -> int:
     rounds = [e["round"] for c in children if c.events for e in read_events(c.events) if e["event"] == "round"]
     return max(rounds, default=0)
@@ -185,9 +192,12 @@ def run_demo(config: DemoConfig, console: Console) -> dict[str, Any]:
         peers = [swarm.start_peer(f"peer{i}", shard=i) for i in range(config.peers)]
         train_start = time.time()
         killed, replacement, round_at_kill = None, None, None
-        end_s = config.duration
+        end_s, latest_s = config.duration, config.duration
         with console.status("training") as status:
-            while (elapsed := time.time() - train_start) < end_s:
+            # past end_s, a replacement still catching up (a loaded machine) gets until latest_s
+            while (elapsed := time.time() - train_start) < end_s or (
+                replacement is not None and not _synced(replacement) and elapsed < latest_s
+            ):
                 # the kill comes at half time, once the run has a round behind it (a slow machine may not
                 # at half time), and the replacement then always gets half a run to join and catch up
                 if (
@@ -196,7 +206,7 @@ def run_demo(config: DemoConfig, console: Console) -> dict[str, Any]:
                     and elapsed >= config.duration / 2
                     and (_last_round(peers) >= 1 or elapsed >= config.duration)
                 ):
-                    end_s = max(end_s, elapsed + config.duration / 2)
+                    end_s, latest_s = max(end_s, elapsed + config.duration / 2), elapsed + config.duration
                     killed = peers[-1]
                     round_at_kill = _last_round(peers)
                     killed.proc.send_signal(signal.SIGKILL)
