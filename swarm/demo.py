@@ -36,8 +36,9 @@ class DemoConfig:
     peers: int = 4
     """Contributing peers started at the beginning."""
     duration: float = 120.0
-    """Seconds of training, from the moment all peers are started (longer when the kill waits for the
-    run's first round: the replacement always gets half of this after the kill)."""
+    """Seconds of training, from the moment all peers are started. Longer on a loaded machine: the kill
+    waits for the run's first round, and the replacement gets at least half of this after the kill and
+    up to all of it, until it has synced and averaged once."""
     out: str = "demo-out"
     """Output folder for logs, summary.json and loss.png."""
     task_preset: str = "tiny"
@@ -164,11 +165,12 @@ class _Swarm:
             child.log.close()
 
 
-def _synced(child: _Child) -> bool:
-    """Whether `child` loaded the run's state and took a training step on it."""
+def _caught_up(child: _Child) -> bool:
+    """Whether `child` loaded the run's state and then averaged in a group (its first receipt)."""
     events = read_events(child.events) if child.events else []
     joined = _last(events, "joined")
-    return bool(joined and joined.get("state_loaded") and _first(events, "first_step"))
+    grouped = any(e["event"] == "round" and (e.get("group_size") or 0) >= 2 for e in events)
+    return bool(joined and joined.get("state_loaded") and grouped)
 
 
 def _last_round(children: list[_Child]) -> int:
@@ -194,9 +196,9 @@ def run_demo(config: DemoConfig, console: Console) -> dict[str, Any]:
         killed, replacement, round_at_kill = None, None, None
         end_s, latest_s = config.duration, config.duration
         with console.status("training") as status:
-            # past end_s, a replacement still catching up (a loaded machine) gets until latest_s
+            # past end_s, a replacement that has not yet synced and averaged (a loaded machine) gets until latest_s
             while (elapsed := time.time() - train_start) < end_s or (
-                replacement is not None and not _synced(replacement) and elapsed < latest_s
+                replacement is not None and not _caught_up(replacement) and elapsed < latest_s
             ):
                 # the kill comes at half time, once the run has a round behind it (a slow machine may not
                 # at half time), and the replacement then always gets half a run to join and catch up
