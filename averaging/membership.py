@@ -34,7 +34,7 @@ from typing import Any
 from bootstrap.envelope import check_int, check_str, unwrap_signed
 from bootstrap.errors import Rejected
 from bootstrap.identity import Identity, canonical_json, public_key_from_peer_id, verify
-from bootstrap.records import PEERS_KEY, RecordRejected, parse_record
+from bootstrap.records import PEERS_KEY, RecordRejected, live_records
 
 ENTRY_KIND = "swarm/mm"
 MAX_ENTRY_BYTES = 512
@@ -107,18 +107,12 @@ class RunMembers:
             found = await dht.get(PEERS_KEY, latest=True, return_future=True)
         except Exception:  # the DHT hiccupped: keep the last known members
             return
-        members = set()
-        now = time.time()
-        if found is not None and isinstance(found.value, dict):
-            for subkey, item in found.value.items():
-                try:
-                    record = parse_record(subkey, getattr(item, "value", None), now=now)
-                except RecordRejected as e:
-                    self.rejected[f"member record {e.reason}"] += 1
-                    continue
-                if record.is_live(now) and record.run is not None and record.run.name == self.run:
-                    members.add(record.peer_id)
-        self._members = frozenset(members)
+
+        def rejected(error: RecordRejected, _subkey: Any) -> None:
+            self.rejected[f"member record {error.reason}"] += 1
+
+        records = live_records(found, run=self.run, now=time.time(), on_rejected=rejected)
+        self._members = frozenset(record.peer_id for record in records)
 
 
 class Suspects:

@@ -21,12 +21,14 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.timed_storage import ValueWithExpiration
 
 from bootstrap.envelope import RejectionLog, from_dict, unwrap_signed
 from bootstrap.errors import Rejected
@@ -217,6 +219,26 @@ def parse_record(subkey: Any, value: Any, *, now: float | None = None) -> PeerRe
     _check_times(record, now)
     _check_enums(record)
     return record
+
+
+def live_records(
+    found: Any, *, run: str | None, now: float, on_rejected: Callable[[RecordRejected, Any], None]
+) -> list[PeerRecord]:
+    """The verified, live records (of ``run``'s peers, if given) in ``found``, the untrusted result of a
+    DHT get of :data:`PEERS_KEY` (None, or a dictionary value); each refusal goes to ``on_rejected``."""
+    if found is None or not isinstance(getattr(found, "value", None), dict):
+        return []
+    records = []
+    for subkey, item in found.value.items():
+        value = item.value if isinstance(item, ValueWithExpiration) else item
+        try:
+            record = parse_record(subkey, value, now=now)
+        except RecordRejected as e:
+            on_rejected(e, subkey)
+            continue
+        if record.is_live(now) and (run is None or (record.run is not None and record.run.name == run)):
+            records.append(record)
+    return records
 
 
 def _check_times(record: PeerRecord, now: float) -> None:

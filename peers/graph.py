@@ -21,9 +21,9 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from hivemind import DHT
-from hivemind.utils.timed_storage import ValueWithExpiration
 from packaging.version import InvalidVersion, Version
 
 from bootstrap.records import (
@@ -33,7 +33,7 @@ from bootstrap.records import (
     RecordRejected,
     Requirements,
     Software,
-    parse_record,
+    live_records,
     record_rejections,
 )
 
@@ -207,21 +207,12 @@ class ResourceGraph:
 
     def records(self, *, run: str | None = None, timeout_s: float = 10.0) -> list[PeerRecord]:
         """Verified, live records (of ``run``'s peers, if given), each peer once."""
-        now = time.time()
         found = self.dht.get(PEERS_KEY, latest=True, return_future=True).result(timeout=timeout_s)
-        if found is None or not isinstance(found.value, dict):
-            return []
-        records = []
-        for subkey, item in found.value.items():
-            value = item.value if isinstance(item, ValueWithExpiration) else item
-            try:
-                record = parse_record(subkey, value, now=now)
-            except RecordRejected as e:
-                self.rejections.reject(e, where="resource graph", source=subkey)
-                continue
-            if record.is_live(now) and (run is None or (record.run is not None and record.run.name == run)):
-                records.append(record)
-        return records
+
+        def rejected(error: RecordRejected, subkey: Any) -> None:
+            self.rejections.reject(error, where="resource graph", source=subkey)
+
+        return live_records(found, run=run, now=time.time(), on_rejected=rejected)
 
     def peers(self, *, run: str | None = None, timeout_s: float = 10.0) -> list[ScoredPeer]:
         """Live peers (of ``run``, if given), scored against that run's requirements; best first."""
