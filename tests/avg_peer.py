@@ -1,6 +1,6 @@
 """One averaging peer as its own OS process, for tests that SIGKILL a peer mid-round.
 
-    python tests/avg_peer.py --initial-peers MADDR --index I --out DIR [--kill-phase send|reduce|matchmaking] [--prefix P]
+    python tests/avg_peer.py --initial-peers MADDR --index I --out DIR [--kill-phase send|reduce|matchmaking] [--prefix P] [--peers N]
 
 Averages torch.randn(numel) seeded by (seed, index) with weight index+1 (fp32, mean) and writes
 DIR/result{I}.safetensors plus DIR/record{I}.json. With --kill-phase it SIGKILLs itself there.
@@ -8,6 +8,7 @@ DIR/result{I}.safetensors plus DIR/record{I}.json. With --kill-phase it SIGKILLs
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -15,6 +16,16 @@ from safetensors.torch import save_file
 
 from averaging import AveragingConfig, FaultInjector, GroupAverager
 from bootstrap import start_dht, start_reaper, stop_dht
+
+
+def _wait_for_the_others(out_dir: Path, index: int, peers: int, timeout_s: float = 60.0) -> None:
+    """Start the round together: a peer that starts it late (a loaded machine) would draw another group."""
+    (out_dir / f"ready{index}").touch()
+    deadline = time.monotonic() + timeout_s
+    while not all((out_dir / f"ready{i}").exists() for i in range(peers)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not all {peers} peers were up within {timeout_s:.0f} s")
+        time.sleep(0.05)  # polling files with a deadline
 
 
 def main() -> None:
@@ -26,6 +37,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kill-phase", default=None)
     parser.add_argument("--prefix", default="killtest", help="the averaging key prefix (one per test)")
+    parser.add_argument("--peers", type=int, default=1, help="wait until this many peers are up in --out")
     args = parser.parse_args()
     start_reaper()
     dht = start_dht(args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
@@ -40,6 +52,7 @@ def main() -> None:
         codec="fp32",
     )
     averager = GroupAverager(dht, prefix=args.prefix, config=config)
+    _wait_for_the_others(Path(args.out), args.index, args.peers)
     if args.kill_phase:
         faults = FaultInjector()
         faults.attach(averager, f"peer{args.index}")

@@ -299,6 +299,8 @@ def test_sigkilled_peer_process_mid_round(bootstrap_node, tmp_path, phase):
                         str(tmp_path),
                         "--seed",
                         str(SEED),
+                        "--peers",
+                        str(NUM_PEERS),
                         *kill,
                     )
                 )
