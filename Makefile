@@ -4,9 +4,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO_ARGS ?=
-# `make test` runs on TEST_WORKERS pytest-xdist workers; 0 (the default) runs it in one process (~13 min).
-# TEST_WORKERS=2 takes ~9 min here, but the demo test still flaked in 2 of its last 5 clean-clone runs.
-TEST_WORKERS ?= 0
+# `make test` runs on TEST_WORKERS pytest-xdist workers (~9 min on 2 cores); 0 runs it in one process (~13 min).
+# Timed end-to-end tests (kills with deadlines) share one worker, so two of them never overlap.
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test bench bench-full lint clean
 

@@ -32,6 +32,7 @@ from bootstrap.records import (
     PeerRecord,
     RecordRejected,
     Requirements,
+    RunInfo,
     Software,
     live_records,
     record_rejections,
@@ -55,16 +56,9 @@ class ScoredPeer:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class RunSummary:
+class RunSummary(RunInfo):
     """An open run, as its live peers advertise it (majority for config, maximum for progress)."""
 
-    name: str
-    task: str
-    task_preset: str
-    config_digest: str
-    requirements: Requirements
-    round: int
-    step: int
     num_peers: int
     samples_per_s: float
     """Sum of the peers' measured throughput."""

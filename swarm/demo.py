@@ -38,7 +38,7 @@ class DemoConfig:
     duration: float = 120.0
     """Seconds of training, from the moment all peers are started. Longer on a loaded machine: the kill
     waits for the run's first round, and the replacement gets at least half of this after the kill and
-    up to all of it, until it has synced and averaged once."""
+    up to all of it, until it has synced, averaged once and holds its receipt of a sealed round."""
     out: str = "demo-out"
     """Output folder for logs, summary.json and loss.png."""
     task_preset: str = "tiny"
@@ -166,11 +166,13 @@ class _Swarm:
 
 
 def _caught_up(child: _Child) -> bool:
-    """Whether `child` loaded the run's state and then averaged in a group (its first receipt)."""
+    """Whether `child` loaded the run's state, averaged in a group and holds its verified receipt of
+    a sealed round (receipts come with the seal, after the round itself)."""
     events = read_events(child.events) if child.events else []
     joined = _last(events, "joined")
     grouped = any(e["event"] == "round" and (e.get("group_size") or 0) >= 2 for e in events)
-    return bool(joined and joined.get("state_loaded") and grouped)
+    receipted = any(e["event"] == "receipt" for e in events)
+    return bool(joined and joined.get("state_loaded") and grouped and receipted)
 
 
 def _last_round(children: list[_Child]) -> int:
