@@ -5,11 +5,14 @@ grouped, the benchmark counts grouped rounds (a peer's round whose group had >= 
 the peers) in consecutive windows of ``--window-s`` seconds:
 
 * ``clean``: no adversary;
-* ``outsider``: a plain hivemind DHT node (no Swarm code, no validator) writes ``--fakes`` fake
-  candidates to the run's matchmaking key twice a second (issue 15's measured attack: before signed
-  entries the peers' 51 grouped rounds in a minute fell to 4);
+* ``outsider``: a plain hivemind DHT node (no Swarm code, no validator) writes, twice a second,
+  ``--fakes`` fake candidates to the run's matchmaking key and fake status and manifest-index entries
+  under the same peer IDs, and a plain value over each of the three keys (to hide them); issue 15's
+  measured attack: before signed entries the peers' 51 grouped rounds in a minute fell to 4. Swarm
+  nodes refuse all of it (bootstrap.owned: no record that its subkey's owner did not sign);
 * ``sybils``: ``--fakes`` real Ed25519 identities with valid capability records of the run write
-  signed matchmaking entries twice a second and never join a group;
+  signed matchmaking entries twice a second, through a DHT node that owner-signs for them, and never
+  join a group;
 * ``clean again``: no adversary, to see the drift of the machine over the run.
 
 Each adversary window reports its ratio to the mean of the two clean windows. Prints a table and
@@ -41,9 +44,12 @@ from averaging.membership import sign_entry
 from benchmarks._common import run_metadata, save_result, signals_unwind, start_bootstrap_node
 from benchmarks.netlab import loopback_lab
 from bootstrap.identity import Identity
+from bootstrap.owned import OwnerBoundValidator
 from bootstrap.records import PEERS_KEY, sign_record
 from peers.testing import make_record
+from swarm.checkpoint.gossip import index_key
 from swarm.events import read_events
+from swarm.status import status_key
 
 RESULTS = Path(__file__).parent / "results" / "adversary.json"
 _PEERS = 3
@@ -53,11 +59,17 @@ _RECORD_LIFETIME_S = 120
 
 
 class Adversary:
-    """Writes fake or Sybil entries under the run's matchmaking key from a plain hivemind node, in a thread."""
+    """Writes fake or Sybil entries under the run's keys from its own hivemind node, in a thread."""
 
-    def __init__(self, dht: hivemind.DHT, run: str, kind: str, count: int) -> None:
-        self.dht, self.key, self.kind = dht, f"swarm_{run}.mm", kind
+    def __init__(self, initial_peers: list[str], run: str, kind: str, count: int) -> None:
+        self.key, self.kind = f"swarm_{run}.mm", kind
         self.identities = [Identity.generate() for _ in range(count)]
+        # an outsider's node checks and signs nothing; a Sybil's node owner-signs for its keys
+        validators = [OwnerBoundValidator(*self.identities)] if kind == "sybils" else []
+        self.dht = hivemind.DHT(
+            initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, record_validators=validators
+        )
+        self.hidden_keys = (self.key, status_key(run), index_key(run))
         self.run, self.writes = run, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"adversary-{kind}", daemon=True)
@@ -72,6 +84,7 @@ class Adversary:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        self.dht.shutdown()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -81,7 +94,15 @@ class Adversary:
                     value: Any = sign_entry(identity, self.key, bandwidth_class=0, region="", expires_at=expiration)
                 else:  # what an outsider can write: entries under peer IDs that look real, signed by no one
                     value = {"t": time.time(), "c": 0, "r": ""}
+                    for key in self.hidden_keys[1:]:
+                        fake = {"p": b"{}", "s": b"\0" * 64}
+                        self.dht.store(
+                            key, fake, expiration_time=expiration, subkey=identity.peer_id, return_future=True
+                        )
                 self.dht.store(self.key, value, expiration_time=expiration, subkey=identity.peer_id, return_future=True)
+            if self.kind == "outsider":  # a plain value with a later expiry would replace a whole dictionary
+                for key in self.hidden_keys:
+                    self.dht.store(key, "hidden", expiration_time=expiration + 60, return_future=True)
             self.writes += 1
             self._stop.wait(_WRITE_EVERY_S)
 
@@ -148,23 +169,21 @@ def run(*, window_s: float, fakes: int, work: Path, console: Console, peer_flags
                 raise RuntimeError(f"the peers did not all group within 240 s; see the logs in {work}")
             time.sleep(1.0)
         console.print("every peer has grouped; measuring")
-        dht = hivemind.DHT(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-        try:
-            for name in ("clean", "outsider", "sybils", "clean again"):
-                adversary = Adversary(dht, run_name, name, fakes) if name in ("outsider", "sybils") else None
+        for name in ("clean", "outsider", "sybils", "clean again"):
+            adversary = Adversary(maddrs, run_name, name, fakes) if name in ("outsider", "sybils") else None
+            try:
                 if adversary is not None:
                     adversary.start()
                 start = time.time()
                 time.sleep(window_s)  # the window's wall-clock length is what is measured
                 end = time.time()
+            finally:
                 if adversary is not None:
                     adversary.stop()
-                counts = _grouped(work, start, end)
-                per_min = sum(counts) * 60 / (end - start)
-                windows.append({"window": name, "grouped_per_peer": counts, "grouped_per_min": per_min})
-                console.print(f"  {name}: {counts} grouped rounds per peer, {per_min:.1f} per minute")
-        finally:
-            dht.shutdown()
+            counts = _grouped(work, start, end)
+            per_min = sum(counts) * 60 / (end - start)
+            windows.append({"window": name, "grouped_per_peer": counts, "grouped_per_min": per_min})
+            console.print(f"  {name}: {counts} grouped rounds per peer, {per_min:.1f} per minute")
     clean = statistics.mean(w["grouped_per_min"] for w in windows if w["window"].startswith("clean"))
     for w in windows:
         w["ratio_to_clean"] = w["grouped_per_min"] / clean if clean else None

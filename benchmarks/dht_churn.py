@@ -9,7 +9,7 @@ own DHT process and p2pd, started by `bootstrap.network.start_swarm_dht` with it
 a signed capability record with `peers.Advertiser`; their advertisers live in this process, as in
 benchmarks.peers_graph. All peers join through the bootstrap node.
 
-1. ``--keys`` plain key/values are stored, key i by peer i mod N; ``--baseline-lookups`` lookups
+1. ``--keys`` key/values are stored (under the writer's subkey), key i by peer i mod N; ``--baseline-lookups`` lookups
    measure the DHT before any fault (a control, not a check).
 2. A crash: ``--kill-fraction`` of the peers (at least one) are SIGKILLed at once, each its DHT process
    and its p2pd together: what the others see when the machine under a peer dies. Nothing withdraws
@@ -326,12 +326,14 @@ def _seen(peer: _Peer, timeout_s: float) -> set[str] | None:
 
 
 def _store_keys(peers: list[_Peer], num_keys: int, token: str, timeout_s: float) -> dict[str, str]:
-    """Store ``num_keys`` key/values, key i by peer i mod N; the keys that were stored, with their values."""
+    """Store ``num_keys`` key/values, key i by peer i mod N under its own subkey (every Swarm record is
+    owner-bound, bootstrap.owned); the keys that were stored, with their values."""
     expiration = get_dht_time() + _KEY_TTL_S
     futures = []
     for i in range(num_keys):
-        key, value = f"dht-churn/{token}/key{i}", f"value {i} of {token}"
-        futures.append((key, value, peers[i % len(peers)].dht.store(key, value, expiration, return_future=True)))
+        key, value, writer = f"dht-churn/{token}/key{i}", f"value {i} of {token}", peers[i % len(peers)]
+        future = writer.dht.store(key, value, expiration, subkey=writer.identity.peer_id, return_future=True)
+        futures.append((key, value, future))
     stored, deadline = {}, time.monotonic() + timeout_s
     for key, value, future in futures:
         with contextlib.suppress(Exception):
@@ -356,7 +358,8 @@ def _lookups(
         for reader, key, future, started, done_at in batch:
             try:
                 found = future.result(timeout=max(0.0, started + timeout_s - time.monotonic()))
-                outcome = "missing" if found is None else "found" if found.value == expected[key] else "wrong_value"
+                values = [v.value for v in found.value.values()] if found and isinstance(found.value, dict) else []
+                outcome = "missing" if found is None else "found" if values == [expected[key]] else "wrong_value"
             except TimeoutError:
                 outcome = "timeout"
                 future.cancel()

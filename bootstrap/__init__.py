@@ -17,6 +17,8 @@ Owns
   * config dataclasses mapped one-to-one onto command-line flags (`cli`);
   * signed capability records and their DHT validator (`records`): every Swarm DHT node, this one
     included, refuses a forged or replayed capability record;
+  * owner-bound DHT records (`owned.OwnerBoundValidator`): every record a Swarm node stores or reads
+    sits under its writer's peer ID and is signed by it, so no one can forge, overwrite or hide another's;
   * the process-lifetime reaper (`lifetime`): children (DHT, averager, `p2pd`) die with their parent;
     and `StopSignal`, SIGINT/SIGTERM as a stop request every entry point uses;
   * the Prometheus endpoint (`metrics`): `serve_metrics` for any component's private registry, and

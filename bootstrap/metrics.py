@@ -15,7 +15,7 @@ Metrics of the bootstrap node (names are stable: dashboards and tests rely on th
 |------------------------------------------------|---------|----------------------------------------------------------|
 | `swarm_bootstrap_peers_known`                  | gauge   | other DHT nodes in the node's routing table              |
 | `swarm_bootstrap_uptime_seconds`               | gauge   | seconds since the node started (computed at scrape time) |
-| `swarm_bootstrap_record_rejections_total{reason}` | counter | capability records the node's validator refused, by reason |
+| `swarm_bootstrap_record_rejections_total{reason}` | counter | records the node's validators refused, by reason (`not owned: ...`: bootstrap.owned) |
 
 The peer count and the rejections live in the DHT process; the node fetches them every few seconds
 (`BootstrapMetrics.start_refresh`), not on each scrape, so scrapes never wait on the DHT.

@@ -1,5 +1,7 @@
-"""Start the DHT of a Swarm process: its libp2p identity is the peer's Ed25519 key, and every
-capability record it stores or reads is checked by :class:`bootstrap.records.PeerRecordValidator`."""
+"""Start the DHT of a Swarm process: its libp2p identity is the peer's Ed25519 key, every record it
+stores or reads must be signed by its subkey's owner (:class:`bootstrap.owned.OwnerBoundValidator`,
+which signs this peer's own), and every capability record is checked by
+:class:`bootstrap.records.PeerRecordValidator`."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from hivemind import DHT
 
 from bootstrap import start_dht
 from bootstrap.identity import Identity
+from bootstrap.owned import OwnerBoundValidator
 from bootstrap.records import PeerRecordValidator
 
 
@@ -39,7 +42,7 @@ def start_swarm_dht(
             # hivemind's "is this identity taken" probe only understands RSA keys; Identity.lock()
             # guards against running one key twice on this machine instead.
             check_if_identity_free=False,
-            record_validators=[PeerRecordValidator()],
+            record_validators=[PeerRecordValidator(), OwnerBoundValidator(identity)],
             # UPnP/NAT-PMP port mapping only makes sense for a peer listening beyond loopback
             nat_port_map=not all(m.startswith(("/ip4/127.", "/ip6/::1/")) for m in host_maddrs),
         )

@@ -37,6 +37,7 @@ from bootstrap._private import procs
 from bootstrap.errors import StartError, one_line
 from bootstrap.lifetime import StopSignal, start_reaper
 from bootstrap.metrics import BootstrapMetrics
+from bootstrap.owned import OwnerBoundValidator, dht_owned_rejections
 from bootstrap.records import PeerRecordValidator, dht_record_rejections
 
 __all__ = [
@@ -579,7 +580,10 @@ def _start_metrics(dht: hivemind.DHT, config: BootstrapConfig) -> BootstrapMetri
 
     def sample() -> tuple[int, dict[str, int]]:
         timeout_s = _METRICS_REFRESH_S
-        return num_known_peers(dht, timeout_s=timeout_s), dht_record_rejections(dht, timeout_s=timeout_s)
+        rejected = dht_record_rejections(dht, timeout_s=timeout_s)
+        for reason, count in dht_owned_rejections(dht, timeout_s=timeout_s).items():
+            rejected[f"not owned: {reason}"] = count
+        return num_known_peers(dht, timeout_s=timeout_s), rejected
 
     metrics = BootstrapMetrics()
     server = metrics.serve(port=config.metrics_port, host=config.metrics_host)
@@ -600,7 +604,8 @@ def run(config: BootstrapConfig) -> int:
         if os.path.lexists(config.identity.expanduser()):
             check_identity_file(config.identity)  # fail on a bad identity before spawning anything
         start_reaper()
-        # the bootstrap node stores records like any DHT node: it enforces the capability-record rules too
+        # the bootstrap node stores records like any DHT node: it enforces owner-bound records and the
+        # capability-record rules too
         dht = start_dht(
             config.initial_peers,
             host_maddrs=config.host_maddrs,
@@ -608,7 +613,7 @@ def run(config: BootstrapConfig) -> int:
             identity_path=config.identity,
             connect_timeout_s=config.connect_timeout_s,
             nat_port_map=config.nat_port_map,
-            record_validators=[PeerRecordValidator()],
+            record_validators=[PeerRecordValidator(), OwnerBoundValidator()],
             cancel=stop.event,
         )
         # after the DHT: its forked process would otherwise inherit the listening socket

@@ -26,6 +26,7 @@ from helpers import (
 )
 from hivemind.utils.timed_storage import get_dht_time
 
+from bootstrap.identity import Identity
 from bootstrap.node import (
     BootstrapConfig,
     build_parser,
@@ -41,6 +42,7 @@ from bootstrap.node import (
     stop_dht,
     visible_maddrs,
 )
+from bootstrap.owned import OwnerBoundValidator
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 # every DHT in these tests stays on loopback: no UPnP/NAT-PMP probes of the local network
@@ -165,16 +167,24 @@ def test_identity_file_open_to_others_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_two_plain_hivemind_clients_store_and_get_through_the_bootstrap(tmp_path: Path) -> None:
+def test_two_hivemind_clients_store_and_get_through_the_bootstrap(tmp_path: Path) -> None:
+    """Client-mode hivemind DHTs store only on the bootstrap node; it keeps what the writer signed for its
+    own subkey (bootstrap.owned) and refuses a plain value."""
     node = start_bootstrap(tmp_path / "bootstrap.id", extra=["--refresh-period-s", "0.5"])
     writer = reader = None
+    owner = Identity.generate()
     try:
-        writer = hivemind.DHT(initial_peers=node.maddrs, start=True, **CLIENT_KWARGS)
-        reader = hivemind.DHT(initial_peers=node.maddrs, start=True, **CLIENT_KWARGS)
+        writer = hivemind.DHT(
+            initial_peers=node.maddrs, start=True, record_validators=[OwnerBoundValidator(owner)], **CLIENT_KWARGS
+        )
+        reader = hivemind.DHT(
+            initial_peers=node.maddrs, start=True, record_validators=[OwnerBoundValidator()], **CLIENT_KWARGS
+        )
         expiration = get_dht_time() + 60
-        assert writer.store("swarm-test-key", {"answer": 42}, expiration_time=expiration)
+        assert writer.store("swarm-test-key", {"answer": 42}, expiration_time=expiration, subkey=owner.peer_id)
+        assert not writer.store("swarm-test-key", {"answer": 0}, expiration_time=expiration + 1)
         found = reader.get("swarm-test-key", latest=True)
-        assert found is not None and found.value == {"answer": 42}
+        assert found is not None and {k: v.value for k, v in found.value.items()} == {owner.peer_id: {"answer": 42}}
         # the node's periodic log sees both clients
         read_line_matching(node.child, r"\b2 known DHT peers", timeout_s=20, stream="stderr")
     finally:

@@ -25,6 +25,7 @@ from bootstrap import stop_dht
 from bootstrap.cli import dataclass_flags
 from bootstrap.identity import Identity
 from bootstrap.network import start_swarm_dht
+from bootstrap.owned import OwnerBoundValidator
 from peers import PEERS_KEY, Advertiser, sign_record
 from peers.testing import make_record, record_builder
 from swarm.checkpoint.gossip import index_key
@@ -533,10 +534,16 @@ def live_board(bootstrap_node):
             timeout_s=20,
             message="the status with both events published",
         )
+        # under the victim's subkey the DHT itself refuses it (owner-bound records, tests/test_owned.py);
+        # an insider may write its own subkey, so the reader re-verifies the status inside: a forged one
         payload = _status(victim).payload()
         forged = {"p": payload, "s": attacker.sign(kind=STATUS_KIND, run_id=RUN, payload=payload)}
-        assert dht.store(status_key(RUN), forged, expiration_time=time.time() + 60, subkey=victim.peer_id)
-        yield SimpleNamespace(maddrs=bootstrap_node, ident=ident, victim=victim, group=group)
+        assert not dht.store(status_key(RUN), forged, expiration_time=time.time() + 60, subkey=victim.peer_id)
+        dht.add_validators([OwnerBoundValidator(attacker)])
+        payload = _status(attacker).payload()
+        forged = {"p": payload, "s": victim.sign(kind=STATUS_KIND, run_id=RUN, payload=payload)}
+        assert dht.store(status_key(RUN), forged, expiration_time=time.time() + 60, subkey=attacker.peer_id)
+        yield SimpleNamespace(maddrs=bootstrap_node, ident=ident, victim=victim, attacker=attacker, group=group)
     finally:
         for part in (publisher, advertiser):
             if part is not None:
@@ -574,6 +581,7 @@ def test_cli_once_json_shows_the_published_peer_and_not_the_forgery(live_board):
     }
     assert board["rejected"] == {"bad signature": 1}, "the forged entry must be refused and counted"
     assert live_board.victim.peer_id not in json.dumps(board["peers"])
+    assert live_board.attacker.peer_id not in json.dumps(board["peers"])
     assert board["progress"]["num_peers"] == 1 and board["errors"] == []
 
 
