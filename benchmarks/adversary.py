@@ -10,9 +10,13 @@ the peers) in consecutive windows of ``--window-s`` seconds:
   under the same peer IDs, and a plain value over each of the three keys (to hide them); issue 15's
   measured attack: before signed entries the peers' 51 grouped rounds in a minute fell to 4. Swarm
   nodes refuse all of it (bootstrap.owned: no record that its subkey's owner did not sign);
+* ``outsider-mm``: the same outsider on the matchmaking key only (what issue 15 measured);
 * ``sybils``: ``--fakes`` real Ed25519 identities with valid capability records of the run write
   signed matchmaking entries twice a second, through a DHT node that owner-signs for them, and never
   join a group;
+* ``cpu control``: no adversary, but a process that spins as many cores as the outsider's DHT node and
+  p2pd used in the ``outsider`` window (the adversary runs on the same 2 cores): the outsider's cost
+  beyond the CPU it takes from the machine is its ratio to this window;
 * ``clean again``: no adversary, to see the drift of the machine over the run.
 
 Each adversary window reports its ratio to the mean of the two clean windows. Prints a table and
@@ -25,9 +29,11 @@ writes JSON (default benchmarks/results/adversary.json)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -36,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import hivemind
+import psutil
 from hivemind.utils.timed_storage import get_dht_time
 from rich.console import Console
 from rich.table import Table
@@ -84,7 +91,20 @@ class Adversary:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        self.cpu_s = self._cpu_s()
         self.dht.shutdown()
+
+    def _cpu_s(self) -> float:
+        """CPU seconds of the adversary's DHT process and its p2pd so far (they share the 2 cores)."""
+        total = 0.0
+        try:
+            root = psutil.Process(self.dht.pid)
+            for proc in [root, *root.children(recursive=True)]:
+                times = proc.cpu_times()
+                total += times.user + times.system
+        except psutil.Error:
+            pass
+        return total
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -94,7 +114,7 @@ class Adversary:
                     value: Any = sign_entry(identity, self.key, bandwidth_class=0, region="", expires_at=expiration)
                 else:  # what an outsider can write: entries under peer IDs that look real, signed by no one
                     value = {"t": time.time(), "c": 0, "r": ""}
-                    for key in self.hidden_keys[1:]:
+                    for key in self.hidden_keys[1:] if self.kind == "outsider" else ():
                         fake = {"p": b"{}", "s": b"\0" * 64}
                         self.dht.store(
                             key, fake, expiration_time=expiration, subkey=identity.peer_id, return_future=True
@@ -154,7 +174,40 @@ def _grouped(work: Path, start: float, end: float) -> list[int]:
     return counts
 
 
-def run(*, window_s: float, fakes: int, work: Path, console: Console, peer_flags: list[str]) -> dict[str, Any]:
+WINDOWS = ("clean", "outsider-mm", "outsider", "cpu control", "sybils", "clean again")
+_BURN = """
+import sys, time
+share = float(sys.argv[1])
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < 0.01 * share:
+        pass
+    time.sleep(0.01 * (1 - share))
+"""
+
+
+class _Burner:
+    """A process that keeps ``cores`` (<= 1) of a core busy, in 10 ms slices."""
+
+    def __init__(self, cores: float) -> None:
+        self.cores = min(1.0, max(0.0, cores))
+        self.cpu_s = 0.0
+        self._proc = subprocess.Popen([sys.executable, "-c", _BURN, str(self.cores)])
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        with contextlib.suppress(psutil.Error):
+            times = psutil.Process(self._proc.pid).cpu_times()
+            self.cpu_s = times.user + times.system
+        self._proc.kill()
+        self._proc.wait(timeout=10)
+
+
+def run(
+    *, window_s: float, fakes: int, work: Path, console: Console, peer_flags: list[str], windows_run=WINDOWS
+) -> dict[str, Any]:
     run_name = "adversary"
     windows: list[dict[str, Any]] = []
     with loopback_lab(_PEERS + 1) as lab:
@@ -169,8 +222,13 @@ def run(*, window_s: float, fakes: int, work: Path, console: Console, peer_flags
                 raise RuntimeError(f"the peers did not all group within 240 s; see the logs in {work}")
             time.sleep(1.0)
         console.print("every peer has grouped; measuring")
-        for name in ("clean", "outsider", "sybils", "clean again"):
-            adversary = Adversary(maddrs, run_name, name, fakes) if name in ("outsider", "sybils") else None
+        for name in windows_run:
+            adversary: Adversary | _Burner | None = None
+            if name == "cpu control":
+                outsider = [w for w in windows if w["window"] == "outsider"]
+                adversary = _Burner(outsider[-1]["adversary_cpu_cores"] if outsider else 0.5)
+            elif not name.startswith("clean"):
+                adversary = Adversary(maddrs, run_name, name, fakes)
             try:
                 if adversary is not None:
                     adversary.start()
@@ -182,8 +240,13 @@ def run(*, window_s: float, fakes: int, work: Path, console: Console, peer_flags
                     adversary.stop()
             counts = _grouped(work, start, end)
             per_min = sum(counts) * 60 / (end - start)
-            windows.append({"window": name, "grouped_per_peer": counts, "grouped_per_min": per_min})
-            console.print(f"  {name}: {counts} grouped rounds per peer, {per_min:.1f} per minute")
+            cpu = adversary.cpu_s / (end - start) if adversary is not None else 0.0
+            windows.append(
+                {"window": name, "grouped_per_peer": counts, "grouped_per_min": per_min, "adversary_cpu_cores": cpu}
+            )
+            console.print(
+                f"  {name}: {counts} grouped rounds per peer, {per_min:.1f} per minute; adversary {cpu:.2f} cores"
+            )
     clean = statistics.mean(w["grouped_per_min"] for w in windows if w["window"].startswith("clean"))
     for w in windows:
         w["ratio_to_clean"] = w["grouped_per_min"] / clean if clean else None
@@ -195,7 +258,7 @@ def print_table(result: dict[str, Any], console: Console) -> None:
     table = Table(
         title=f"grouped rounds per minute, {result['peers']} swarm.peer peers ({flags}), {result['fakes']} fakes"
     )
-    for column in ("window", "grouped rounds per peer", "per minute", "vs clean"):
+    for column in ("window", "grouped rounds per peer", "per minute", "vs clean", "adversary CPU (cores)"):
         table.add_column(column, justify="right")
     for w in result["windows"]:
         ratio = w["ratio_to_clean"]
@@ -204,6 +267,7 @@ def print_table(result: dict[str, Any], console: Console) -> None:
             str(w["grouped_per_peer"]),
             f"{w['grouped_per_min']:.1f}",
             "-" if ratio is None else f"{ratio:.2f}x",
+            f"{w.get('adversary_cpu_cores', 0.0):.2f}",
         )
     console.print(table)
 
@@ -214,13 +278,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fakes", type=int, default=24, help="fake candidates or Sybils (default: %(default)s)")
     parser.add_argument("--peer-flags", default="", help="extra swarm.peer flags, e.g. '--members-only --suspect-s 30'")
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON result (default: %(default)s)")
+    parser.add_argument(
+        "--windows", default=",".join(WINDOWS), help="comma-separated windows, in order (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
     console = Console()
     work = Path(tempfile.mkdtemp(prefix="swarm-adversary-"))
     try:
         with signals_unwind():
             flags = shlex.split(args.peer_flags)
-            result = run(window_s=args.window_s, fakes=args.fakes, work=work, console=console, peer_flags=flags)
+            names = tuple(n.strip() for n in args.windows.split(",") if n.strip())
+            unknown = [n for n in names if n not in WINDOWS]
+            if unknown or not any(n.startswith("clean") for n in names):
+                parser.error(f"--windows: need a clean window, and only {', '.join(WINDOWS)}; got {args.windows!r}")
+            result = run(
+                window_s=args.window_s,
+                fakes=args.fakes,
+                work=work,
+                console=console,
+                peer_flags=flags,
+                windows_run=names,
+            )
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted; logs kept in {work}[/]")
         return 130

@@ -161,7 +161,7 @@ PLAN: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
         [["--peers", "50"]],
     ),
     "dht_churn": ("benchmarks.dht_churn", [], [["--peers", "30", "--kill-fraction", "0.1", "--lookups", "300"]]),
-    # about 11 minutes: grouped rounds per minute beside an outsider and signed Sybils, defaults and hardened
+    # about 17 minutes: grouped rounds per minute beside an outsider and signed Sybils, defaults and hardened
     "adversary": (
         "benchmarks.adversary",
         [],

@@ -33,6 +33,7 @@ from averaging import GroupAverager
 from bootstrap import start_reaper, stop_dht
 from bootstrap.identity import Identity
 from bootstrap.network import start_swarm_dht
+from bootstrap.owned import OwnerBoundValidator
 from peers import ResourceGraph
 from swarm import rounds
 from swarm._private.divergence import DivergenceGuard
@@ -113,6 +114,8 @@ class Trainer:
             logger.warning(
                 "no ledger, record or checkpoints: the DHT's peer ID is not this trainer's identity (pass no dht=)"
             )
+        elif not self._owns_dht:  # a DHT passed in signs our records as start_swarm_dht's would (merged if it does)
+            self.dht.add_validators([OwnerBoundValidator(self.identity)])
         ledger_dir = cfg.checkpoint.ledger_dir if own else ""
         self.evidence = open_evidence(
             self.identity, run=cfg.run, task=task.name, ledger_dir=ledger_dir, metrics=cfg.metrics

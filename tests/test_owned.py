@@ -18,7 +18,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
-from bootstrap import stop_dht, visible_maddrs
+from bootstrap import start_dht, stop_dht, visible_maddrs
 from bootstrap.identity import Identity
 from bootstrap.network import start_swarm_dht
 from bootstrap.owned import OwnerBoundValidator, dht_owned_rejections
@@ -148,3 +148,50 @@ def test_an_outsider_can_neither_replace_nor_hide_a_peers_record(owner_bound):
     finally:
         for dht in reversed(dhts):
             stop_dht(dht)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.heavy(seconds=12)
+def test_a_trainer_on_a_dht_passed_in_signs_its_records(tmp_path):
+    """A DHT with the trainer's own key but none of our validators (a user's own hivemind.DHT): the
+    trainer adds the signer, so its records are kept by Swarm nodes; before that, they are refused."""
+    import torch
+
+    from swarm.trainer import Trainer
+
+    owner = Identity.generate()
+    reader = start_swarm_dht(Identity.generate(), host_maddrs=LOOPBACK)
+    trainer = None
+    with owner.libp2p_identity_file() as path:
+        dht = start_dht(
+            visible_maddrs(reader),
+            host_maddrs=LOOPBACK,
+            identity_path=path,
+            nat_port_map=False,
+            check_if_identity_free=False,
+        )
+    try:
+        expiration = get_dht_time() + 60
+        dht.store(KEY, {"before": 1}, expiration_time=expiration, subkey=owner.peer_id)  # the control: refused
+        before = reader.get(KEY, latest=True, return_future=True).result(timeout=30)
+        assert before is None or owner.peer_id not in before.value, before
+        assert dht_owned_rejections(reader).get("unsigned"), "the reader refused the unsigned record"
+        model = torch.nn.Linear(4, 2)
+        trainer = Trainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            run="own-dht",
+            dht=dht,
+            identity=owner,
+            checkpoint_dir=str(tmp_path / "ck"),
+            ledger_dir=str(tmp_path / "ledgers"),
+            load_state=False,
+        )
+        assert dht.store(KEY, {"after": 1}, expiration_time=expiration + 1, subkey=owner.peer_id)
+        found = reader.get(KEY, latest=True, return_future=True).result(timeout=30)
+        assert found is not None and {k: v.value for k, v in found.value.items()} == {owner.peer_id: {"after": 1}}
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        stop_dht(dht)
+        stop_dht(reader)
