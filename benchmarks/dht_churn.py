@@ -106,6 +106,10 @@ class DHTChurnConfig:
     """Bound of every other wait (bootstrap start, all records visible, processes gone, the join)."""
     min_rate: float = 0.99
     """Pass mark of every success rate and completeness."""
+    wait_timeout_s: float = 3.0
+    """hivemind's RPC timeout in every peer's DHT node (its default: 3 s); a frozen peer costs this per RPC."""
+    blacklist_s: float = 5.0
+    """How long every peer's DHT node skips a peer that did not answer (hivemind's default: 5 s, doubling)."""
     seed: int = 0
     """Seed of the victims, readers and the peer the late joiner joins through."""
 
@@ -119,6 +123,8 @@ class DHTChurnConfig:
         for name in ("keys", "lookups", "queries", "parallel"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if not (0 < self.wait_timeout_s and 0 <= self.blacklist_s):
+            raise ValueError(f"wait_timeout_s must be > 0 and blacklist_s >= 0, got {self}")
         if self.baseline_lookups < 0:
             raise ValueError(f"baseline_lookups must be >= 0, got {self.baseline_lookups!r}")
         if not 0 < self.refresh_s < self.expiry_s:
@@ -303,7 +309,12 @@ def _fault_landed(procs: list[psutil.Process], death: str) -> bool:
 def _start_peer(name: str, initial_peers: Sequence[str], config: DHTChurnConfig) -> _Peer:
     identity = Identity.generate()
     dht = start_swarm_dht(
-        identity, initial_peers=initial_peers, host_maddrs=LOOPBACK, connect_timeout_s=config.phase_timeout_s
+        identity,
+        initial_peers=initial_peers,
+        host_maddrs=LOOPBACK,
+        connect_timeout_s=config.phase_timeout_s,
+        wait_timeout=config.wait_timeout_s,
+        blacklist_time=config.blacklist_s,
     )
     peer = _Peer(name=name, identity=identity, dht=dht, graph=ResourceGraph(dht))
     try:

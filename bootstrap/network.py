@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from hivemind import DHT
 
@@ -25,10 +26,12 @@ def start_swarm_dht(
     connect_timeout_s: float = 30.0,
     client_mode: bool = False,
     cancel: threading.Event | None = None,
+    **dht_kwargs: Any,
 ) -> DHT:
     """A started DHT whose peer ID is ``identity.peer_id``; raises bootstrap.DHTStartError on failure.
 
     `cancel` as in `start_dht`: once set, the start-up wait gives up and raises KeyboardInterrupt.
+    `dht_kwargs` go on to hivemind's DHTNode (e.g. `wait_timeout`, `blacklist_time`).
     """
     with identity.libp2p_identity_file() as identity_path:
         return start_dht(
@@ -45,4 +48,5 @@ def start_swarm_dht(
             record_validators=[PeerRecordValidator(), OwnerBoundValidator(identity)],
             # UPnP/NAT-PMP port mapping only makes sense for a peer listening beyond loopback
             nat_port_map=not all(m.startswith(("/ip4/127.", "/ip6/::1/")) for m in host_maddrs),
+            **dht_kwargs,
         )
