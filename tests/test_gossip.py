@@ -100,7 +100,11 @@ def test_a_peer_that_was_away_finds_the_newest_manifest_in_the_index(swarm_of_go
     dhts, gossips = swarm_of_gossips
     signers = [Identity.generate(), Identity.generate()]
     assert gossips[0].publish(sealed_manifest(9, signers))
-    wait_until(lambda: all(g.newest[0] == 9 for g in gossips), timeout_s=30, message="step 9 everywhere")
+    wait_until(
+        lambda: all(g.newest is not None and g.newest[0] == 9 for g in gossips),
+        timeout_s=30,
+        message="step 9 everywhere",
+    )
     late_dht = start_dht(visible_maddrs(dhts[0]), host_maddrs=LOOPBACK, nat_port_map=False)
     late = ManifestGossip(late_dht, run_id=RUN, verify=verify, peers=lambda: [])
     try:
@@ -120,7 +124,11 @@ def test_a_manifest_is_never_pushed_to_the_group_that_sealed_it(swarm_of_gossips
         g.holders = lambda data: holders
     try:
         assert gossips[0].publish(sealed_manifest(11, [Identity.generate(), Identity.generate()]))
-        wait_until(lambda: all(g.newest[0] == 11 for g in gossips[:4]), timeout_s=30, message="step 11 spread")
+        wait_until(
+            lambda: all(g.newest is not None and g.newest[0] == 11 for g in gossips[:4]),
+            timeout_s=30,
+            message="step 11 spread",
+        )
         wait_until(lambda: not any(g._forwarding for g in gossips), timeout_s=30, message="forwards in flight")
         assert sum(g.received - r for g, r in zip(gossips[1:4], received[1:4])) >= 3  # the others were pushed it
         assert [g.received - r for g, r in zip(gossips[4:], received[4:])] == [0] * 4  # the holders never
