@@ -36,12 +36,14 @@ from hivemind.utils.serializer import MSGPackSerializer
 from bootstrap.envelope import RejectionLog
 from bootstrap.errors import Rejected
 from bootstrap.identity import Identity, public_key_from_peer_id, verify
-from bootstrap.records import PEERS_KEY
+from bootstrap.records import PEERS_KEY, validator_rejections
 
 OWNED_KIND = "swarm/dht-record"
 _SIGNATURE_BYTES = 64
 _CACHE_SIZE = 4096
 """Verified records remembered, so that a key polled many times a second is not verified each time."""
+_CAPABILITY_KEY = DHTID.generate(source=PEERS_KEY).to_bytes()
+"""The capability records' key: they carry their own owner-bound signature (PeerRecordValidator)."""
 _REGULAR_VALUE = MSGPackSerializer.dumps(None)
 """hivemind's subkey marker for a plain (subkey-less) value."""
 
@@ -57,8 +59,8 @@ def owned_rejections() -> RejectionLog:
 
 
 def _message(record: DHTRecord, value: bytes) -> bytes:
-    """What is signed: subkey and value length-prefixed, the expiry as sent (a double), in one run id
-    that is the key's DHT id, so the record cannot be moved to another key."""
+    """What is signed (with the key's DHT id as run id, so the record cannot move to another key): the
+    length-prefixed subkey, the expiry as sent (a double), then the value."""
     return b"".join(
         [struct.pack(">I", len(record.subkey)), record.subkey, struct.pack(">d", record.expiration_time), value]
     )
@@ -70,17 +72,16 @@ class OwnerBoundValidator(RecordValidatorBase):
     Validators of this class merge: adding one to a DHT that has one already adds its identities.
     """
 
-    def __init__(self, *identities: Identity, exempt_keys: tuple[str, ...] = ()) -> None:
+    def __init__(self, *identities: Identity) -> None:
         self._identities = {identity.peer_id: identity for identity in identities}
-        self._exempt = {DHTID.generate(source=key).to_bytes() for key in (PEERS_KEY, *exempt_keys)}
         self._verified: OrderedDict[tuple[bytes, bytes, bytes, float], None] = OrderedDict()
         self.rejections = owned_rejections()
 
     def __getstate__(self) -> dict:  # add_validators sends us to the DHT's process (a local pipe)
-        return {"identities": self._identities, "exempt": self._exempt}
+        return {"identities": self._identities}
 
     def __setstate__(self, state: dict) -> None:
-        self._identities, self._exempt = state["identities"], state["exempt"]
+        self._identities = state["identities"]
         self._verified, self.rejections = OrderedDict(), owned_rejections()
 
     @property
@@ -91,7 +92,6 @@ class OwnerBoundValidator(RecordValidatorBase):
         if not isinstance(other, OwnerBoundValidator):
             return False
         self._identities.update(other._identities)
-        self._exempt |= other._exempt
         return True
 
     def _signer(self, subkey: bytes) -> Identity | None:
@@ -102,7 +102,7 @@ class OwnerBoundValidator(RecordValidatorBase):
         return self._identities.get(peer_id) if isinstance(peer_id, str) else None
 
     def sign_value(self, record: DHTRecord) -> bytes:
-        if record.key in self._exempt:
+        if record.key == _CAPABILITY_KEY:
             return record.value
         identity = self._signer(record.subkey)
         if identity is None:  # not ours to sign: validate() refuses it, here and on every other node
@@ -111,12 +111,12 @@ class OwnerBoundValidator(RecordValidatorBase):
         return record.value + identity.sign(kind=OWNED_KIND, run_id=record.key.hex(), payload=payload)
 
     def strip_value(self, record: DHTRecord) -> bytes:
-        if record.key in self._exempt:
+        if record.key == _CAPABILITY_KEY:
             return record.value
         return record.value[:-_SIGNATURE_BYTES]
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key in self._exempt:
+        if record.key == _CAPABILITY_KEY:
             return True
         cache_key = (record.key, record.subkey, record.value, record.expiration_time)
         if cache_key in self._verified:
@@ -159,14 +159,6 @@ class OwnerBoundValidator(RecordValidatorBase):
             raise RecordNotOwned("bad signature", f"not signed by {peer_id}")
 
 
-async def _owned_rejections_in_node(_dht: Any, node: Any) -> dict[str, int]:
-    validator = node.protocol.record_validator
-    for candidate in getattr(validator, "_validators", [validator]):
-        if isinstance(candidate, OwnerBoundValidator):
-            return dict(candidate.rejections.counts)
-    return {}
-
-
 def dht_owned_rejections(dht: Any, *, timeout_s: float = 10.0) -> dict[str, int]:
     """Records this DHT node's :class:`OwnerBoundValidator` refused (on store or on get), by reason."""
-    return dht.run_coroutine(_owned_rejections_in_node, return_future=True).result(timeout=timeout_s)
+    return validator_rejections(dht, OwnerBoundValidator, timeout_s=timeout_s)

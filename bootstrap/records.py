@@ -18,6 +18,7 @@ is refused outright once expired.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -297,15 +298,22 @@ class PeerRecordValidator(RecordValidatorBase):
         return isinstance(other, PeerRecordValidator)
 
 
-async def _rejections_in_node(_dht: Any, node: Any) -> dict[str, int]:
+async def _rejections_in_node(_dht: Any, node: Any, kind: type) -> dict[str, int]:
     validator = node.protocol.record_validator
     # hivemind wraps several validators in a CompositeValidator; look inside it
     for candidate in getattr(validator, "_validators", [validator]):
-        if isinstance(candidate, PeerRecordValidator):
+        if isinstance(candidate, kind):
             return dict(candidate.rejections.counts)
     return {}
 
 
+def validator_rejections(dht: Any, kind: type, *, timeout_s: float = 10.0) -> dict[str, int]:
+    """What this DHT node's validator of class ``kind`` (one with a ``rejections`` RejectionLog) refused,
+    on store or on get, by reason; {} if the node has none."""
+    coroutine = functools.partial(_rejections_in_node, kind=kind)
+    return dht.run_coroutine(coroutine, return_future=True).result(timeout=timeout_s)
+
+
 def dht_record_rejections(dht: Any, *, timeout_s: float = 10.0) -> dict[str, int]:
     """Capability records that this DHT node's validator refused (on store or on get), by reason."""
-    return dht.run_coroutine(_rejections_in_node, return_future=True).result(timeout=timeout_s)
+    return validator_rejections(dht, PeerRecordValidator, timeout_s=timeout_s)
