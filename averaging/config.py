@@ -37,6 +37,10 @@ class AveragingConfig:
     """A candidate that was drawn and did not join, a leader that did not answer, or a member that failed
     the all-reduce, is not drawn for this long (doubling on each repeat, up to 16x; never a peer this one
     has averaged with); 0: off (the default, for the same reason as members_only)."""
+    guard_s: float = 60.0
+    """Signed Sybils' defence: after a drawn peer this one never averaged with fails to show, draw only
+    peers it has history with for this long (doubling while the flood lasts, up to 16x); see
+    averaging.membership. 0: off."""
     max_attempts: int = 3
     """All-reduce attempts per round (a failed slice re-forms the group from the survivors)."""
     codec: Literal["fp32", "fp16", "int8"] = "int8"
@@ -67,8 +71,10 @@ class AveragingConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
-        if not (isinstance(self.suspect_s, (int, float)) and math.isfinite(self.suspect_s) and self.suspect_s >= 0):
-            raise ValueError(f"suspect_s must be a number >= 0, got {self.suspect_s!r}")
+        for name in ("suspect_s", "guard_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         if self.round_timeout_s <= self.matchmaking_time_s + self.join_timeout_s:
             raise ValueError(
                 f"round_timeout_s ({self.round_timeout_s!r}) must exceed matchmaking_time_s + join_timeout_s "

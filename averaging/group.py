@@ -8,7 +8,8 @@ updates mix across the swarm (Moshpit-style) -- and cut it into groups of at mos
 ``target_group_size``. The first member of each chunk leads: the others join it over a stream and it
 answers with the final membership (who actually joined) and everyone's gathered metadata. With the
 peer's identity, entries are owner-signed and the list is filtered first (averaging.membership): only
-signed entries of live members of the run, minus recent no-shows, are drawn.
+signed entries of live members of the run, minus recent no-shows, are drawn. While a flood of no-shows
+lasts, the guard draws only peers this one has history with (averaging.membership).
 
 All-reduce (butterfly). Member i reduces slice i: every member sends slice i of its vector to member
 i (encoded as fp32, fp16 or 8-bit), member i validates each part and aggregates the parts with a
@@ -33,7 +34,7 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +46,16 @@ from hivemind.utils.timed_storage import get_dht_time
 from averaging.aggregation import Contribution, aggregate
 from averaging.compression import get_codec, wire_bytes
 from averaging.config import AveragingConfig, RoundRecord
-from averaging.membership import JOIN_MIN_REFRESH_S, Admission, EntryRejected, parse_entry, sign_entry
+from averaging.membership import (
+    JOIN_MIN_REFRESH_S,
+    NEWCOMER_GRACE_S,
+    Admission,
+    EntryRejected,
+    Guard,
+    newcomer_slots,
+    parse_entry,
+    sign_entry,
+)
 from bootstrap.framing import ProtocolError, header_field, read_exactly, read_frame, write_frame
 from bootstrap.identity import Identity
 from bootstrap.runtime import Handler
@@ -159,7 +169,7 @@ class GroupAverager:
         self.dht, self.prefix, self.region = dht, prefix, (region or "")[:64]
         self.config = config or AveragingConfig()
         self.rejected: Counter = Counter()
-        self._admission = Admission(identity, run, self.config.suspect_s, self.rejected)
+        self._admission = Admission(identity, run, self.config.suspect_s, self.rejected, self.config.guard_s)
         self._bandwidth_mbps = bandwidth_mbps or (lambda: None)
         self.fault_hook: FaultHook | None = None
         self._dead = False
@@ -257,6 +267,16 @@ class GroupAverager:
         if current is not None:
             current.cancel()
 
+    def vouch(self, peers: Iterable[str]) -> None:
+        """``peers`` signed the sealed state this peer loaded: they count as peers with history when the
+        guard is up (see averaging.membership), so a newcomer finds the run's core during a flood."""
+        self._admission.prove(peers, own_round=False)
+
+    @property
+    def guard(self) -> Guard:
+        """The Sybil guard's state (read-only use: ``active()``, ``raised``, ``proven``)."""
+        return self._admission.guard
+
     def average_in_group(
         self, group: Group, tensor: torch.Tensor, *, weight: float, codec: str, timeout_s: float | None = None
     ) -> tuple[torch.Tensor | None, RoundRecord]:
@@ -316,7 +336,7 @@ class GroupAverager:
                     gathered={m: group.gathered.get(m) for m in survivors},
                 )
             if result is not None:
-                self._admission.suspects.prove(record.included)
+                self._admission.prove(record.included)
                 record.outcome = (
                     "retried"
                     if record.attempts > 1
@@ -360,14 +380,19 @@ class GroupAverager:
                 break
             previous = set(candidates)
         self._lonely = len(candidates) <= 1
-        chunk = next(c for c in draw_groups(candidates, cfg.target_group_size, cfg.min_group_size) if self.peer_id in c)
+        guard = self._admission.guard
+        drawn = guard.core(candidates, self.peer_id)
+        chunk = next(c for c in draw_groups(drawn, cfg.target_group_size, cfg.min_group_size) if self.peer_id in c)
         if len(chunk) < cfg.min_group_size:
             return None
         await self._fault("matchmaking", self.peer_id)
-        leader = sorted(chunk)[0]
+        guarded = drawn is not candidates  # drawn only from the peers with history (averaging.membership)
+        leader = guard.leader(chunk, self.peer_id) if guarded else sorted(chunk)[0]
         join_deadline = min(deadline, time.monotonic() + cfg.join_timeout_s)
         if leader == self.peer_id:
-            return await self._lead(frozenset(chunk) - {self.peer_id}, gather, record, join_deadline)
+            slots = newcomer_slots(cfg.target_group_size) if guarded else 0
+            newcomers = guard.knocked(set(candidates) - set(drawn), min(slots, cfg.target_group_size - len(chunk)))
+            return await self._lead(frozenset(chunk) - {self.peer_id}, gather, record, join_deadline, newcomers)
         return await self._follow(leader, gather, record, join_deadline)
 
     async def _read_candidates(self, key: str, my_class: tuple[str, int], suspects: set[str]) -> dict:
@@ -410,18 +435,29 @@ class GroupAverager:
             return value.get("r", "")[:64], value["c"]
         return None
 
-    async def _lead(self, expected: frozenset, gather: Any, record: RoundRecord, join_deadline: float) -> Group | None:
+    async def _lead(
+        self, expected: frozenset, gather: Any, record: RoundRecord, join_deadline: float, newcomers: frozenset
+    ) -> Group | None:
+        """Wait for the chunk's followers until ``join_deadline``, then (guarded) a short grace for the
+        ``newcomers`` that knocked lately, and answer everyone who joined with the final group."""
         lobby = _Lobby(expected=expected)
         lobby_id = self.peer_id
         self._lobbies[lobby_id] = lobby
         try:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(lobby.complete.wait(), max(0.0, join_deadline - time.monotonic()))
+            if newcomers - set(lobby.joined) and lobby.complete.is_set():
+                lobby.complete.clear()
+                lobby.expected = expected | newcomers
+                grace = min(NEWCOMER_GRACE_S, join_deadline - time.monotonic())
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(lobby.complete.wait(), max(0.0, grace))
+                lobby.expected = expected
             del self._lobbies[lobby_id]
             followers = sorted(lobby.joined)[: self.config.target_group_size - 1]
             for missing in expected - set(lobby.joined):
                 record.fail(missing, "matchmaking", "did not join its leader")
-                self._admission.suspects.add(missing)
+                self._admission.no_show(missing)
             if len(followers) + 1 < self.config.min_group_size:
                 lobby.final.set_result(None)
                 return None
@@ -448,7 +484,7 @@ class GroupAverager:
                     writer.close()
         except (asyncio.TimeoutError, ProtocolError, OSError, Exception) as e:
             record.fail(leader, "matchmaking", f"join failed: {e!r}"[:200])
-            self._admission.suspects.add(leader)  # a leader that does not answer costs us its join timeout once
+            self._admission.no_show(leader)  # a leader that does not answer costs us its join timeout once
             return None
         if reply.get("status") != "ok":
             record.fail(leader, "matchmaking", f"leader said {str(reply.get('status'))[:50]}")
@@ -485,9 +521,18 @@ class GroupAverager:
             lobby = self._lobbies.get(self.peer_id)
             if lobby is None:
                 await asyncio.sleep(0.05)
+        guard = self._admission.guard
         if lobby is None or lobby.final.done() or len(lobby.joined) >= self.config.target_group_size - 1:
+            if guard.active():
+                guard.knock(peer)  # live, and too late for this lobby: the next one waits a moment for it
             await write_frame(writer, {"status": "not leading"})
             return
+        if guard.active() and peer not in guard.proven:
+            newcomers = sum(1 for p in lobby.joined if p not in guard.proven)
+            if newcomers >= newcomer_slots(self.config.target_group_size):
+                self.rejected["join beyond the newcomer slots"] += 1
+                await write_frame(writer, {"status": "no newcomer slot"})
+                return
         lobby.joined[peer] = header.get("gather")
         if lobby.expected <= set(lobby.joined):
             lobby.complete.set()

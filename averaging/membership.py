@@ -15,12 +15,31 @@ Anyone can write to a DHT key, so a matchmaking key read as-is lets a stranger s
   (cached for `MEMBERS_TTL_S`, re-read at most every `MEMBERS_MIN_REFRESH_S` when an unknown
   candidate shows up, so a newcomer is drawn within a window or two).
 * **Suspects.** A candidate that was drawn and did not join its leader, a leader that did not
-  answer, or a member that joined and then failed the all-reduce, is not drawn (nor waited for) for `AveragingConfig.suspect_s`, doubling on each repeat
-  offence up to 16x, unless this peer has averaged with it before (members with history are never
-  suspected: their absence costs that round only, as before). A peer that never joins costs each
-  honest peer at most one join timeout per suspicion period, and a run of them (signed Sybils that
-  advertise and never join) costs at most one join timeout per round, for about
-  ceil(sybils / (target_group_size - 1)) rounds per period, with periods of 1, 2, 4, 8, 16x.
+  answer, or a member that joined and then failed the all-reduce, is not drawn (nor waited for) for
+  `AveragingConfig.suspect_s`, doubling on each repeat offence up to 16x, unless this peer has
+  averaged with it before (members with history are never suspected: their absence costs that round
+  only, as before). Off by default (see the config).
+
+**The guard: peers with history first** (on by default, `AveragingConfig.guard_s`). Signed Sybils
+(real keys with valid records that advertise and never join) defeat per-peer suspicion: each honest
+peer learns them one no-show at a time, and meanwhile the honest peers, diluted among dozens of
+candidates, are drawn into different chunks (24 Sybils beside 3 peers: 0.25x the grouped rounds).
+So a peer watches for the flood's signature instead, a drawn peer it has never averaged with that
+does not show (a no-show follower, or a leader that does not answer). That raises its guard for
+``guard_s`` (doubling on each raise within a period of the last, up to 16x). While raised, it draws
+only the candidates it has history with (``Guard.proven``: peers it averaged with, and the
+participants of the sealed checkpoint it loaded); honest peers of a run have averaged with each other,
+so they draw the same core and group as before. Others may still join a leader that has them in its
+chunk, at most ``max(1, target_group_size // 4)`` per group (``newcomer_slots``); a leader waits for
+none of them, except for ``NEWCOMER_GRACE_S`` after its core has joined for one that knocked lately
+(asked to join when the lobby was closed: it is live), once per knock. Leaders are the first member
+with history of each chunk, so a peer with no round of its own never leads while guarded. The bound, per honest peer:
+about one failed matchmaking attempt (a join timeout plus a window, 7 s at the defaults) per guard
+period while the flood lasts (periods of 60, 120, 240, 480, 960 s), whatever the number of Sybils;
+Sybils that do join get at most ``newcomer_slots`` places in a group and are then averaged with like
+anyone (bounded by the robust aggregator); Sybils that knock and then stay away cost at most
+``NEWCOMER_GRACE_S`` per knock, one knock per Sybil per leader round. The price: while guarded, groups do not mix across peers
+without a shared history, and a newcomer enters only through a proven leader's open slots.
 """
 
 from __future__ import annotations
@@ -40,6 +59,7 @@ ENTRY_KIND = "swarm/mm"
 MAX_ENTRY_BYTES = 512
 MEMBERS_TTL_S = 10.0
 MEMBERS_MIN_REFRESH_S = 1.0
+NEWCOMER_GRACE_S = 1.0
 JOIN_MIN_REFRESH_S = 0.25
 _MAX_SUSPICION_DOUBLINGS = 4
 _CLOCK_SKEW_S = 30.0
@@ -118,22 +138,16 @@ class RunMembers:
 class Suspects:
     """Peers not to draw for a while; each repeat offence doubles the period (up to 16x).
 
-    A peer this one has averaged with (``proven``) is never suspected: an honest member whose view of
+    A peer this one has averaged with (``proven``, shared with the Guard) is never suspected: an honest member whose view of
     the key differed for a window simply went to another leader, and its absence is that round's
     failure only. A suspect that asks to join this peer's group is live after all and is cleared.
     """
 
-    def __init__(self, period_s: float) -> None:
+    def __init__(self, period_s: float, proven: set[str]) -> None:
         self.period_s = period_s
         self._until: dict[str, float] = {}
         self._offences: Counter = Counter()
-        self._proven: set[str] = set()
-
-    def prove(self, peers: Iterable[str]) -> None:
-        for peer in peers:
-            if len(self._proven) < _MAX_TRACKED:
-                self._proven.add(peer)
-            self._until.pop(peer, None)
+        self._proven = proven
 
     def clear(self, peer: str) -> None:
         self._until.pop(peer, None)
@@ -154,13 +168,98 @@ class Suspects:
         return set(self._until)
 
 
+class Guard:
+    """The raised-guard state (see the module docstring): peers with history, and until when to draw
+    only them."""
+
+    def __init__(self, period_s: float) -> None:
+        self.period_s = period_s
+        self.proven: set[str] = set()
+        """Peers this one averaged with, and the participants of the sealed state it loaded."""
+        self.own_history = False
+        """True once this peer has averaged in a group."""
+        self.raised = 0
+        """How many times the guard was raised (for counters and tests)."""
+        self._until = -float("inf")
+        self._doublings = 0
+        self._knocked: dict[str, float] = {}
+
+    def prove(self, peers: Iterable[str], *, own_round: bool = True) -> None:
+        for peer in peers:
+            if len(self.proven) < _MAX_TRACKED:
+                self.proven.add(peer)
+        self.own_history = self.own_history or own_round
+
+    def alarm(self, peer: str) -> None:
+        """``peer`` was drawn and did not show: raise the guard if it is a peer without history."""
+        if peer in self.proven or self.period_s <= 0 or self.active():
+            return
+        now = time.monotonic()
+        again = now < self._until + self.period_s  # the flood went on past the last period: a longer one
+        self._doublings = min(self._doublings + 1, _MAX_SUSPICION_DOUBLINGS) if again else 0
+        self._until = now + self.period_s * 2**self._doublings
+        self.raised += 1
+
+    def active(self) -> bool:
+        return time.monotonic() < self._until
+
+    def knock(self, peer: str) -> None:
+        """``peer`` (without history) asked to join while this peer was not leading: it is live, so this
+        peer's next lobby waits ``NEWCOMER_GRACE_S`` for it (once: a knock is used up by that wait)."""
+        if peer not in self.proven and (peer in self._knocked or len(self._knocked) < _MAX_TRACKED):
+            self._knocked[peer] = time.monotonic() + self.period_s
+
+    def knocked(self, live: Iterable[str], slots: int) -> frozenset[str]:
+        """Up to ``slots`` of the peers that knocked lately and are in ``live``; their knocks are used up."""
+        now = time.monotonic()
+        self._knocked = {p: until for p, until in self._knocked.items() if until > now}
+        chosen = sorted(p for p in live if p in self._knocked)[:slots]
+        for peer in chosen:
+            del self._knocked[peer]
+        return frozenset(chosen)
+
+    def leader(self, chunk: list[str], me: str) -> str:
+        """The chunk's leader while the guard is up: the first member with history (this peer counts
+        once it has averaged), so newcomers in a chunk never change who leads."""
+        eligible = [p for p in chunk if p in self.proven or (p == me and self.own_history)]
+        return sorted(eligible or chunk)[0]
+
+    def core(self, candidates: dict[str, Any], me: str) -> dict[str, Any]:
+        """The candidates to draw from: all of them, or (guard up) this peer and its proven ones."""
+        if not self.active():
+            return candidates
+        core = {peer: c for peer, c in candidates.items() if peer == me or peer in self.proven}
+        return core if len(core) > 1 else candidates
+
+
+def newcomer_slots(target_group_size: int) -> int:
+    """Most peers without history a guarded leader admits into one group."""
+    return max(1, target_group_size // 4)
+
+
 class Admission:
     """Who a GroupAverager may draw and admit: its signing identity (None: unsigned entries, any
-    well-formed entry is drawn), the run's members (None: anyone) and its suspects."""
+    well-formed entry is drawn), the run's members (None: anyone), its suspects and its guard."""
 
-    def __init__(self, identity: Identity | None, run: str | None, suspect_s: float, rejected: Counter) -> None:
+    def __init__(
+        self, identity: Identity | None, run: str | None, suspect_s: float, rejected: Counter, guard_s: float = 0.0
+    ) -> None:
         if run is not None and identity is None:
             raise ValueError("drawing only members of a run needs signed entries: pass identity= too")
         self.identity = identity
         self.members = RunMembers(run, rejected) if run is not None else None
-        self.suspects = Suspects(suspect_s)
+        self.guard = Guard(guard_s)
+        self.suspects = Suspects(suspect_s, self.guard.proven)
+
+    def prove(self, peers: Iterable[str], *, own_round: bool = True) -> None:
+        """``peers`` averaged with this one (or, ``own_round=False``, signed the state it loaded): they
+        have history, and are no longer suspects."""
+        peers = list(peers)
+        self.guard.prove(peers, own_round=own_round)
+        for peer in peers:
+            self.suspects.clear(peer)
+
+    def no_show(self, peer: str) -> None:
+        """``peer`` was drawn and did not show up (or did not answer as a leader)."""
+        self.suspects.add(peer)
+        self.guard.alarm(peer)

@@ -311,8 +311,7 @@ class Trainer:
     def load_state(self, *, timeout_s: float, reason: str = "join", newer_than: int | None = None) -> bool:
         """Resume from the run's newest sealed checkpoint, verified end to end; True if one was loaded. With
         ``newer_than`` only one sealed after that round is taken (never an older state than this peer's).
-        Nothing unverified is ever loaded: before the first seal every peer starts from the same seeded
-        model, the run's genesis state. The checkpoint manager records it ("state_synced")."""
+        Nothing unverified is loaded (before the first seal all start from the seeded genesis model)."""
         if self.checkpoints is None:
             return False
         manifest, problem = self.checkpoints.resume(
@@ -323,6 +322,7 @@ class Trainer:
         if manifest is not None:
             self.counters.state_loaded += 1
             self.counters.state_verified += 1
+            self.group_averager.vouch(manifest.participants)  # its signers: the run's core in a Sybil flood
         return manifest is not None
 
     def interrupt(self) -> None:

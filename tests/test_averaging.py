@@ -476,6 +476,100 @@ def test_only_run_members_are_drawn_and_a_no_show_is_not_waited_for_again(dhts, 
             averager.close()
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("guard_s", [60.0, 0.0], ids=["guard", "no guard (negative control)"])
+def test_signed_sybils_that_never_join_cost_peers_with_history_one_attempt(dhts, swarm_peers, guard_s):
+    """24 signed Sybils advertise and never join. Two peers that have averaged together raise their guard
+    at the first no-show and then draw only each other: every later round groups them at once. Without
+    the guard (suspects off too, the defaults) every attempt waits on the Sybils."""
+    prefix = f"guard{next(_prefixes)}"
+    config = AveragingConfig(codec="fp32", aggregator="mean", **{**MM_CONFIG, "suspect_s": 0.0, "guard_s": guard_s})
+    averagers = [GroupAverager(dht, prefix=prefix, config=config, identity=i) for i, dht in swarm_peers]
+    honest = {a.peer_id for a in averagers}
+    sybils = [Identity.generate() for _ in range(24)]
+    try:
+        assert all(g is not None and set(g.members) == honest for _, _, g in _two_step(averagers))  # history
+        flooder = swarm_peers[0][1]
+        flooder.add_validators([OwnerBoundValidator(*sybils)])
+        entries = _signed_entry_pairs(prefix, sybils, get_dht_time() + 240)
+        with _Flood(flooder, f"{prefix}.mm", entries):
+            if guard_s:  # the first no-show a peer sees raises its guard (its partner may only follow it)
+                first = _two_step(averagers)
+                assert any(a.guard.active() and a.guard.raised == 1 for a in averagers), [r for _, r, _ in first]
+            later = [_two_step(averagers, seed=SEED + 100 + i) for i in range(2)]
+        sybil_ids = {s.peer_id for s in sybils}
+        for round_ in later:
+            for _out, record, group in round_:
+                on_sybils = [f for f in record.failures if f["peer"] in sybil_ids]
+                if guard_s:
+                    assert record.outcome == "ok" and set(group.members) == honest and not record.failures, record
+                    assert record.phase_s["matchmaking"] < MM_CONFIG["join_timeout_s"], record.to_dict()
+                else:  # every chunk of 26 candidates holds Sybils: each attempt waits on them
+                    assert on_sybils, record.to_dict()
+    finally:
+        for averager in averagers:
+            averager.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_guarded_newcomer_joins_the_proven_core_through_its_leader(dhts):
+    """While the guard is up, veterans draw only each other; a newcomer vouched by the state it loaded
+    (the manifest's signers) never leads, joins their leader and takes one of its newcomer slots (at
+    the latest in the next lobby, which waits a moment for a newcomer that knocked)."""
+    config = AveragingConfig(codec="fp32", aggregator="mean", **MM_CONFIG)
+    prefix = f"newcomer{next(_prefixes)}"
+    veterans = [GroupAverager(dht, prefix=prefix, config=config) for dht in dhts[1:3]]
+    newcomer = GroupAverager(dhts[3], prefix=prefix, config=config)
+    try:
+        assert all(g is not None for _, _, g in _two_step(veterans))  # the veterans' history
+        newcomer.vouch([v.peer_id for v in veterans])
+        for averager in [*veterans, newcomer]:
+            averager.guard.alarm("a no-show without history")  # as a Sybil flood would
+            assert averager.guard.active()
+        assert not newcomer.guard.own_history and newcomer.peer_id not in veterans[0].guard.proven
+        tensors = [torch.randn(100, generator=torch.Generator().manual_seed(SEED + i)) for i in range(3)]
+        everyone = {a.peer_id for a in [*veterans, newcomer]}
+        for _ in range(2):  # a newcomer late for the lobby has knocked: the next lobby waits a moment for it
+            results = _run([*veterans, newcomer], tensors, [1.0] * 3, timeout_s=MM_CONFIG["round_timeout_s"])
+            if all(g is not None and set(g.members) == everyone for _, _, g in results):
+                break
+        for out, record, group in results:
+            assert record.outcome == "ok" and set(group.members) == everyone, record.to_dict()
+            torch.testing.assert_close(out, sum(tensors) / 3, rtol=1e-6, atol=1e-6)
+        assert newcomer.guard.own_history and all(newcomer.peer_id in v.guard.proven for v in veterans)
+    finally:
+        for averager in [*veterans, newcomer]:
+            averager.close()
+
+
+def test_the_guard_draws_the_proven_core_and_doubles_while_the_flood_lasts(monkeypatch):
+    from averaging.membership import Guard
+
+    clock = [1000.0]
+    monkeypatch.setattr("averaging.membership.time.monotonic", lambda: clock[0])
+    guard = Guard(60.0)
+    candidates = {"me": 0, "old": 0, "new": 0}
+    guard.prove(["old"])
+    guard.alarm("old")  # a peer with history that did not show: its absence costs that round only
+    assert not guard.active() and guard.core(candidates, "me") is candidates
+    guard.alarm("new")
+    assert guard.active() and guard.core(candidates, "me") == {"me": 0, "old": 0}
+    guard.alarm("new2")  # already up: no longer period for the same flood
+    clock[0] += 61
+    assert not guard.active()
+    guard.alarm("new")  # raised again right after it fell: twice as long
+    clock[0] += 119
+    assert guard.active()
+    clock[0] += 2 + 120 + 61  # quiet for more than a period after it fell: back to the base period
+    guard.alarm("new")
+    clock[0] += 59
+    assert guard.active() and guard.raised == 3
+    clock[0] += 2
+    assert not guard.active()
+    assert Guard(60.0).core(candidates, "me") is candidates  # no history: everyone is drawn
+    assert Guard(0.0).active() is False
+
+
 def test_matchmaking_entries_accept_only_what_the_owner_signed_for_this_key_until_its_expiry():
     owner, other = Identity.generate(), Identity.generate()
     now = time.time()

@@ -35,6 +35,7 @@ PEER_FLAGS = [
     "--round-timeout-s",
     "--members-only",
     "--suspect-s",
+    "--guard-s",
     "--max-attempts",
     "--codec",
     "--aggregator",
