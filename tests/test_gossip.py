@@ -137,6 +137,25 @@ def test_a_manifest_is_never_pushed_to_the_group_that_sealed_it(swarm_of_gossips
             g.holders = lambda data: ()
 
 
+@pytest.mark.timeout(120)
+def test_the_ring_reaches_every_peer_even_when_the_random_pushes_reach_none(swarm_of_gossips, monkeypatch):
+    """Each peer forwards news to its successor on the ring of peer IDs too, so a peer the random fanout
+    missed hears it one hop after its predecessor. Here the random pushes go nowhere at all: only the
+    ring spreads the manifest, and every peer is pushed it (not pulled: the push counters rise)."""
+    dhts, gossips = swarm_of_gossips
+    draws = []
+    monkeypatch.setattr("swarm.checkpoint.gossip.random.sample", lambda seq, k: draws.append(k) or [])
+    received = [g.received for g in gossips]
+    assert gossips[0].publish(sealed_manifest(1000, [Identity.generate(), Identity.generate()]))
+    wait_until(
+        lambda: all(g.newest is not None and g.newest[0] == 1000 for g in gossips),
+        timeout_s=30,
+        message="step 1000 along the ring",
+    )
+    assert len(draws) >= NUM_PEERS - 1 and all(k > 0 for k in draws)  # the fault fired: no random target
+    assert all(g.received > r for g, r in zip(gossips[1:], received[1:])), "every peer was pushed it"
+
+
 def test_a_member_accepts_its_own_seal_before_it_has_seen_its_co_signers_records():
     """Sybil guard: a manifest counts only signers with live records in the run, except on a seal this
     peer signed itself (it averaged with that group and checked each co-signature), so a member whose
