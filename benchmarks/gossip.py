@@ -186,15 +186,26 @@ def run(num_peers: int, fanout: int, repeats: int, console: Console, timeout_s: 
     try:
         dhts = start_dhts(num_peers, console)
         with console.status("starting the gossip services"):
+            # as in a run (swarm.checkpoint.sync: ANNOUNCERS of the sealing group), only the peer that
+            # publishes a manifest writes it into the DHT index; the peers it reaches only forward it
+            origin = [0]
             gossips = [
-                ManifestGossip(d, run_id=RUN, verify=_verify, peers=lambda: ids, config=GossipConfig(fanout=fanout))
-                for d in dhts
+                ManifestGossip(
+                    d,
+                    run_id=RUN,
+                    verify=_verify,
+                    peers=lambda: ids,
+                    config=GossipConfig(fanout=fanout),
+                    announce=lambda data, digest, i=i: i == origin[0],
+                )
+                for i, d in enumerate(dhts)
             ]
         ids.extend(g.peer_id for g in gossips)
         memory = peer_memory(dhts)
         signers = [Identity.generate(), Identity.generate()]
         arrivals = []
         for step in range(1, repeats + 1):
+            origin[0] = step % num_peers
             with console.status(f"manifest {step}/{repeats}"):
                 arrivals.append(_spread_once(gossips, step % num_peers, step, signers, timeout_s=timeout_s))
         counters = {
