@@ -181,6 +181,7 @@ class GroupAverager:
         self._state_added = asyncio.Event()
         self._active_serves = 0
         self._lonely = False
+        self._expected: frozenset[str] = frozenset()
         self._service = Handler(
             dht, handler_name=self._handler_name, handler=self._handle_stream, start_timeout_s=start_timeout_s
         )
@@ -230,9 +231,17 @@ class GroupAverager:
 
     # ------------------------------------------------------------------------------------ step
     def step(
-        self, tensor: torch.Tensor, *, weight: float, gather: Any = None, timeout_s: float | None = None
+        self,
+        tensor: torch.Tensor,
+        *,
+        weight: float,
+        gather: Any = None,
+        timeout_s: float | None = None,
+        expected: Iterable[str] = (),
     ) -> tuple[torch.Tensor | None, RoundRecord, Group | None]:
-        """Average ``tensor`` (1-D float32) with a group; see the class docstring."""
+        """Average ``tensor`` (1-D float32) with a group; see the class docstring. ``expected``: the peers this
+        one believes to be the live members of the run (itself included); once all of them are looking (at
+        least ``min_group_size``) and that view is stable, the matchmaking window closes early."""
         if tensor.dim() != 1 or tensor.dtype != torch.float32:
             raise ValueError(f"expected a 1-D float32 tensor, got {tuple(tensor.shape)} {tensor.dtype}")
         if not (math.isfinite(weight) and 0 < weight <= self.config.max_weight):
@@ -240,6 +249,7 @@ class GroupAverager:
         timeout_s = timeout_s if timeout_s is not None else self.config.round_timeout_s
         with self._step_lock:
             self._rounds += 1
+            self._expected = frozenset(expected)
             record = RoundRecord(round=self._rounds)
             future = asyncio.run_coroutine_threadsafe(
                 self._step(tensor.detach().cpu().contiguous(), weight, gather, record, time.monotonic() + timeout_s),
@@ -365,9 +375,11 @@ class GroupAverager:
         else:
             entry = {"t": looking_since, "c": my_class[1], "r": self.region}
         await self.dht.store(key, entry, expiration_time=expiration, subkey=self.peer_id, return_future=True)
-        # the gathering window; it closes early once exactly a full group is looking and that view is
-        # stable (what hivemind's leader does when its group fills up); more peers wait the whole
-        # window, so that everyone draws the groups from the same list
+        # the gathering window; it closes early once exactly a full group is looking, or every live member
+        # of the run this peer knows of, and that view is stable (what hivemind's leader does when its
+        # group fills up); otherwise peers wait the whole window, so that everyone draws the groups from
+        # the same list
+        expected = self._expected if len(self._expected) >= cfg.min_group_size else None
         window_end = time.monotonic() + cfg.matchmaking_time_s
         previous: set[str] | None = None
         poll_s = 0.0  # read at once (the others may all be looking already), then every 0.1 s
@@ -375,7 +387,10 @@ class GroupAverager:
             await asyncio.sleep(min(poll_s, max(0.0, window_end - time.monotonic())))
             poll_s = 0.1
             candidates = await self._read_candidates(key, my_class, suspects)
-            full_and_stable = len(candidates) == cfg.target_group_size and set(candidates) == previous
+            everyone = len(candidates) == cfg.target_group_size or (
+                expected is not None and expected <= set(candidates)
+            )
+            full_and_stable = everyone and set(candidates) == previous
             if full_and_stable or time.monotonic() >= window_end:
                 break
             previous = set(candidates)

@@ -2,7 +2,8 @@
 
 Owns the contributing peer process (`python -m swarm.peer`), the trainer API for users' own
 scripts (`swarm.Trainer`, a composition root over its parts: the nested `swarm.config.TrainerConfig`,
-the DiLoCo outer optimizer `swarm.outer`, the round's pure bookkeeping `swarm.rounds`, presence in the
+the DiLoCo outer optimizer `swarm.outer`, one round `swarm.round_runner` (blocking, or in the
+background as `swarm.overlap` defines), the round's pure bookkeeping `swarm.rounds`, presence in the
 run `swarm.presence`; `swarm.Identity` is `bootstrap.identity.Identity`), the built-in task
 registry (`swarm.tasks`), sealed checkpoints (`swarm.checkpoint`: store, signed manifests, gossip,
 verified shard exchange, state sync), the evidence of a run (`swarm.ledger`: hash-chained signed

@@ -53,17 +53,21 @@ class DiLoCo:
         buf = self._optimizer.state.get(param, {}).get("momentum_buffer")
         return buf if buf is not None else torch.zeros_like(param)
 
-    def pseudo_gradient(self, local: Sequence[torch.Tensor]) -> PseudoGradient:
-        """This round's pseudo-gradient of ``local`` (the model's parameters now, on the CPU in fp32)."""
+    def pseudo_gradient(self, local: Sequence[torch.Tensor], delta: torch.Tensor | None = None) -> PseudoGradient:
+        """This round's pseudo-gradient of ``local`` (the model's parameters now, on the CPU in fp32): global -
+        local, or ``delta`` if given (an overlapped phase's progress, `swarm.overlap`), with the global state."""
         with self._lock:
             base = torch.cat([b.reshape(-1) for b in self._global])
             momentum = torch.cat([self._momentum(b).reshape(-1) for b in self._global])
-        delta = base - torch.cat([t.reshape(-1) for t in local])
+        delta = base - torch.cat([t.reshape(-1) for t in local]) if delta is None else delta
         digest = hashlib.sha256(base.numpy().tobytes() + momentum.numpy().tobytes()).hexdigest()[:32]
         return PseudoGradient(delta=delta, state=torch.cat([base, momentum]), digest=digest)
 
-    def step(self, delta: torch.Tensor, *, next_round: int, new_state: torch.Tensor | None = None) -> None:
-        """global <- outer_optimizer(global, grad=delta), then copy it into the model.
+    def step(
+        self, delta: torch.Tensor, *, next_round: int, new_state: torch.Tensor | None = None, to_model: bool = True
+    ) -> None:
+        """global <- outer_optimizer(global, grad=delta), then copy it into the model (unless not ``to_model``:
+        an overlapped round, whose model keeps training meanwhile).
 
         ``new_state`` (parameters then momentum, flat; the group's averaged state) first replaces the
         global state."""
@@ -80,13 +84,40 @@ class DiLoCo:
                 offset += numel
             self._optimizer.step()
             self._optimizer.zero_grad(set_to_none=True)
-            self._copy_to_model()
+            if to_model:
+                self._copy_to_model()
             self.round = next_round
 
     def _copy_to_model(self) -> None:
         with torch.no_grad():
             for param, base in zip(self.params, self._global):
                 param.copy_(base)
+
+    def to_model(self) -> None:
+        """Copy the global parameters into the model."""
+        with self._lock:
+            self._copy_to_model()
+
+    def global_params(self) -> list[torch.Tensor]:
+        """The global parameters (copies)."""
+        with self._lock:
+            return [b.clone() for b in self._global]
+
+    def global_flat(self) -> torch.Tensor:
+        """The global parameters, flat fp32 (a copy)."""
+        with self._lock:
+            return torch.cat([b.reshape(-1) for b in self._global])
+
+    def rebase(self, delta: torch.Tensor) -> torch.Tensor:
+        """model <- global - ``delta`` (flat); returns that flat start of the next overlapped phase."""
+        with self._lock:
+            start = torch.cat([b.reshape(-1) for b in self._global]) - delta
+            offset = 0
+            with torch.no_grad():
+                for param in self.params:
+                    param.copy_(start[offset : offset + param.numel()].view_as(param))
+                    offset += param.numel()
+        return start
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """``param/NAME`` and ``momentum/NAME`` for every parameter (copies): what a checkpoint seals."""

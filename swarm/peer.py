@@ -72,6 +72,8 @@ class PeerConfig:
     """Stop after this many seconds of training (0: no limit)."""
     eval_batches: int = 4
     """Validation batches evaluated after each round (0: no validation)."""
+    eval_every: int = 1
+    """Evaluate after every this many rounds, and when training ends (0: only when it ends)."""
     torch_threads: int = 0
     """Torch CPU threads (0: torch's default)."""
     identity_key: str | None = None
@@ -94,7 +96,7 @@ class PeerConfig:
             raise ValueError(f"num_shards must be >= 1, got {self.num_shards!r}")
         if self.shard_index is not None and not 0 <= self.shard_index < self.num_shards:
             raise ValueError(f"shard_index must be in [0, {self.num_shards}), got {self.shard_index!r}")
-        for name in ("max_steps", "max_rounds", "eval_batches", "torch_threads"):
+        for name in ("max_steps", "max_rounds", "eval_batches", "eval_every", "torch_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.duration_s < 0:
@@ -163,6 +165,7 @@ class PeerRunner:
         self.optimizer = make_inner_optimizer(config, self.model.parameters())
         self.trainer: Trainer | None = None
         self.samples_seen = 0
+        self.rounds_done = 0
 
     def _on_evidence(self, kind: str, body: dict) -> None:
         """Our own verified receipt of a sealed round becomes a "receipt" event (the demo waits for it)."""
@@ -204,7 +207,7 @@ class PeerRunner:
             t=started,
         )
         if self.config.dump_dir:
-            self.trainer.before_sync.append(lambda round_, local: self._dump("local", round_, local))
+            self.trainer.before_sync.append(self._dump_before_sync)
         self.events.emit(
             "joined",
             peer_id=self.trainer.peer_id,
@@ -226,8 +229,12 @@ class PeerRunner:
         )
 
     def evaluate_or_nan(self) -> float:
-        value = self.evaluate()
+        """The trainer's ``evaluate``: after the rounds that ``eval_every`` names (NaN after the others)."""
+        value = self.evaluate() if self._eval_due() else None
         return float("nan") if value is None else value
+
+    def _eval_due(self) -> bool:
+        return bool(self.config.eval_every) and self.trainer.round % self.config.eval_every == 0
 
     def evaluate(self) -> float | None:
         if self.config.eval_batches == 0:
@@ -273,27 +280,7 @@ class PeerRunner:
                 self.events.emit("train", **train)
                 trainer.evidence.record("train", train)
             if result is not None:
-                if cfg.dump_dir:
-                    self._dump("global", result.round, list(self.model.parameters()))
-                val = trainer.last_val_loss if trainer.last_val_loss is not None else self.evaluate()
-                trainer.last_val_loss = None
-                self.events.emit(
-                    "round",
-                    round=result.round,
-                    step=trainer.local_step,
-                    group_size=result.group_size,
-                    duration_s=result.duration_s,
-                    val_loss=val,
-                    rejected=list(result.rejected),
-                    record=result.record.to_dict() if result.record else None,
-                )
-                logger.info(
-                    "round %s: group of %s in %.2fs, val loss %s",
-                    result.round,
-                    result.group_size,
-                    result.duration_s,
-                    val if val is None else round(val, 4),
-                )
+                val = self._on_round(result)
                 window_start, window_samples = time.monotonic(), 0
             if progress is not None:
                 last = trainer.last_round
@@ -309,15 +296,62 @@ class PeerRunner:
                     ),
                 )
 
+        if not self.stop.event.is_set():  # done (steps, rounds, time): the round in flight lands, then a last look
+            result = trainer.finish()
+            if result is not None:
+                self._on_round(result, final=True)
+            val = self.evaluate()
+            self.events.emit("val", round=trainer.round, step=trainer.local_step, val_loss=val, final=True)
+            if cfg.dump_dir:
+                self._dump("final", trainer.round, list(self.model.parameters()))
+
+    def _on_round(self, result: Any, *, final: bool = False) -> float | None:
+        """Count, dump, evaluate and log a round that ended (``final``: the one ``finish`` waited for)."""
+        trainer, cfg = self.trainer, self.config
+        self.rounds_done += 1
+        if cfg.dump_dir and (final or not self.trainer_config.overlap):  # overlapped: dumped at the sync point
+            self._dump("global", result.round, list(self.model.parameters()))
+        val = (
+            trainer.last_val_loss
+            if trainer.last_val_loss is not None
+            else self.evaluate()
+            if self._eval_due()
+            else None
+        )
+        trainer.last_val_loss = None
+        self.events.emit(
+            "round",
+            round=result.round,
+            step=trainer.local_step,
+            group_size=result.group_size,
+            duration_s=result.duration_s,
+            val_loss=val,
+            rejected=list(result.rejected),
+            record=result.record.to_dict() if result.record else None,
+        )
+        logger.info(
+            "round %s: group of %s in %.2fs, val loss %s",
+            result.round,
+            result.group_size,
+            result.duration_s,
+            val if val is None else round(val, 4),
+        )
+        return val
+
     def _should_stop(self, started: float) -> bool:
         cfg, trainer = self.config, self.trainer
         if self.stop.event.is_set():
             return True
         if cfg.max_steps and trainer.local_step >= cfg.max_steps:
             return True
-        if cfg.max_rounds and trainer.counters.rounds_ok + trainer.counters.rounds_solo >= cfg.max_rounds:
+        if cfg.max_rounds and self.rounds_done + trainer.rounds_in_flight >= cfg.max_rounds:
             return True
         return bool(cfg.duration_s and time.monotonic() - started >= cfg.duration_s)
+
+    def _dump_before_sync(self, round_: int, local: list[torch.Tensor]) -> None:
+        self._dump("local", round_, local)
+        if self.trainer_config.overlap and round_ > 0:  # the global state after the round just joined
+            self._dump("global", round_, self.trainer.outer.global_params())
 
     def _dump(self, kind: str, round_: int, params: list[torch.Tensor]) -> None:
         names = [n for n, p in self.model.named_parameters()]

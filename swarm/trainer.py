@@ -7,8 +7,11 @@ Members that hold different global state (after a missed round, say) also averag
 the bases are pulled together instead of drifting apart. With ``outer_lr=1, outer_momentum=0`` a
 round is plain parameter averaging; the defaults follow ``swarm.recipe``.
 
+With ``overlap=True`` each round runs in the background during the next phase's inner steps and its
+outer step lands one round late (`swarm.overlap` defines it).
+
 `Trainer` only wires the parts: its config (`swarm.config`), the outer optimizer (`swarm.outer`), the
-round's bookkeeping as pure functions (`swarm.rounds`), presence in the run (`swarm.presence`), group
+round (`swarm.round_runner`), the round's bookkeeping as pure functions (`swarm.rounds`), presence in the run (`swarm.presence`), group
 averaging (`averaging`), sealed checkpoints and receipts (`swarm.checkpoint`) and the evidence sinks.
 
     trainer = swarm.Trainer(model, torch.optim.AdamW(model.parameters()), run="my-run",
@@ -16,6 +19,7 @@ averaging (`averaging`), sealed checkpoints and receipts (`swarm.checkpoint`) an
     for x, y in batches:
         loss_fn(model(x), y).backward()
         trainer.step(num_samples=len(x))
+    trainer.finish()  # overlapped: the last round lands
     trainer.shutdown()
 """
 
@@ -37,12 +41,14 @@ from bootstrap.owned import OwnerBoundValidator
 from peers import ResourceGraph
 from swarm import rounds
 from swarm._private.divergence import DivergenceGuard
-from swarm._private.evidence import Evidence, milli, open_evidence
+from swarm._private.evidence import Evidence, open_evidence, status_snapshot
 from swarm.checkpoint.sync import CheckpointManager
 from swarm.config import RunMismatch, TaskInfo, TrainerConfig
 from swarm.outer import DiLoCo
+from swarm.overlap import Overlap
 from swarm.presence import PeerView, Presence, RunFacts, check_run
 from swarm.recipe import step_with_lr_factor, warmup_factor
+from swarm.round_runner import RoundRunner
 from swarm.rounds import RoundResult, TrainerCounters
 
 __all__ = ["RoundResult", "RunMismatch", "TaskInfo", "Trainer", "TrainerConfig", "TrainerCounters"]
@@ -81,7 +87,6 @@ class Trainer:
         self.identity = identity if identity is not None else Identity.generate()
         self.counters = TrainerCounters()
         self.local_step = 0
-        self.last_round: RoundResult | None = None
         self.state = "joining"
         self.before_sync: list[Callable[[int, list[torch.Tensor]], None]] = []
         """Callbacks run with (round, local parameters) right before each averaging round."""
@@ -96,6 +101,7 @@ class Trainer:
         self.presence: Presence | None = None
         self.group_averager: GroupAverager | None = None
         self.checkpoints: CheckpointManager | None = None
+        self._runner: RoundRunner | None = None
         self.identity.lock()
         start_reaper()
         self._owns_dht = dht is None
@@ -123,9 +129,7 @@ class Trainer:
         graph = ResourceGraph(self.dht)
         requirements = check_run(graph, run=cfg.run, task=task, device=self.device, own=cfg.requirements.requirements())
         run = RunFacts.of(cfg.run, task, requirements, self.device)
-        self.presence = Presence(
-            self.dht, self.identity, graph, cfg, run, view=self._view, status=self._status_snapshot
-        )
+        self.presence = Presence(self.dht, self.identity, graph, cfg, run, view=self._view, status=self._status)
         self.evidence.status = self.presence.status
         # own DHT: owner-signed matchmaking entries; with members_only, only members of the run are drawn
         signed = {"identity": self.identity, "run": cfg.run if cfg.averaging.members_only else None} if own else {}
@@ -136,6 +140,10 @@ class Trainer:
             self.checkpoints = CheckpointManager.for_run(
                 self.dht, self.identity, cfg, task, self.presence.run_peers, on_event
             )
+        parts = (self.outer, self.group_averager, self.presence, self.checkpoints, self.evidence)
+        self._runner = RoundRunner(cfg, *parts, self.identity, self.binding, self.counters, self._book)
+        rt = cfg.averaging.round_timeout_s  # a round may take two all-reduces, then its bookkeeping
+        self._runner.evaluate, self._runner.overlap = self.evaluate, Overlap(2 * rt + 30) if cfg.overlap else None
         if cfg.load_state:
             self.load_state(timeout_s=cfg.load_state_timeout_s)
         self._set_state("training")
@@ -153,6 +161,17 @@ class Trainer:
         return self.outer.round
 
     @property
+    def last_round(self) -> RoundResult | None:
+        """The result of the last round that ended."""
+        return self._runner.last if self._runner is not None else None
+
+    @property
+    def rounds_in_flight(self) -> int:
+        """Rounds started and not yet joined: 0 or 1 (overlapped), always 0 blocking."""
+        overlap = self._runner.overlap if self._runner is not None else None
+        return int(overlap is not None and overlap.in_flight)
+
+    @property
     def device(self) -> torch.device:
         return self.outer.params[0].device
 
@@ -164,21 +183,12 @@ class Trainer:
         doc="The last value of ``evaluate()``, taken after each grouped round (None once cleared).",
     )
 
+    def _status(self) -> dict:
+        return status_snapshot(self.state, self.round, self.local_step, self.evidence.last_group, self._book)
+
     def _view(self) -> PeerView:
         sealed = self.checkpoints.sealed if self.checkpoints is not None else 0
         return PeerView(self.state, self.round, self.local_step, self.samples_per_s, self.counters.rounds_ok, sealed)
-
-    def _status_snapshot(self) -> dict:
-        book = self._book
-        return {
-            "state": self.state,
-            "round": self.round,
-            "step": self.local_step,
-            "last_group": self.evidence.last_group,
-            "samples_per_s_milli": milli(book.samples_per_s) or 0,
-            "loss_milli": milli(book.last_loss),
-            "val_loss_milli": milli(book.shown_val_loss),
-        }
 
     def _set_state(self, state: str) -> None:
         self.state = state
@@ -208,105 +218,51 @@ class Trainer:
         """The factor on the inner optimizer's learning rate for the next local step (the warm-up)."""
         return warmup_factor(self.local_step + 1, self.config.inner_warmup_steps)
 
-    def sync(self) -> RoundResult:
-        """Average pseudo-gradients with a group now and apply the outer step. Never blocks past
-        ``round_timeout_s`` (plus a second all-reduce of the global state when members disagree on it)."""
-        book, timeout_s = self._book, self.config.averaging.round_timeout_s
+    def sync(self) -> RoundResult | None:
+        """Average pseudo-gradients with a group and apply the outer step. Blocking (the default): the round
+        runs now and its result is returned; it never blocks past ``round_timeout_s`` (plus a second
+        all-reduce of the global state when members disagree on it). With ``overlap``: the round started at
+        the last sync point is joined and its result returned (None at the first), and this phase's round
+        starts in the background (the algorithm: `swarm.overlap`)."""
+        book, overlap, joined, delta = self._book, self._runner.overlap, None, None
         started = time.perf_counter()
         book.samples_per_s = book.samples_since_sync / max(started - book.last_sync_end, 1e-9)
-        samples, weight = int(book.samples_since_sync), float(max(book.samples_since_sync, 1))
-        local = [p.detach().to("cpu", torch.float32) for p in self.outer.params]
+        samples, book.samples_since_sync = int(book.samples_since_sync), 0
+        # a copy when overlapped: the model's own tensors (on a CPU, in fp32) are overwritten below
+        local = [p.detach().to("cpu", torch.float32, copy=overlap is not None) for p in self.outer.params]
+        if overlap is not None:
+            delta = overlap.progress(local, self.outer.global_flat())
+            joined = overlap.join(self.interrupt)
+            if joined is not None and joined.group_size > 1 and self.evaluate is not None:
+                self.outer.to_model()  # the new global parameters, the same on every member
+                self._runner.observe_val(float(self.evaluate()))
+            if self._resync_if_lagging():  # the model is the loaded state now: a phase from it, no progress
+                overlap.start, delta = None, None
+                local = [p.detach().to("cpu", torch.float32) for p in self.outer.params]
         for hook in self.before_sync:
             hook(self.round, local)
-        pseudo = self.outer.pseudo_gradient(local)
-        newest = self.checkpoints.newest_digest() if self.checkpoints is not None else None
-        fresh = self.counters.rounds_ok + self.counters.rounds_solo == 0
-        gather = rounds.gather_metadata(self.round, samples, self.binding, pseudo.digest, newest, fresh=fresh)
-        try:
-            averaged, record, group = self.group_averager.step(
-                pseudo.delta, weight=weight, gather=gather, timeout_s=timeout_s
-            )
-        except Exception as e:  # a failed round must not kill training; the update is applied alone
-            logger.warning("averaging round failed: %r; applying this peer's update alone", e)
-            averaged, record, group = None, None, None
-        grouped = averaged is not None and group is not None
-        rejected: tuple[str, ...] = ()
-        new_state = None
-        if grouped:
-            problems = rounds.check_gathered(group.gathered)
-            self.counters.rejected.update(problems.values())
-            for peer_id, reason in problems.items():
-                logger.warning("round %s: rejected metadata from %s: %s", self.round, peer_id, reason)
-            rejected = tuple(problems)
-            agree = rounds.base_agreement_group(group, record, self.peer_id)
-            if agree is not None:
-                new_state, agreement = self.group_averager.average_in_group(
-                    agree, pseudo.state, weight=1.0, codec="fp32", timeout_s=timeout_s
-                )
-                if new_state is None:
-                    logger.info("round %s: diverged bases not averaged: %s", self.round, agreement.failures[:3])
-            next_round = rounds.next_round(self.round, group.gathered)
-            self.counters.rounds_ok += 1
-            book.solo_streak = 0
-            self.presence.recent.add(group.members)
+        pseudo = self.outer.pseudo_gradient(local, delta)
+        if overlap is not None:
+            args = (pseudo, samples, self.local_step)
+            overlap.launch(self.outer.rebase(pseudo.delta), lambda: self._runner.run(*args, time.perf_counter()))
         else:
-            averaged, next_round = pseudo.delta, self.round + 1
-            self.counters.rounds_solo += 1
-            book.solo_streak += 1
-            self.presence.reconnect()
-        self.outer.step(averaged, next_round=next_round, new_state=new_state)
-        book.samples_since_sync = 0
-        size, duration = len(group.members) if grouped else 1, time.perf_counter() - started
-        self.last_round = RoundResult(
-            round=self.round, group_size=size, weight=weight, duration_s=duration, rejected=rejected, record=record
-        )
-        self._after_round(group if grouped else None, record, samples=samples)
-        return self.last_round
-
-    def _after_round(self, group: Any | None, record: Any | None, *, samples: int) -> None:
-        """Evaluate, watch for divergence, keep the evidence, seal and swap receipts; resync a lagging peer."""
-        book = self._book
-        val_loss = float(self.evaluate()) if group is not None and self.evaluate is not None else None
-        if val_loss is not None:  # the new global parameters, the same on every member
-            book.last_val_loss = book.shown_val_loss = val_loss
-        rising = book.divergence.observe(val_loss, round_=self.round)
-        if rising is not None:
-            logger.warning(rising.message(sync_every=self.config.sync_every, outer=self.outer.settings))
-            self.evidence.record("diverging", rising.to_dict())
-        entry = rounds.round_entry(
-            self.last_round, self.local_step, samples, book.samples_per_s, val_loss, group is None
-        )
-        self.evidence.round(entry, group=group, record=record, peer_id=self.peer_id)
-        if group is not None and self.checkpoints is not None:
-            every = self.config.checkpoint.checkpoint_every
-            sealing = bool(every) and self.round % every == 0
-            seal = (
-                rounds.seal_request(group, val_loss, state=self.outer.state_dict, step=self.round) if sealing else None
-            )
-            receipt = rounds.sign_participation(
-                self.identity, self.config.run, self.round, group, record, samples, ledger=self.evidence.ledger
-            )
-            self.checkpoints.finish_round_async(receipt=receipt, seal=seal)
-        sources = {"metadata": self.counters.rejected, "record": self.presence.graph.rejections.counts}
-        if self.checkpoints is not None:
-            sources.update(self.checkpoints.rejections())
-        for what, counts in sources.items():
-            self.evidence.rejections(what, counts, round_=self.round)
-        if self.evidence.metrics is not None:
-            self.evidence.metrics.set_peers_known(len(self.presence.run_peers()))
-        self._resync_if_lagging()
+            joined = self._runner.run(pseudo, samples, self.local_step, started)
+            self._resync_if_lagging()
         book.last_sync_end = time.perf_counter()
+        return joined
 
-    def _resync_if_lagging(self, max_solo_rounds: int = 3) -> None:
+    def _resync_if_lagging(self, max_solo_rounds: int = 3) -> bool:
         """A peer cut off from the others for a few rounds takes the run's newest sealed state again, but
         only state sealed at a later round than its own: a peer left alone (the others died or left)
         keeps training forward instead of rolling back to the last checkpoint it sealed with them."""
         if self.checkpoints is None or self._book.solo_streak < max_solo_rounds:
-            return
+            return False
         streak, before = self._book.solo_streak, self.round
         self._book.solo_streak = 0  # looked again after another max_solo_rounds solo rounds
-        if self.load_state(timeout_s=self.config.load_state_timeout_s, reason="resync", newer_than=before):
-            logger.info("cut off for %s rounds: re-synced from round %s to sealed round %s", streak, before, self.round)
+        if not self.load_state(timeout_s=self.config.load_state_timeout_s, reason="resync", newer_than=before):
+            return False
+        logger.info("cut off for %s rounds: re-synced from round %s to sealed round %s", streak, before, self.round)
+        return True
 
     def load_state(self, *, timeout_s: float, reason: str = "join", newer_than: int | None = None) -> bool:
         """Resume from the run's newest sealed checkpoint, verified end to end; True if one was loaded. With
@@ -325,6 +281,16 @@ class Trainer:
             self.group_averager.vouch(manifest.participants)  # its signers: the run's core in a Sybil flood
         return manifest is not None
 
+    def finish(self) -> RoundResult | None:
+        """End training: overlapped, wait for the round in flight (its result is returned) and put the global
+        parameters in the model; blocking, the model holds them already after a sync point (None)."""
+        overlap = self._runner.overlap if self._runner is not None else None
+        if overlap is None:
+            return None
+        joined, overlap.start = overlap.join(self.interrupt), None
+        self.outer.to_model()
+        return joined
+
     def interrupt(self) -> None:
         """Abandon the averaging round in progress at once (the update is applied alone); for Ctrl+C."""
         if self.group_averager is not None:
@@ -332,7 +298,10 @@ class Trainer:
 
     def shutdown(self, *, reason: str | None = None) -> None:
         """Leave the run: withdraw the record, stop the averager, then the DHT if this trainer started it.
-        The ledger's last entry is "stop" with ``reason`` (e.g. the signal's name). Idempotent."""
+        The ledger's last entry is "stop" with ``reason`` (e.g. the signal's name). Idempotent; a round
+        still in flight (overlapped) is abandoned first."""
+        if getattr(self, "_runner", None) is not None and self._runner.overlap is not None:
+            self._runner.overlap.abandon(self.interrupt)
         for part in ("presence", "checkpoints", "group_averager"):
             if getattr(self, part, None) is not None:
                 getattr(self, part).close()

@@ -344,6 +344,28 @@ def test_a_peer_nobody_else_looks_for_stops_waiting_after_two_windows(make_group
     assert elapsed < 10, f"waited {elapsed:.1f}s for nobody (round deadline 40 s)"
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("told", [True, False], ids=["members known", "not told (negative control)"])
+def test_the_window_closes_early_once_every_live_member_is_looking(make_group, told):
+    """4 peers, groups of up to 8, a 6 s window: told who the run's live members are, they stop gathering
+    once all 4 are looking; not told, they wait the whole window (a fifth peer might still come)."""
+    averagers = make_group(aggregator="mean", matchmaking_time_s=6.0)
+    tensors, weights = _inputs()
+    members = {a.peer_id for a in averagers} if told else set()
+
+    def one(i):
+        return averagers[i].step(tensors[i], weight=weights[i], timeout_s=40.0, expected=members)
+
+    with ThreadPoolExecutor(NUM_PEERS) as pool:
+        results = list(pool.map(one, range(NUM_PEERS)))
+    reference = _weighted_mean(tensors, weights, range(NUM_PEERS))
+    for out, record, group in results:
+        assert record.outcome == "ok" and len(group.members) == NUM_PEERS, record.to_dict()
+        assert (out - reference).abs().max().item() < 1e-5
+        matchmaking = record.phase_s["matchmaking"]
+        assert matchmaking < 3.0 if told else matchmaking >= 6.0, record.to_dict()
+
+
 # --------------------------------------------------------------------------- an open network (issue 15)
 # Two Swarm peers (Ed25519 identities, our DHT start-up) join the module's plain hivemind DHTs; a plain
 # hivemind node of that network (no Swarm code, no validator) plays the outsider.

@@ -2,7 +2,8 @@
 
 Every peer dumps its local parameters right before each round and the resulting parameters right
 after it; the test recomputes each round in this process (weighted mean, then the outer SGD step with
-torch's own optimizer) and requires every peer to match within 1e-5.
+torch's own optimizer) and requires every peer to match within 1e-5. Overlapped rounds (`--overlap`)
+are checked the same way against a single-process replay of the delayed algorithm (`swarm.overlap`).
 """
 
 import signal
@@ -23,14 +24,16 @@ NUM_ROUNDS = 3
 SYNC_EVERY = 10
 
 
-def _peer_cmd(tmp_path: Path, initial_peers: list[str], index: int, *, outer_lr: float, outer_momentum: float):
+def _peer_cmd(
+    tmp_path: Path, initial_peers: list[str], index: int, *, outer_lr: float, outer_momentum: float, overlap: bool
+):
     return python_cmd(
         "-m",
         "swarm.peer",
         "--initial-peers",
         *initial_peers,
         "--run",
-        f"e2e-{outer_lr}-{outer_momentum}",  # one run per test: the module shares its bootstrap node
+        f"e2e-{outer_lr}-{outer_momentum}-{overlap}",  # one run per test: the module shares its bootstrap node
         "--task",
         "charlm",
         "--task-preset",
@@ -68,6 +71,7 @@ def _peer_cmd(tmp_path: Path, initial_peers: list[str], index: int, *, outer_lr:
         "fp32",
         "--aggregator",
         "mean",
+        *(["--overlap"] if overlap else []),
     )
 
 
@@ -87,14 +91,46 @@ def _reference_rounds(tmp_path: Path, *, outer_lr: float, outer_momentum: float)
     return expected
 
 
+def _reference_overlapped(tmp_path: Path, *, outer_lr: float, outer_momentum: float) -> list[dict[str, torch.Tensor]]:
+    """Single-process replay of the delayed algorithm: at sync point j each peer's progress is
+    delta_j = start_j - local_j; the global state takes the outer step on the mean of the deltas of sync
+    point j-1; the next phase starts at global - delta_j."""
+    model = get_task("charlm", preset="tiny").build_model(seed=0)
+    names = [n for n, _ in model.named_parameters()]
+    base = [p.detach().clone().float() for _, p in model.named_parameters()]
+    optimizer = torch.optim.SGD(base, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
+    starts = [{name: param.clone() for name, param in zip(names, base)} for _ in range(NUM_PEERS)]
+    expected, pending = [], None
+
+    def outer_step(deltas: list[dict[str, torch.Tensor]]) -> None:
+        for name, param in zip(names, base):
+            param.grad = torch.stack([d[name] for d in deltas]).mean(0)
+        optimizer.step()
+        expected.append({name: param.detach().clone() for name, param in zip(names, base)})
+
+    for sync_point in range(NUM_ROUNDS):  # the last round started is joined when training ends
+        local = [
+            load_file(tmp_path / f"dump{i}" / f"local_round{sync_point:04d}.safetensors") for i in range(NUM_PEERS)
+        ]
+        deltas = [{name: starts[i][name] - local[i][name] for name in names} for i in range(NUM_PEERS)]
+        if pending is not None:
+            outer_step(pending)
+        starts = [{name: param.detach() - d[name] for name, param in zip(names, base)} for d in deltas]
+        pending = deltas
+    outer_step(pending)
+    return expected
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("outer_lr", "outer_momentum"), [(1.0, 0.0), (0.7, 0.9)], ids=["plain-mean", "diloco"])
+@pytest.mark.parametrize(
+    ("outer_lr", "outer_momentum", "overlap"),
+    [(1.0, 0.0, False), (0.7, 0.9, False), (0.7, 0.9, True)],
+    ids=["plain-mean", "diloco", "diloco-overlapped"],
+)
 @pytest.mark.heavy(seconds=16)
-def test_three_peers_average_exactly_and_learn(bootstrap_node, tmp_path, outer_lr, outer_momentum):
-    peers = [
-        spawn(_peer_cmd(tmp_path, bootstrap_node, i, outer_lr=outer_lr, outer_momentum=outer_momentum))
-        for i in range(NUM_PEERS)
-    ]
+def test_three_peers_average_exactly_and_learn(bootstrap_node, tmp_path, outer_lr, outer_momentum, overlap):
+    settings = {"outer_lr": outer_lr, "outer_momentum": outer_momentum}
+    peers = [spawn(_peer_cmd(tmp_path, bootstrap_node, i, **settings, overlap=overlap)) for i in range(NUM_PEERS)]
     try:
         for peer in peers:
             wait_until(lambda p=peer: p.returncode is not None, timeout_s=180, message=peer.describe)
@@ -102,12 +138,17 @@ def test_three_peers_average_exactly_and_learn(bootstrap_node, tmp_path, outer_l
     finally:
         terminate_all(peers, timeout_s=15)
 
-    expected = _reference_rounds(tmp_path, outer_lr=outer_lr, outer_momentum=outer_momentum)
+    expected = (_reference_overlapped if overlap else _reference_rounds)(tmp_path, **settings)
+    assert len(expected) == NUM_ROUNDS
     for round_, reference in enumerate(expected, start=1):
         for i in range(NUM_PEERS):
             got = load_file(tmp_path / f"dump{i}" / f"global_round{round_:04d}.safetensors")
             err = max((got[name] - want).abs().max().item() for name, want in reference.items())
             assert err < 1e-5, f"peer {i}, round {round_}: max abs error {err:.3g} vs the single-process reference"
+    if overlap:  # the replay is not blocking DiLoCo: every round's global state differs from it
+        blocking = _reference_rounds(tmp_path, **settings)
+        got = load_file(tmp_path / "dump0" / f"global_round{NUM_ROUNDS:04d}.safetensors")
+        assert max((got[n] - w).abs().max().item() for n, w in blocking[-1].items()) > 1e-3
     if outer_lr == 1.0 and outer_momentum == 0.0:  # the literal criterion: parameters == mean of pre-round values
         local = [load_file(tmp_path / f"dump{i}" / "local_round0000.safetensors") for i in range(NUM_PEERS)]
         got = load_file(tmp_path / "dump0" / "global_round0001.safetensors")

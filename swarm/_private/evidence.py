@@ -20,6 +20,20 @@ logger = logging.getLogger(__name__)
 Listener = Callable[[str, dict], None]
 
 
+def status_snapshot(state: str, round_: int, step: int, last_group: Any, book: Any) -> dict:
+    """A trainer's entry on the status board, from its `swarm.rounds.RoundBook` (milli-units: signed JSON
+    carries no floats)."""
+    return {
+        "state": state,
+        "round": round_,
+        "step": step,
+        "last_group": last_group,
+        "samples_per_s_milli": milli(book.samples_per_s) or 0,
+        "loss_milli": milli(book.last_loss),
+        "val_loss_milli": milli(book.shown_val_loss),
+    }
+
+
 def milli(value: Any) -> int | None:
     """A float metric as integer thousandths (signed payloads carry no floats); None if absent or not finite."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -122,6 +136,11 @@ class Evidence:
                 self.record("receipt", receipt)
         else:
             self.record(kind, body)
+
+    def rejections_of(self, sources: Mapping[str, Mapping[str, int]], round_: int) -> None:
+        """`rejections` for each (what, counts) of ``sources``."""
+        for what, counts in sources.items():
+            self.rejections(what, counts, round_=round_)
 
     def rejections(self, what: str, counts: Mapping[str, int], *, round_: int) -> None:
         """Record the increase of a cumulative rejection counter (by reason) since the last call."""

@@ -1,0 +1,300 @@
+"""Compute utilization: how much of a peer's time goes to training, blocking rounds against overlapped ones.
+
+For each preset and number of peers, in one run:
+
+* ``plain``: as many plain training loops of the same model (charlm, the inner optimizer and batches of
+  ``swarm.peer``, one torch thread each) running at once on this machine: the steps/s a peer could make
+  if the swarm cost nothing. Sharing the cores cancels out; the swarm's daemons, codecs and DHT work
+  count against it.
+* for each link (netns test hosts shaped to ``--links`` Mbit/s, 0 unshaped) and each mode (``blocking``,
+  ``overlapped``): a bootstrap node and the peers (``swarm.peer``, their defaults otherwise) train
+  ``--steps`` steps each. A peer's rate is its steps from its first grouped round to its last step, over
+  that time; utilization is the mean peer rate over the mean plain rate. Also: each round's time by
+  phase (median), the share of rounds that grouped, and the validation loss once training has ended
+  (the global parameters, the last round landed: equal samples in both modes).
+
+Prints a table and writes JSON (default benchmarks/results/utilization.json)::
+
+    .venv/bin/python -m benchmarks.utilization --links 0,100,20 --peers 2,4 --presets small
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks._common import make_lab, run_metadata, save_result, signals_unwind, start_bootstrap_node
+from swarm.events import read_events
+
+RESULTS = Path(__file__).parent / "results" / "utilization.json"
+RUN = "utilization"
+_WARMUP_STEPS = 10
+PEER_FLAGS: list[str] = []
+"""Extra swarm.peer flags for every peer (``--peer-flags``)."""
+
+
+def plain_worker(preset: str, steps: int, shard: int, num_shards: int, out: Path) -> None:
+    """One plain loop: swarm.peer's model, inner optimizer and batches, no swarm; writes its steps/s."""
+    import torch
+
+    from swarm.peer import PeerConfig, make_inner_optimizer
+    from swarm.tasks import get_task
+
+    torch.set_num_threads(1)
+    config = PeerConfig(task_preset=preset)
+    task = get_task(config.task, preset=preset)
+    torch.manual_seed(config.seed)
+    model = task.build_model(seed=config.seed)
+    optimizer = make_inner_optimizer(config, model.parameters())
+    batches = task.train_batches(shard_index=shard, num_shards=num_shards, seed=config.seed)
+    began = None
+    for step in range(steps + _WARMUP_STEPS):
+        if step == _WARMUP_STEPS:
+            began = time.perf_counter()
+        task.loss(model, next(batches)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    out.write_text(json.dumps({"steps_per_s": steps / (time.perf_counter() - began)}))
+
+
+def _plain(preset: str, peers: int, steps: int, work: Path, timeout_s: float) -> float:
+    import subprocess
+
+    outs = [work / f"plain{i}.json" for i in range(peers)]
+    argv = [sys.executable, "-m", "benchmarks.utilization", "--plain-worker", preset, str(steps)]
+    procs = [subprocess.Popen([*argv, str(i), str(peers), str(out)]) for i, out in enumerate(outs)]
+    for proc in procs:
+        if proc.wait(timeout=timeout_s) != 0:
+            raise RuntimeError(f"a plain loop failed (exit {proc.returncode})")
+    return statistics.mean(json.loads(out.read_text())["steps_per_s"] for out in outs)
+
+
+def _peer_argv(slot: int, peers: int, preset: str, steps: int, maddrs: list[str], host: Any, work: Path, overlap: bool):
+    return [*_base_argv(slot, peers, preset, steps, maddrs, host, work), *(["--overlap"] if overlap else [])]
+
+
+def _base_argv(slot: int, peers: int, preset: str, steps: int, maddrs: list[str], host: Any, work: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "swarm.peer",
+        "--initial-peers",
+        *maddrs,
+        "--run",
+        RUN,
+        "--task",
+        "charlm",
+        "--task-preset",
+        preset,
+        "--host-maddrs",
+        host.maddr(0),
+        "--shard-index",
+        str(slot),
+        "--num-shards",
+        str(peers),
+        "--identity-key",
+        str(work / f"peer{slot}.key"),
+        "--events",
+        str(work / f"peer{slot}.jsonl"),
+        "--torch-threads",
+        "1",
+        "--no-progress",
+        "--max-steps",
+        str(steps),
+        "--eval-every",
+        "0",  # no validation while training (a plain loop has none either); once at the end
+        "--target-group-size",
+        str(peers),
+        "--checkpoint-dir",
+        str(work / "checkpoints"),
+        "--ledger-dir",
+        str(work / "ledgers"),
+        *PEER_FLAGS,
+    ]
+
+
+def _peer_figures(events: list[dict]) -> dict[str, Any]:
+    rounds = [e for e in events if e["event"] == "round"]
+    grouped = [e for e in rounds if (e.get("group_size") or 0) >= 2]
+    train = [e for e in events if e["event"] == "train"]
+    final = [e for e in events if e["event"] == "val" and e.get("final")]
+    if not grouped or not train:
+        return {"steps_per_s": None, "grouped": 0, "rounds": len(rounds)}
+    first, last = grouped[0], train[-1]
+    rate = (last["step"] - first["step"]) / max(last["t"] - first["t"], 1e-9)
+    phases: dict[str, list[float]] = {}
+    for e in rounds:
+        for phase, seconds in ((e.get("record") or {}).get("phase_s") or {}).items():
+            phases.setdefault(phase, []).append(seconds)
+    return {
+        "steps_per_s": rate,
+        "rounds": len(rounds),
+        "grouped": len(grouped),
+        "round_s": statistics.median(e["duration_s"] for e in rounds),
+        "phase_s": {phase: statistics.median(values) for phase, values in phases.items()},
+        "val_loss": final[-1]["val_loss"] if final else None,
+    }
+
+
+def _swarm(
+    *, preset: str, peers: int, steps: int, link: float, overlap: bool, lab_kind: str, console: Console
+) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="swarm-utilization-"))
+    lab, fallback = make_lab(lab_kind, rate_mbit=link, num_hosts=peers + 1, console=console)
+    with lab:
+        _, maddrs = start_bootstrap_node(lab, peers, work=work, timeout_s=120)
+        if maddrs is None:
+            raise RuntimeError(f"the bootstrap node did not start; see {work / 'bootstrap.log'}")
+        procs = [
+            lab.spawn(
+                slot,
+                _peer_argv(slot, peers, preset, steps, maddrs, lab.hosts[slot], work, overlap),
+                log=work / f"peer{slot}.log",
+            )
+            for slot in range(peers)
+        ]
+        deadline = time.monotonic() + 60 + steps * peers  # generous: a peer makes >= 1 step/s here
+        for proc in procs:
+            while proc.poll() is None:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the peers did not finish {steps} steps in time; see the logs in {work}")
+                time.sleep(0.5)
+            if proc.returncode != 0:
+                raise RuntimeError(f"a peer exited {proc.returncode}; see the logs in {work}")
+    figures = [_peer_figures(read_events(work / f"peer{slot}.jsonl")) for slot in range(peers)]
+    shutil.rmtree(work, ignore_errors=True)
+    rates = [f["steps_per_s"] for f in figures]
+    losses = [f["val_loss"] for f in figures if f.get("val_loss") is not None]
+    return {
+        "lab": lab.kind,
+        "lab_fallback": fallback,
+        "steps_per_s": statistics.mean(rates) if None not in rates else None,
+        "grouped_share": sum(f["grouped"] for f in figures) / max(1, sum(f["rounds"] for f in figures)),
+        "round_s": statistics.median(f["round_s"] for f in figures if "round_s" in f),
+        "phase_s": {
+            phase: statistics.median(f["phase_s"][phase] for f in figures if phase in f.get("phase_s", {}))
+            for phase in ("matchmaking", "allreduce", "total")
+            if any(phase in f.get("phase_s", {}) for f in figures)
+        },
+        "val_loss": statistics.mean(losses) if losses else None,
+        "per_peer": figures,
+    }
+
+
+def run(
+    *, presets: list[str], peer_counts: list[int], links: list[float], modes: list[str], steps: int, lab: str
+) -> dict[str, Any]:
+    console = Console()
+    rows = []
+    for preset in presets:
+        for peers in peer_counts:
+            with tempfile.TemporaryDirectory(prefix="swarm-plain-") as tmp:
+                plain = _plain(preset, peers, steps, Path(tmp), timeout_s=60 + steps * peers)
+            console.print(f"{preset}, {peers} plain loops: {plain:.2f} steps/s each")
+            for link in links:
+                for mode in modes:
+                    arm = _swarm(
+                        preset=preset,
+                        peers=peers,
+                        steps=steps,
+                        link=link,
+                        overlap=mode == "overlapped",
+                        lab_kind=lab,
+                        console=console,
+                    )
+                    rate = arm["steps_per_s"]
+                    row = {
+                        "preset": preset,
+                        "peers": peers,
+                        "link_mbit": link,
+                        "mode": mode,
+                        "plain_steps_per_s": plain,
+                    }
+                    row.update(arm)
+                    row["utilization"] = rate / plain if rate else None
+                    rows.append(row)
+                    console.print(
+                        f"  {link or 'unshaped'} Mbit/s, {mode}: {rate or 0:.2f} steps/s,"
+                        f" utilization {row['utilization'] or 0:.3f}, val loss {arm['val_loss']}"
+                    )
+    return {"steps": steps, "peer_flags": list(PEER_FLAGS), "rows": rows}
+
+
+def print_table(result: dict[str, Any], console: Console) -> None:
+    table = Table(title=f"compute utilization: steps/s of a peer over a plain loop's ({result['steps']} steps each)")
+    columns = ("preset", "peers", "link", "mode", "steps/s", "plain", "utilization", "round s", "matchmaking s")
+    for column in (*columns, "grouped", "val loss"):
+        table.add_column(column, justify="right")
+    for r in result["rows"]:
+        table.add_row(
+            r["preset"],
+            str(r["peers"]),
+            f"{r['link_mbit']:g} Mbit/s" if r["link_mbit"] else f"unshaped ({r['lab']})",
+            r["mode"],
+            f"{r['steps_per_s'] or 0:.2f}",
+            f"{r['plain_steps_per_s']:.2f}",
+            f"{r['utilization'] or 0:.3f}",
+            f"{r['round_s']:.2f}",
+            f"{r['phase_s'].get('matchmaking', 0):.2f}",
+            f"{r['grouped_share']:.2f}",
+            "-" if r["val_loss"] is None else f"{r['val_loss']:.4f}",
+        )
+    console.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--plain-worker"]:
+        preset, steps, shard, num_shards, out = argv[1:6]
+        plain_worker(preset, int(steps), int(shard), int(num_shards), Path(out))
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.utilization", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", default="small", help="charlm presets, comma-separated (default: %(default)s)")
+    parser.add_argument("--peers", default="2", help="numbers of peers, comma-separated (default: %(default)s)")
+    parser.add_argument("--links", default="0,100,20", help="Mbit/s per link, 0 unshaped (default: %(default)s)")
+    parser.add_argument("--modes", default="blocking,overlapped", help="(default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=200, help="steps per peer and plain loop (default: %(default)s)")
+    parser.add_argument("--lab", choices=("auto", "netns", "loopback"), default="auto", help="(default: %(default)s)")
+    parser.add_argument("--peer-flags", default="", help="extra swarm.peer flags, e.g. '--checkpoint-every 0'")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON result (default: %(default)s)")
+    args = parser.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not set(modes) <= {"blocking", "overlapped"} or args.steps < 20:
+        parser.error("--modes: blocking and/or overlapped; --steps: at least 20")
+    PEER_FLAGS[:] = shlex.split(args.peer_flags)
+    console = Console()
+    try:
+        with signals_unwind():
+            result = run(
+                presets=[p.strip() for p in args.presets.split(",") if p.strip()],
+                peer_counts=[int(p) for p in args.peers.split(",")],
+                links=[float(x) for x in args.links.split(",")],
+                modes=modes,
+                steps=args.steps,
+                lab=args.lab,
+            )
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]")
+        return 130
+    except RuntimeError as e:
+        console.print(f"[red]{e}[/]")
+        return 1
+    result["meta"] = run_metadata("utilization", argv)
+    print_table(result, console)
+    console.print(f"wrote {save_result(args.out, result)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Overlapped rounds: a phase's averaging round runs in the background during the next phase's inner steps.
+
+The trainer's ``overlap`` mode is DiLoCo with the outer step one round late (as in Streaming DiLoCo's
+overlapped communication, with no mixing: a peer keeps all of its own progress). With ``G`` the global
+parameters (`swarm.outer.DiLoCo`), ``S_j`` where phase ``j``'s inner steps started (``S_0 = G_0``) and
+``Y_j`` the model after them:
+
+    at sync point j:
+        delta_j = S_j - Y_j                  this phase's progress: the pseudo-gradient round j averages
+        wait for round j-1                   it averaged delta_{j-1} into D and stepped G <- outer(G, D)
+        S_{j+1} = model = G - delta_j        the new global state plus this phase's own progress
+        start round j on delta_j             in the background, against G's digest (as a blocking round)
+
+A round that finds no group applies the peer's own ``delta`` alone, as in blocking mode; bases that
+differ are averaged in the round as in blocking mode. Every member of a round steps ``G`` with the same
+``D``, so the sealed state (``G`` with its momentum) is the same on every signer; only the model a peer
+trains differs by its own un-averaged phase. The inner loop waits only when round ``j-1`` is still
+running at sync point ``j``. The join, the state swap and any re-sync of a lagging peer happen on the
+training thread, between steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class Overlap:
+    """At most one round in flight beside the inner steps; ``start`` is where this phase began (``S_j``)."""
+
+    def __init__(self, join_timeout_s: float) -> None:
+        self.join_timeout_s = join_timeout_s
+        self.start: torch.Tensor | None = None
+        """Flat fp32 parameters this phase started from; None: from the global state (at first, after a re-sync)."""
+        self.waited_s = 0.0
+        """Seconds the training thread waited at sync points for a round still in flight."""
+        self._thread: threading.Thread | None = None
+        self._outcome: tuple[Any, BaseException | None] = (None, None)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None
+
+    def progress(self, local: Sequence[torch.Tensor], base: torch.Tensor) -> torch.Tensor:
+        """``delta_j = S_j - Y_j``, flat fp32 (``base``: the global parameters, flat, if this phase began there)."""
+        start = self.start if self.start is not None else base
+        return start - torch.cat([t.reshape(-1) for t in local])
+
+    def join(self, interrupt: Callable[[], None]) -> Any:
+        """Wait for the round in flight (at most ``join_timeout_s``, then ``interrupt`` it) and return its result
+        (None if none was in flight); an exception the round raised is raised here, on the training thread."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return None
+        began = time.perf_counter()
+        thread.join(self.join_timeout_s)
+        if thread.is_alive():
+            logger.warning("the round in flight passed its deadline (%.0f s): interrupting it", self.join_timeout_s)
+            interrupt()
+            thread.join(10.0)
+        self.waited_s += time.perf_counter() - began
+        result, error = self._outcome
+        self._outcome = (None, None)
+        if error is not None:
+            raise error
+        return result
+
+    def abandon(self, interrupt: Callable[[], None]) -> None:
+        """Interrupt the round in flight, if any, and wait for it to end (on shutdown)."""
+        if self._thread is not None:
+            interrupt()
+            with contextlib.suppress(Exception):
+                self.join(lambda: None)
+
+    def launch(self, start: torch.Tensor, round_fn: Callable[[], Any]) -> None:
+        """Begin the next phase at ``start`` (flat, already in the model) and run ``round_fn`` in the background."""
+        if self._thread is not None:
+            raise RuntimeError("a round is still in flight: join() it first")
+        self.start = start
+
+        def run() -> None:
+            try:
+                self._outcome = (round_fn(), None)
+            except BaseException as e:  # handed to the training thread by join()
+                self._outcome = (None, e)
+
+        self._thread = threading.Thread(target=run, name="swarm-round", daemon=True)
+        self._thread.start()

@@ -1,0 +1,139 @@
+"""One averaging round of a trainer: the group's all-reduce of the pseudo-gradient, base agreement, the
+outer step, and the round's evidence (ledger entry, validation, receipt, seal, rejections).
+
+`swarm.trainer.Trainer` runs it on the training thread (blocking) or in the background (overlapped,
+`swarm.overlap`); the pure bookkeeping is in `swarm.rounds`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from swarm import rounds
+from swarm.rounds import RoundBook, RoundResult, TrainerCounters
+
+if TYPE_CHECKING:
+    from averaging import GroupAverager
+    from bootstrap.identity import Identity, PeerBinding
+    from swarm._private.evidence import Evidence
+    from swarm.checkpoint.sync import CheckpointManager
+    from swarm.config import TrainerConfig
+    from swarm.outer import DiLoCo
+    from swarm.overlap import Overlap
+    from swarm.presence import Presence
+
+logger = logging.getLogger(__name__)
+
+
+class RoundRunner:
+    """Runs a trainer's rounds over the parts `swarm.trainer.Trainer` wired (see `run`)."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        outer: DiLoCo,
+        group_averager: GroupAverager,
+        presence: Presence,
+        checkpoints: CheckpointManager | None,
+        evidence: Evidence,
+        identity: Identity,
+        binding: PeerBinding,
+        counters: TrainerCounters,
+        book: RoundBook,
+    ) -> None:
+        self.config, self.outer, self.group_averager, self.presence = config, outer, group_averager, presence
+        self.checkpoints, self.evidence, self.identity, self.binding = checkpoints, evidence, identity, binding
+        self.counters, self.book = counters, book
+        self.evaluate: Callable[[], float] | None = None
+        """Returns the validation loss of the model (evaluated after a grouped blocking round)."""
+        self.overlap: Overlap | None = None
+        """Overlapped rounds (`swarm.overlap`): the round runs in the background and leaves the model alone."""
+        self.last: RoundResult | None = None
+        """The result of the last round that ended."""
+
+    def run(self, pseudo: Any, samples: int, step: int, started: float) -> RoundResult:
+        """Average ``pseudo`` with a group, step the global state and keep the round's evidence (blocking, or in
+        the background when overlapped: then the model is left to the training thread)."""
+        book, timeout_s, weight = self.book, self.config.averaging.round_timeout_s, float(max(samples, 1))
+        newest = self.checkpoints.newest_digest() if self.checkpoints is not None else None
+        fresh = self.counters.rounds_ok + self.counters.rounds_solo == 0
+        gather = rounds.gather_metadata(self.outer.round, samples, self.binding, pseudo.digest, newest, fresh=fresh)
+        try:
+            expected = self.presence.run_peers()  # all of them looking: the window closes early
+            averaged, record, group = self.group_averager.step(
+                pseudo.delta, weight=weight, gather=gather, timeout_s=timeout_s, expected=expected
+            )
+        except Exception as e:  # a failed round must not kill training; the update is applied alone
+            logger.warning("averaging round failed: %r; applying this peer's update alone", e)
+            averaged, record, group = None, None, None
+        grouped = averaged is not None and group is not None
+        rejected: tuple[str, ...] = ()
+        new_state = None
+        if grouped:
+            problems = rounds.check_gathered(group.gathered)
+            self.counters.rejected.update(problems.values())
+            for peer_id, reason in problems.items():
+                logger.warning("round %s: rejected metadata from %s: %s", self.outer.round, peer_id, reason)
+            rejected = tuple(problems)
+            agree = rounds.base_agreement_group(group, record, self.binding.peer_id)
+            if agree is not None:
+                new_state, agreement = self.group_averager.average_in_group(
+                    agree, pseudo.state, weight=1.0, codec="fp32", timeout_s=timeout_s
+                )
+                if new_state is None:
+                    logger.info("round %s: diverged bases not averaged: %s", self.outer.round, agreement.failures[:3])
+            next_round = rounds.next_round(self.outer.round, group.gathered)
+            self.counters.rounds_ok += 1
+            book.solo_streak = 0
+            self.presence.recent.add(group.members)
+        else:
+            averaged, next_round = pseudo.delta, self.outer.round + 1
+            self.counters.rounds_solo += 1
+            book.solo_streak += 1
+            self.presence.reconnect()
+        self.outer.step(averaged, next_round=next_round, new_state=new_state, to_model=self.overlap is None)
+        size, duration = len(group.members) if grouped else 1, time.perf_counter() - started
+        self.last = RoundResult(
+            round=self.outer.round,
+            group_size=size,
+            weight=weight,
+            duration_s=duration,
+            rejected=rejected,
+            record=record,
+        )
+        self._after_round(group if grouped else None, record, samples=samples, step=step)
+        return self.last
+
+    def _after_round(self, group: Any | None, record: Any | None, *, samples: int, step: int) -> None:
+        """Evaluate (blocking), watch for divergence, keep the evidence, seal and swap receipts."""
+        book, blocking = self.book, self.overlap is None  # overlapped: evaluated at the join (Trainer.sync)
+        val_loss = float(self.evaluate()) if group is not None and self.evaluate is not None and blocking else None
+        self.observe_val(val_loss)
+        entry = rounds.round_entry(self.last, step, samples, book.samples_per_s, val_loss, group is None)
+        self.evidence.round(entry, group=group, record=record, peer_id=self.binding.peer_id)
+        if group is not None and self.checkpoints is not None:
+            every, state = self.config.checkpoint.checkpoint_every, self.outer.state_dict
+            sealing = bool(every) and self.outer.round % every == 0
+            seal = rounds.seal_request(group, val_loss, state=state, step=self.outer.round) if sealing else None
+            receipt = rounds.sign_participation(
+                self.identity, self.config.run, self.outer.round, group, record, samples, ledger=self.evidence.ledger
+            )
+            self.checkpoints.finish_round_async(receipt=receipt, seal=seal)
+        sources = {"metadata": self.counters.rejected, "record": self.presence.graph.rejections.counts}
+        self.evidence.rejections_of(
+            {**sources, **(self.checkpoints.rejections() if self.checkpoints else {})}, self.outer.round
+        )
+        if self.evidence.metrics is not None:
+            self.evidence.metrics.set_peers_known(len(self.presence.run_peers()))
+
+    def observe_val(self, val_loss: float | None) -> None:
+        """Keep a grouped round's validation loss (of the new global parameters) and watch for divergence."""
+        if val_loss is not None:
+            self.book.last_val_loss = self.book.shown_val_loss = val_loss
+        rising = self.book.divergence.observe(val_loss, round_=self.outer.round)
+        if rising is not None:
+            logger.warning(rising.message(sync_every=self.config.sync_every, outer=self.outer.settings))
+            self.evidence.record("diverging", rising.to_dict())
