@@ -262,12 +262,12 @@ class Attacker:
     def attach(self, averager: Any) -> None:
         original = averager.step
 
-        def step(tensor: torch.Tensor, *, weight: float, gather: Any = None, timeout_s: float | None = None) -> Any:
+        def step(tensor: torch.Tensor, *, weight: float, **round_args: Any) -> Any:
             bad, bad_weight = poison(self.attack, tensor, weight, max_weight=averager.config.max_weight)
             self.poisoned_rounds += 1
             self._armed = True
             try:
-                return original(bad, weight=bad_weight, gather=gather, timeout_s=timeout_s)
+                return original(bad, weight=bad_weight, **round_args)
             finally:
                 self._armed = False
 
@@ -301,8 +301,8 @@ def observe(averager: Any, peer: int, log: list[Observation], lock: threading.Lo
     """Record every round of ``averager`` into ``log`` (what was sent on the wire, and the result)."""
     original = averager.step
 
-    def step(tensor: torch.Tensor, *, weight: float, gather: Any = None, timeout_s: float | None = None) -> Any:
-        result, record, group = original(tensor, weight=weight, gather=gather, timeout_s=timeout_s)
+    def step(tensor: torch.Tensor, *, weight: float, **round_args: Any) -> Any:
+        result, record, group = original(tensor, weight=weight, **round_args)
         with lock:
             log.append(
                 Observation(
