@@ -49,9 +49,10 @@ class Overlap:
     def in_flight(self) -> bool:
         return self._thread is not None
 
-    def progress(self, local: Sequence[torch.Tensor], base: torch.Tensor) -> torch.Tensor:
-        """``delta_j = S_j - Y_j``, flat fp32 (``base``: the global parameters, flat, if this phase began there)."""
-        start = self.start if self.start is not None else base
+    def progress(self, local: Sequence[torch.Tensor], base: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``delta_j = S_j - Y_j``, flat fp32 (``base()``: the global parameters, flat, read only if this phase
+        began there)."""
+        start = self.start if self.start is not None else base()
         return start - torch.cat([t.reshape(-1) for t in local])
 
     def join(self, interrupt: Callable[[], None]) -> Any:

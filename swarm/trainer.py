@@ -231,7 +231,7 @@ class Trainer:
         # a copy when overlapped: the model's own tensors (on a CPU, in fp32) are overwritten below
         local = [p.detach().to("cpu", torch.float32, copy=overlap is not None) for p in self.outer.params]
         if overlap is not None:
-            delta = overlap.progress(local, self.outer.global_flat())
+            delta = overlap.progress(local, self.outer.global_flat)
             joined = overlap.join(self.interrupt)
             if joined is not None and joined.group_size > 1 and self.evaluate is not None:
                 self.outer.to_model()  # the new global parameters, the same on every member

@@ -44,9 +44,9 @@ def test_a_round_past_its_deadline_is_interrupted_at_the_join() -> None:
 def test_progress_is_measured_from_where_the_phase_started() -> None:
     overlap = Overlap(join_timeout_s=1.0)
     base, local = torch.tensor([1.0, 2.0]), [torch.tensor([0.5, 1.0])]
-    assert torch.equal(overlap.progress(local, base), torch.tensor([0.5, 1.0]))  # first phase: from the global
+    assert torch.equal(overlap.progress(local, lambda: base), torch.tensor([0.5, 1.0]))  # first phase: from the global
     overlap.start = torch.tensor([3.0, 3.0])
-    assert torch.equal(overlap.progress(local, base), torch.tensor([2.5, 2.0]))
+    assert torch.equal(overlap.progress(local, lambda: base), torch.tensor([2.5, 2.0]))
 
 
 @pytest.mark.timeout(120)
