@@ -70,6 +70,16 @@ class Recipe:
     codec: str = "int8"
     """Rounding of the pseudo-gradients on the wire: int8 (the swarm's default), int4 or fp32."""
     dp: bool = False
+    overlap: float | None = None
+    """Overlapped rounds (swarm.overlap; None: blocking): a round's outer step lands ``overlap_delay`` local
+    steps after its sync point, and each worker then resumes from the new global state plus ``overlap`` x its
+    progress since the sync point; at each sync point a worker resumes from the global state plus ``overlap``
+    x the progress it just sent (1: swarm.overlap's rule; below 1 it also mixes toward the global state)."""
+    overlap_delay: int = 0
+    """Local steps a round takes to land (0: at the next sync point, a whole phase late)."""
+    phase_from_landing: bool = False
+    """Overlapped: the next sync point comes ``sync_every`` steps after the round lands (not after the last sync
+    point), so a phase is ``sync_every`` plus the steps taken while the round ran."""
 
     def sync_interval(self, step: int) -> int:
         if self.sync_warmup and step < self.sync_warmup:
@@ -83,6 +93,39 @@ def grid(name: str, *, warmup: int) -> list[Recipe]:
     from swarm.recipe import outer_settings
 
     rows = [Recipe(name="dp", dp=True, inner_warmup=warmup), Recipe(name="dp-nowarmup", dp=True)]
+    if name == "overlap":
+        outer = outer_settings(DEFAULT_H)
+        base = {"sync_every": DEFAULT_H, "inner_warmup": warmup, "outer_lr": outer.lr, "outer_momentum": outer.momentum}
+        return [
+            rows[0],
+            Recipe(name="defaults", **base),
+            *(Recipe(name=f"overlapped, lands at the next sync, own x{a:g}", overlap=a, **base) for a in (1.0, 0.5)),
+            *(
+                Recipe(name=f"overlapped, lands after {d} steps", overlap=1.0, overlap_delay=d, **base)
+                for d in (1, 2, 5)
+            ),
+            *(
+                Recipe(name=f"overlapped, lands after {d} steps, own x0.5", overlap=0.5, overlap_delay=d, **base)
+                for d in (2, 5)
+            ),
+            *(
+                Recipe(
+                    name=f"overlapped, lands after {d} steps, phase from landing",
+                    overlap=1.0,
+                    overlap_delay=d,
+                    phase_from_landing=True,
+                    **base,
+                )
+                for d in (1, 2, 5)
+            ),
+            Recipe(
+                name="overlapped, lands after 5 steps, plain outer",
+                overlap=1.0,
+                overlap_delay=5,
+                **{**base, "outer_lr": 1.0, "outer_momentum": 0.0},
+            ),
+            Recipe(name="defaults, plain outer", **{**base, "outer_lr": 1.0, "outer_momentum": 0.0}),
+        ]
     if name == "quick":
         outer = outer_settings(DEFAULT_H)
         return [
@@ -179,6 +222,51 @@ def _quantize(t: Any, codec: str) -> Any:
     return q.reshape(-1)[: flat.numel()].view_as(t)
 
 
+def _outer_step(base: list[Any], outer: Any, mean: list[Any] | None) -> None:
+    import torch
+
+    if mean is None:
+        return
+    with torch.no_grad():
+        for param, grad in zip(base, mean):
+            param.grad = grad
+        outer.step()
+        outer.zero_grad(set_to_none=True)
+
+
+def _land(
+    workers: list[list[Any]], base: list[Any], outer: Any, starts: list[list[Any]], pending: Any, alpha: float
+) -> None:
+    """A round lands mid-phase: the global state takes its mean; each worker keeps ``alpha`` x its progress since
+    the sync point, on the new global state, and its next pseudo-gradient is measured from the global state."""
+    import torch
+
+    _outer_step(base, outer, pending)
+    with torch.no_grad():
+        for worker, start in zip(workers, starts):
+            for param, s, g in zip(worker, start, base):
+                param.copy_(g - alpha * (s - param))
+                s.copy_(g)
+
+
+def _sync_overlapped(
+    workers: list[list[Any]], base: list[Any], outer: Any, starts: list[list[Any]], pending: Any, recipe: Recipe
+) -> list[Any]:
+    """A sync point of the overlapped algorithm (one group of every worker): each worker's pseudo-gradient
+    ``start - local`` goes into this round (returned, pending); a round still pending lands now; each worker
+    resumes from the global state plus ``overlap`` x the progress just sent."""
+    import torch
+
+    with torch.no_grad():
+        deltas = [[_quantize(s - p, recipe.codec) for s, p in zip(start, w)] for start, w in zip(starts, workers)]
+        _outer_step(base, outer, pending)
+        for worker, start, delta in zip(workers, starts, deltas):
+            for param, s, g, d in zip(worker, start, base, delta):
+                param.copy_(g - recipe.overlap * d)
+                s.copy_(param)
+        return [_quantize(torch.stack(ds).mean(0), recipe.codec) for ds in zip(*deltas)]
+
+
 def _evaluate(task: Any, model: Any) -> float:
     return float(task.evaluate(model))
 
@@ -239,6 +327,10 @@ def simulate(
         base = [p.detach().clone() for p in params[0]]
         momentum = recipe.outer_momentum
         outer = torch.optim.SGD(base, lr=recipe.outer_lr, momentum=momentum, nesterov=momentum > 0)
+        starts = [[p.detach().clone() for p in worker] for worker in params]
+        pending: list[Any] | None = None
+        lands = -1
+        probe = task.build_model(seed=0)
         curve.append((0, _evaluate(task, models[0])))
         since, interval = 0, recipe.sync_interval(0)
         for step in range(steps):
@@ -249,7 +341,26 @@ def simulate(
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             since += 1
+            if pending is not None and step + 1 == lands and since < interval and step + 1 < steps:
+                _land(params, base, outer, starts, pending, recipe.overlap)
+                pending = None
+                if recipe.phase_from_landing:
+                    since = 0
             if since < interval and step + 1 < steps:
+                continue
+            if recipe.overlap is not None:
+                pending = _sync_overlapped(params, base, outer, starts, pending, recipe)
+                lands = step + 1 + (recipe.overlap_delay or interval)
+                rounds += 1
+                since, interval = 0, recipe.sync_interval(step + 1)
+                seen = (step + 1) * batch * peers
+                if step + 1 == steps:  # Trainer.finish(): the last round lands; the global state is the model
+                    _outer_step(base, outer, pending)
+                if not curve or seen - curve[-1][0] >= eval_every_samples or step + 1 == steps:
+                    with torch.no_grad():
+                        for param, new in zip(probe.parameters(), base):
+                            param.copy_(new)
+                    curve.append((seen, _evaluate(task, probe)))
                 continue
             with torch.no_grad():
                 for k, param in enumerate(base):
@@ -365,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--samples", type=int, default=60000)
     parser.add_argument("--peers", type=int, default=4)
-    parser.add_argument("--grid", choices=("full", "quick"), default="full")
+    parser.add_argument("--grid", choices=("full", "quick", "overlap"), default="full")
     parser.add_argument(
         "--only", nargs="*", default=None, help="run only the rows with these names (and the reference row dp)"
     )

@@ -175,9 +175,10 @@ class TrainerConfig:
     sends more (README: choosing sync_every and the outer optimizer); raise it on a slow link, or for a
     large model whose rounds take long."""
     overlap: bool = False
-    """Run each averaging round in the background during the next sync_every inner steps and apply its
-    outer step one round late (swarm.overlap), so training waits on the network only when a round takes
-    longer than a phase; off: each round blocks training until it is done."""
+    """Run each averaging round in the background during the next inner steps and apply its outer step at
+    the first step after it ends, under the progress made meanwhile (swarm.overlap), so training waits on
+    the network only when a round takes longer than a phase; off: each round blocks training until it is
+    done."""
     inner_warmup_steps: int = INNER_WARMUP_STEPS
     """Linear warm-up of the inner optimizer's learning rate over this peer's first local steps (0: off).
     A fresh inner optimizer (AdamW with no statistics yet) takes large steps, and replicas that start

@@ -1,26 +1,34 @@
 """Overlapped rounds: a phase's averaging round runs in the background during the next phase's inner steps.
 
-The trainer's ``overlap`` mode is DiLoCo with the outer step one round late (as in Streaming DiLoCo's
-overlapped communication, with no mixing: a peer keeps all of its own progress). With ``G`` the global
-parameters (`swarm.outer.DiLoCo`), ``S_j`` where phase ``j``'s inner steps started (``S_0 = G_0``) and
-``Y_j`` the model after them:
+The trainer's ``overlap`` mode is DiLoCo whose outer step lands when the round ends, under the progress
+the peer made meanwhile (as in Streaming DiLoCo's overlapped communication, with no mixing: a peer keeps
+all of its own progress). With ``G`` the global parameters (`swarm.outer.DiLoCo`), ``Y`` the model and
+``S`` where the progress not yet sent is measured from (``S = G`` at the start):
 
     at sync point j:
-        delta_j = S_j - Y_j                  this phase's progress: the pseudo-gradient round j averages
-        wait for round j-1                   it averaged delta_{j-1} into D and stepped G <- outer(G, D)
-        S_{j+1} = model = G - delta_j        the new global state plus this phase's own progress
+        delta_j = S - Y                      the progress since S: the pseudo-gradient round j averages
+        if round j-1 is still running:       wait for it (it averages delta_{j-1} into D, steps G <- outer(G, D))
+        S = model = G - delta_j              the global state plus the progress just sent
         start round j on delta_j             in the background, against G's digest (as a blocking round)
+    after any other inner step, once round j has ended (it lands):
+        model = G - (S - Y)                  the new global state plus the progress made since sync point j
+        S = G
+        the next sync point comes sync_every steps after round j's group formed (the steps this peer took
+        while it waited for the others to be looking are added to the phase), so the members' sync points
+        come together and no member's update waits on a member that is behind
 
-A round that finds no group applies the peer's own ``delta`` alone, as in blocking mode; bases that
-differ are averaged in the round as in blocking mode. Every member of a round steps ``G`` with the same
-``D``, so the sealed state (``G`` with its momentum) is the same on every signer; only the model a peer
-trains differs by its own un-averaged phase. The inner loop waits only when round ``j-1`` is still
-running at sync point ``j``. The join, the state swap and any re-sync of a lagging peer happen on the
-training thread, between steps.
+A round lands after the first inner step it has ended by, so its update is as stale as the round is long
+(``python -m benchmarks.recipe_sweep --grid overlap`` measures the cost of each step of delay); a round
+slower than a whole phase lands at the next sync point. A round that finds no group applies the peer's
+own ``delta`` alone, as in blocking mode; bases that differ are averaged in the round as in blocking mode.
+Every member of a round steps ``G`` with the same ``D``, so the sealed state (``G`` with its momentum)
+is the same on every signer; only the model a peer trains differs by its own un-averaged progress. The
+join, the state swap and any re-sync of a lagging peer happen on the training thread, between steps.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import threading
@@ -44,16 +52,33 @@ class Overlap:
         """Seconds the training thread waited at sync points for a round still in flight."""
         self._thread: threading.Thread | None = None
         self._outcome: tuple[Any, BaseException | None] = (None, None)
+        self._launched_at = 0.0
+        self._ticks: list[float] = []
+        """When each inner step since the launch ended (perf_counter)."""
 
     @property
     def in_flight(self) -> bool:
         return self._thread is not None
+
+    @property
+    def ended(self) -> bool:
+        """A round was in flight and has ended: its result waits for the join (which will not wait)."""
+        return self._thread is not None and not self._thread.is_alive()
 
     def progress(self, local: Sequence[torch.Tensor], base: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``delta_j = S_j - Y_j``, flat fp32 (``base()``: the global parameters, flat, read only if this phase
         began there)."""
         start = self.start if self.start is not None else base()
         return start - torch.cat([t.reshape(-1) for t in local])
+
+    def tick(self) -> None:
+        """An inner step ended (while a round is in flight)."""
+        if self._thread is not None:
+            self._ticks.append(time.perf_counter())
+
+    def steps_before(self, seconds: float) -> int:
+        """Inner steps that ended within ``seconds`` of the last launch."""
+        return bisect.bisect_left(self._ticks, self._launched_at + seconds)
 
     def join(self, interrupt: Callable[[], None]) -> Any:
         """Wait for the round in flight (at most ``join_timeout_s``, then ``interrupt`` it) and return its result
@@ -85,7 +110,7 @@ class Overlap:
         """Begin the next phase at ``start`` (flat, already in the model) and run ``round_fn`` in the background."""
         if self._thread is not None:
             raise RuntimeError("a round is still in flight: join() it first")
-        self.start = start
+        self.start, self._launched_at, self._ticks = start, time.perf_counter(), []
 
         def run() -> None:
             try:

@@ -324,6 +324,7 @@ class PeerRunner:
             round=result.round,
             step=trainer.local_step,
             group_size=result.group_size,
+            landed_step=result.landed_step,
             duration_s=result.duration_s,
             val_loss=val,
             rejected=list(result.rejected),
@@ -359,7 +360,7 @@ class PeerRunner:
         path = Path(self.config.dump_dir) / f"{kind}_round{round_:04d}.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        save_file(tensors, str(tmp))
+        save_file(tensors, str(tmp), metadata={"step": str(self.trainer.local_step)})
         os.replace(tmp, path)
 
     def shutdown(self) -> None:

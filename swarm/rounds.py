@@ -44,6 +44,8 @@ class RoundResult:
     """Group members whose gathered metadata failed validation."""
     record: RoundRecord | None = None
     """The averaging round's record: members, bytes, phase times, failures, outcome."""
+    landed_step: int | None = None
+    """Overlapped: the local step it landed at between sync points (None: at a sync point, or blocking)."""
 
 
 @dataclass(slots=True)
@@ -71,6 +73,8 @@ class RoundBook:
     shown_val_loss: float | None = None
     """The same value, kept for the status board."""
     solo_streak: int = 0
+    next_sync: int = 0
+    """The local step of the next sync point (set by the trainer)."""
 
 
 def gather_metadata(

@@ -8,7 +8,7 @@ the bases are pulled together instead of drifting apart. With ``outer_lr=1, oute
 round is plain parameter averaging; the defaults follow ``swarm.recipe``.
 
 With ``overlap=True`` each round runs in the background during the next phase's inner steps and its
-outer step lands one round late (`swarm.overlap` defines it).
+outer step lands when it ends, under the progress made meanwhile (`swarm.overlap` defines it).
 
 `Trainer` only wires the parts: its config (`swarm.config`), the outer optimizer (`swarm.outer`), the
 round (`swarm.round_runner`), the round's bookkeeping as pure functions (`swarm.rounds`), presence in the run (`swarm.presence`), group
@@ -25,6 +25,7 @@ averaging (`averaging`), sealed checkpoints and receipts (`swarm.checkpoint`) an
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -97,7 +98,9 @@ class Trainer:
         self.evidence = Evidence()
         """This trainer's ledger, status board entry and metrics (see ``swarm._private.evidence``)."""
         guard = DivergenceGuard(rounds=config.divergence_rounds)
-        self._book = rounds.RoundBook(started_at=time.time(), last_sync_end=time.perf_counter(), divergence=guard)
+        self._book = rounds.RoundBook(
+            started_at=time.time(), last_sync_end=time.perf_counter(), divergence=guard, next_sync=config.sync_every
+        )
         self.presence: Presence | None = None
         self.group_averager: GroupAverager | None = None
         self.checkpoints: CheckpointManager | None = None
@@ -197,7 +200,7 @@ class Trainer:
 
     def step(self, *, num_samples: int = 1, loss: float | None = None) -> RoundResult | None:
         """One inner optimizer step (and zero_grad); every ``sync_every`` steps also an averaging round, whose
-        result it returns (else None). Over the first ``inner_warmup_steps`` steps the learning rates are
+        result it returns (else None; overlapped: a round's result is returned at the step it lands). Over the first ``inner_warmup_steps`` steps the learning rates are
         scaled by ``step / inner_warmup_steps`` for the step only (a user's scheduler keeps its values).
         ``loss`` (optional) is only reported: status board and metrics."""
         book = self._book
@@ -212,7 +215,12 @@ class Trainer:
             self.evidence.metrics.observe_step(
                 step=self.local_step, samples=num_samples, loss=book.last_loss, samples_per_s=rate
             )
-        return self.sync() if self.local_step % self.config.sync_every == 0 else None
+        overlap = self._runner.overlap
+        if overlap is not None:
+            overlap.tick()
+        if self.local_step >= book.next_sync:
+            return self.sync()
+        return self._land(overlap) if overlap is not None and overlap.ended else None
 
     def inner_lr_factor(self) -> float:
         """The factor on the inner optimizer's learning rate for the next local step (the warm-up)."""
@@ -225,17 +233,14 @@ class Trainer:
         the last sync point is joined and its result returned (None at the first), and this phase's round
         starts in the background (the algorithm: `swarm.overlap`)."""
         book, overlap, joined, delta = self._book, self._runner.overlap, None, None
-        started = time.perf_counter()
+        started, book.next_sync = time.perf_counter(), self.local_step + self.config.sync_every
         book.samples_per_s = book.samples_since_sync / max(started - book.last_sync_end, 1e-9)
         samples, book.samples_since_sync = int(book.samples_since_sync), 0
         # a copy when overlapped: the model's own tensors (on a CPU, in fp32) are overwritten below
         local = [p.detach().to("cpu", torch.float32, copy=overlap is not None) for p in self.outer.params]
         if overlap is not None:
             delta = overlap.progress(local, self.outer.global_flat)
-            joined = overlap.join(self.interrupt)
-            if joined is not None and joined.group_size > 1 and self.evaluate is not None:
-                self.outer.to_model()  # the new global parameters, the same on every member
-                self._runner.observe_val(float(self.evaluate()))
+            joined = self._join(overlap)
             if self._resync_if_lagging():  # the model is the loaded state now: a phase from it, no progress
                 overlap.start, delta = None, None
                 local = [p.detach().to("cpu", torch.float32) for p in self.outer.params]
@@ -249,6 +254,29 @@ class Trainer:
             joined = self._runner.run(pseudo, samples, self.local_step, started)
             self._resync_if_lagging()
         book.last_sync_end = time.perf_counter()
+        return joined
+
+    def _land(self, overlap: Overlap) -> RoundResult | None:
+        """Overlapped: the round in flight ended between sync points; its outer step lands now, under the progress
+        made since the sync point (`swarm.overlap`), which the next pseudo-gradient measures from the global state.
+        The steps this peer took while it waited for its group to form lengthen this phase, so that the members'
+        next sync points come together."""
+        local = [p.detach().to("cpu", torch.float32, copy=True) for p in self.outer.params]
+        delta = overlap.progress(local, self.outer.global_flat)
+        joined = self._join(overlap)
+        self.outer.rebase(delta)
+        overlap.start = None
+        if joined is None:
+            return None
+        if joined.group_size > 1 and joined.record is not None:  # the phase counts from when the group formed
+            self._book.next_sync += overlap.steps_before(joined.record.phase_s.get("matchmaking", 0.0))
+        return dataclasses.replace(joined, landed_step=self.local_step)
+
+    def _join(self, overlap: Overlap) -> RoundResult | None:
+        joined = overlap.join(self.interrupt)
+        if joined is not None and joined.group_size > 1 and self.evaluate is not None:
+            self.outer.to_model()  # the new global parameters, the same on every member
+            self._runner.observe_val(float(self.evaluate()))
         return joined
 
     def _resync_if_lagging(self, max_solo_rounds: int = 3) -> bool:

@@ -1,4 +1,4 @@
-"""Overlapped rounds (`swarm.overlap`): the round runs beside the inner steps, one round late.
+"""Overlapped rounds (`swarm.overlap`): the round runs beside the inner steps and lands when it ends.
 
 The algorithm is checked end to end against a single-process replay in tests/test_swarm.py
 (``diloco-overlapped``); here: the background thread, its errors and a lone overlapped trainer.
@@ -96,3 +96,54 @@ def test_a_lone_overlapped_trainer_trains_on_and_leaves_with_no_round_thread(tmp
     wait_until(
         lambda: not any(t.name == "swarm-round" for t in threading.enumerate()), 10.0, message="a round thread is left"
     )
+
+
+@pytest.mark.timeout(120)
+def test_a_round_that_ends_between_sync_points_lands_under_the_progress_made_since(tmp_path) -> None:
+    """Alone, with outer lr 0.5 (no momentum) and an inner step of exactly -0.1 per step: the solo round of sync
+    point 2 halves that phase's progress in the global state; when it lands at step 3 the model is the new
+    global state plus step 3's progress, and the next pseudo-gradient is measured from the global state."""
+    from swarm.trainer import Trainer
+
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        run="lone-landing",
+        overlap=True,
+        outer_lr=0.5,
+        outer_momentum=0.0,
+        sync_every=4,
+        inner_warmup_steps=0,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        checkpoint_dir=str(tmp_path / "ck"),
+        ledger_dir=str(tmp_path / "ledgers"),
+        matchmaking_time_s=0.3,
+        join_timeout_s=0.5,
+        round_timeout_s=5.0,
+        load_state=False,
+    )
+
+    def step() -> object:
+        model.weight.grad = torch.ones_like(model.weight)  # the inner step: weight -= 0.1
+        return trainer.step(num_samples=1)
+
+    try:
+        assert [step() for _ in range(4)] == [None] * 4  # the sync point: progress 0.4 sent, nothing to join
+        torch.testing.assert_close(model.weight.detach(), torch.full((1, 2), 0.6))  # the model stayed put
+        overlap = trainer._runner.overlap
+        wait_until(lambda: overlap.ended, 30.0, message="the solo round did not end")
+        landed = step()  # step 5 is no sync point: the round lands here
+        assert landed is not None and landed.group_size == 1 and trainer.rounds_in_flight == 0
+        # global: 1 - 0.5 x 0.4 = 0.8; the model: 0.8 - 0.1 (step 5's progress)
+        torch.testing.assert_close(trainer.outer.global_flat(), torch.full((2,), 0.8))
+        torch.testing.assert_close(model.weight.detach(), torch.full((1, 2), 0.7))
+        assert [step() for _ in range(3)][-1] is None  # steps 6-8; 8 is a sync point with nothing to join
+        torch.testing.assert_close(model.weight.detach(), torch.full((1, 2), 0.4))
+        torch.testing.assert_close(overlap.start, torch.full((2,), 0.4))  # round 2 carries 0.8 - 0.4
+        assert trainer.finish() is not None  # it lands: 0.8 - 0.5 x 0.4, and finish leaves it in the model
+        torch.testing.assert_close(model.weight.detach(), torch.full((1, 2), 0.6))
+    finally:
+        trainer.shutdown(reason="test")
