@@ -41,11 +41,12 @@ Measured on this project's 2-core CPU (torch 2.13, bitsandbytes 0.50.2):
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -276,12 +277,25 @@ def _finite_output(codec: Codec, values: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
+_BNB_PROBE_LOGGERS = ("bitsandbytes.backends.cpu.ops", "bitsandbytes.cextension")
+"""bitsandbytes loggers that warn at import about optional kernels no codec or optimizer of ours uses
+(e.g. "Failed to load CPU gemm_4bit_forward from kernels-community" on every CPU start)."""
+
+
+def import_bitsandbytes() -> Any:
+    """``import bitsandbytes`` without its import-time probe warnings (real errors still raise)."""
+    for name in _BNB_PROBE_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    import bitsandbytes
+    import bitsandbytes.functional  # noqa: F401  (the codec's quantize_blockwise / dequantize_blockwise)
+
+    return bitsandbytes
+
+
 @functools.cache
 def _bnb_functional():
     # imported on first use: bitsandbytes is slow to import and logs backend probes
-    import bitsandbytes.functional
-
-    return bitsandbytes.functional
+    return import_bitsandbytes().functional
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""Map frozen config dataclasses one-to-one onto argparse flags.
+"""Map frozen config dataclasses one-to-one onto argparse flags, and the CLIs' log handler.
 
 A field ``sync_every`` becomes ``--sync-every``; its help text is the one-line docstring written
 under the field, so the flag, the config field and the docs can never drift apart.
@@ -10,6 +10,8 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import logging
+import sys
 import textwrap
 import types
 import typing
@@ -125,3 +127,19 @@ def dataclass_flags(cls: type, *, skip: tuple[str, ...] = ()) -> list[str]:
         elif field.name not in skip:
             flags.append(flag_name(field.name))
     return flags
+
+
+def log_handler() -> logging.Handler:
+    """The CLIs' log handler: rich's on a terminal (stderr); plain one-line records with a timestamp when
+    stderr is a file or a pipe (rich would hard-wrap them at 80 columns, splitting peer IDs)."""
+    handler: logging.Handler
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.logging import RichHandler
+
+        handler = RichHandler(console=Console(stderr=True), show_path=False)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    return handler

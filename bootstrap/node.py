@@ -16,7 +16,9 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import secrets
+import socket
 import sys
 import threading
 import time
@@ -199,6 +201,18 @@ def _unreachable(peers: Sequence[str], reason: str, elapsed_s: float) -> DHTStar
     )
 
 
+def _port_open(maddr: str, timeout_s: float = 2.0) -> bool:
+    """Whether something accepts TCP connections at ``maddr``'s host and port (False when it has none)."""
+    match = re.match(r"^/(?:ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)(?:/|$)", maddr)
+    if match is None:
+        return False
+    try:
+        with socket.create_connection((match[1], int(match[2])), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def _explain(
     error: BaseException,
     *,
@@ -214,6 +228,13 @@ def _explain(
             f"stop the process using that port or choose another one"
         )
     if "failed to connect to bootstrap peers" in text or "none of the initial_peers responded" in text:
+        listening = [peer for peer in peers if _port_open(peer)]
+        if listening and len(listening) == len(peers):  # the port answers: the peer ID is what is wrong
+            noun = "peer" if len(peers) == 1 else "peers"
+            return DHTStartError(
+                f"cannot reach bootstrap {noun} {' '.join(peers)}: the port answers, but not as the peer ID "
+                f"after /p2p/; copy the address from the node's `--initial-peers` line (printed when it starts)"
+            )
         return _unreachable(peers, "connection failed", elapsed_s)
     if "already taken by another peer" in text:
         return DHTStartError(
@@ -504,17 +525,10 @@ def config_from_args(args: argparse.Namespace) -> BootstrapConfig:
 
 
 def _configure_logging(level: str) -> None:
-    handler: logging.Handler
-    if sys.stderr.isatty():
-        from rich.logging import RichHandler
+    from bootstrap.cli import log_handler
 
-        handler = RichHandler(show_path=False)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-    else:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("bootstrap")
-    root.handlers[:] = [handler]
+    root.handlers[:] = [log_handler()]
     root.setLevel(level)
     root.propagate = False
 

@@ -25,12 +25,11 @@ from typing import Any
 import torch
 from hivemind import DHT
 from rich.console import Console
-from rich.logging import RichHandler
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from safetensors.torch import save_file
 
 from bootstrap import DHTStartError, StopSignal, parse_initial_peers, stop_dht
-from bootstrap.cli import add_dataclass_arguments, dataclass_from_args, field_docs
+from bootstrap.cli import add_dataclass_arguments, dataclass_from_args, field_docs, log_handler
 from bootstrap.identity import Identity, IdentityError
 from bootstrap.network import start_swarm_dht
 from peers import ResourceGraph, pick_run, probe_hardware, probe_software
@@ -130,7 +129,9 @@ def resolve_device(name: str) -> torch.device:
 
 def make_inner_optimizer(config: PeerConfig, params: Any) -> torch.optim.Optimizer:
     if config.optimizer == "adamw8bit":
-        import bitsandbytes as bnb  # imported lazily: it probes the GPU at import
+        from averaging.compression import import_bitsandbytes  # lazily: it probes the GPU at import
+
+        bnb = import_bitsandbytes()
 
         return bnb.optim.AdamW8bit(params, lr=config.lr, weight_decay=config.weight_decay)
     return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
@@ -405,9 +406,7 @@ def choose_run(dht: DHT, device: torch.device, console: Console) -> tuple[str, s
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(stderr=True)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(message)s", handlers=[RichHandler(console=console, show_path=False)]
-    )
+    logging.basicConfig(level=args.log_level.upper(), handlers=[log_handler()])
     for noisy in ("hivemind", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     runner: PeerRunner | None = None

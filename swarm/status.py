@@ -825,7 +825,8 @@ def _start_client(config: BoardConfig, cancel: threading.Event) -> DHT:
     )
 
 
-def _show(dht: DHT, config: BoardConfig, stop: threading.Event) -> None:
+def _show(dht: DHT, config: BoardConfig, stop: threading.Event) -> int:
+    """Print the board (once, or until ``stop``); returns how many peers of the run the first board shows."""
     from rich.console import Console
 
     from swarm._private.status_view import render_board
@@ -834,12 +835,13 @@ def _show(dht: DHT, config: BoardConfig, stop: threading.Event) -> None:
         return snapshot(dht, config.run, previous=previous, heartbeat_s=config.heartbeat_s, timeout_s=config.timeout_s)
 
     board = take(None)
+    found = len(board["peers"])
     if config.json:
         print(json.dumps(board, indent=2 if config.once else None), flush=True)
         while not config.once and not stop.wait(config.refresh_s):
             board = take(board)
             print(json.dumps(board), flush=True)
-        return
+        return found
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)
@@ -849,8 +851,9 @@ def _show(dht: DHT, config: BoardConfig, stop: threading.Event) -> None:
         while not config.once and not stop.wait(config.refresh_s):
             board = take(board)
             console.print(render_board(board))
-        return
+        return found
     _live(console, board, take, config.refresh_s, stop)
+    return found
 
 
 def _live(console: Any, board: dict[str, Any], take: Callable, refresh_s: float, stop: threading.Event) -> None:
@@ -865,7 +868,8 @@ def _live(console: Any, board: dict[str, Any], take: Callable, refresh_s: float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `python -m swarm.status`; returns the exit code (0, or 2 on bad input)."""
+    """Entry point of `python -m swarm.status`; returns the exit code (0; 1 when ``--once`` found no peer of
+    the run; 2 on bad input)."""
     from bootstrap.cli import dataclass_from_args
 
     args = build_parser().parse_args(argv)
@@ -886,14 +890,23 @@ def _run(config: BoardConfig, stop: StopSignal) -> int:
         return _error(e)
     except KeyboardInterrupt:  # Ctrl+C while joining: start_dht has cleaned up
         return 0
+    found = -1
     try:
         if not stop.event.is_set():
-            _show(dht, config, stop.event)
+            found = _show(dht, config, stop.event)
     except KeyboardInterrupt:
         pass
     finally:
         stop.ignore()  # the (bounded) clean-up must not be cut short
         stop_dht(dht)
+    if config.once and found == 0:  # one look that matched nothing: say so (a live board waits for peers)
+        print(
+            f"swarm.status: no peer of run {config.run!r} found in the DHT within {config.timeout_s:g} s; "
+            f"check --run (names are case-sensitive) and --initial-peers",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     return 0
 
 

@@ -310,6 +310,22 @@ def test_unreachable_initial_peer_exit_2_within_the_connect_timeout(tmp_path: Pa
 
 
 @pytest.mark.timeout(60)
+def test_a_right_port_with_a_wrong_peer_id_says_the_peer_id_is_wrong(bootstrap_node: list[str], tmp_path: Path) -> None:
+    """The node's port answers, but the address names another peer ID: the error says which part is wrong
+    (a closed port keeps "is the node running and the port open?", the test above)."""
+    right = bootstrap_node[0]
+    wrong = right.rsplit("/p2p/", 1)[0] + f"/p2p/{_random_peer_id(tmp_path)}"
+    extra = ["--initial-peers", wrong, "--connect-timeout-s", "5"]
+    cmd = bootstrap_cmd(port=free_port(), identity=tmp_path / "id", extra=extra)
+    returncode, stderr, _ = _run_to_exit(cmd, timeout_s=BAD_INPUT_DEADLINE_S + 5)
+    assert returncode == 2, stderr
+    errors = _error_lines(stderr)
+    assert len(errors) == 1 and wrong in errors[0], stderr
+    assert "the port answers, but not as the peer ID after /p2p/" in errors[0], stderr
+    assert "is the node running" not in errors[0], stderr
+
+
+@pytest.mark.timeout(60)
 def test_port_in_use_exit_2(tmp_path: Path) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -95,3 +95,8 @@ def test_verify_takes_the_newest_checkpoint_held_whole(sealed_store, tmp_path, c
     assert "step 3" in " ".join(capsys.readouterr().out.split())
     assert main(["verify", "--dir", str(folder), "--manifest", gossiped[:12]]) == 1
     assert "fetch it from a donor first" in " ".join(capsys.readouterr().out.split())
+
+
+def test_list_on_a_folder_with_no_checkpoint_says_so_and_exits_1(tmp_path, capsys):
+    assert main(["list", "--dir", str(tmp_path)]) == 1
+    assert f"no sealed checkpoint in {tmp_path}" in " ".join(capsys.readouterr().out.split())

@@ -4,6 +4,8 @@ import importlib
 import os
 import signal
 import stat
+import subprocess
+import sys
 import time
 
 import pytest
@@ -218,3 +220,18 @@ def test_bad_config_value_names_the_field(tmp_path, capsys):
     code, err = _peer_main(capsys, "--run", "x", "--sync-every", "0", "--identity-key", str(tmp_path / "k"))
     assert code == 2, err
     assert "sync_every" in err
+
+
+def test_logs_to_a_file_or_pipe_are_plain_one_line_records():
+    """Written to a file, a long record (a peer ID and a multiaddr) stays on one line with its level and
+    logger: rich's handler would wrap it at 80 columns. swarm.peer and the bootstrap node both use it."""
+    code = (
+        "import logging; from bootstrap.cli import log_handler; "
+        "logging.basicConfig(level='INFO', handlers=[log_handler()]); "
+        "logging.getLogger('swarm.peer').info('joined run r via /ip4/127.0.0.1/tcp/31337/p2p/' + 'Qm' + 'x' * 44 "
+        "+ ' as peer ' + 'Qm' + 'y' * 44)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and len(lines[0]) > 160, done.stderr
+    assert " INFO swarm.peer: joined run r via /ip4/127.0.0.1/tcp/31337/p2p/Qm" in lines[0]

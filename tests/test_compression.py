@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -237,3 +239,17 @@ def test_get_codec_lists_known_names() -> None:
     assert set(CODEC_NAMES) == {"fp32", "fp16", "int8"}
     with pytest.raises(ValueError, match="fp32, fp16, int8"):
         get_codec("zstd")
+
+
+def test_bitsandbytes_starts_without_its_optional_kernel_warnings():
+    """bitsandbytes warns at import about kernels no codec or optimizer of ours uses ("Failed to load CPU
+    gemm_4bit_forward from kernels-community" on CPUs with avx512bf16); the int8 codec and adamw8bit start
+    quietly."""
+    code = (
+        "import torch; from averaging.compression import get_codec; from swarm.peer import PeerConfig, "
+        "make_inner_optimizer; get_codec('int8').encode(torch.randn(4096)); "
+        "make_inner_optimizer(PeerConfig(optimizer='adamw8bit'), torch.nn.Linear(4, 4).parameters())"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Failed to load" not in done.stderr and "gemm_4bit" not in done.stderr, done.stderr

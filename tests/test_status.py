@@ -586,6 +586,27 @@ def test_cli_once_json_shows_the_published_peer_and_not_the_forgery(live_board):
 
 
 @pytest.mark.timeout(120)
+def test_cli_once_on_a_run_nobody_trains_says_so_and_exits_1(bootstrap_node):
+    child = spawn(
+        python_cmd(
+            "-m",
+            "swarm.status",
+            "--initial-peers",
+            *bootstrap_node,
+            "--run",
+            "no-such-run",
+            "--once",
+            "--timeout-s",
+            "5",
+        )
+    )
+    wait_until(lambda: child.returncode is not None, timeout_s=60, message=child.describe)
+    child.join_output()
+    assert child.returncode == 1, child.describe()
+    assert "no peer of run 'no-such-run' found in the DHT" in " ".join(child.stderr().split()), child.describe()
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl+C"])
 def test_live_dashboard_stops_cleanly(live_board, how):
     child = spawn(

@@ -132,6 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     store = CheckpointStore(args.dir)
     digests = store.list_manifests()
+    if args.command == "list" and not digests:
+        console.print(
+            f"[bold red]error:[/] no sealed checkpoint in {args.dir} (a store holds manifests/ and shards/; "
+            f"swarm.peer keeps one per run under its --checkpoint-dir)",
+            highlight=False,
+        )
+        return 1
     if args.command == "list":
         table = Table(title=f"sealed checkpoints in {args.dir}")
         for column in ("digest", "run", "step", "participants", "signatures", "shards"):
