@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import stat
 import tempfile
@@ -30,6 +31,8 @@ from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
 from bootstrap.errors import StateError
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_IDENTITY_PATH = Path("~/.swarm/identity.key")
 _KEY_FILE_MAGIC = b"swarm-ed25519-v1\n"
@@ -240,6 +243,19 @@ class Identity:
     @classmethod
     def generate(cls) -> Identity:
         return cls(SigningKey.generate())
+
+    @classmethod
+    def of(cls, identity: Identity | None, key_path: str | os.PathLike | None) -> Identity:
+        """``identity``, or the key at ``key_path`` (`load_or_create`), or a new one (with a warning: a peer
+        that restarts with a new key is a stranger to its run)."""
+        if identity is not None and key_path is not None:
+            raise TypeError("pass identity= or identity_key=, not both")
+        if key_path is not None:
+            return cls.load_or_create(key_path)
+        if identity is None:
+            logger.warning("no identity_key=: this peer has a new key (pass a key file path to keep one)")
+            return cls.generate()
+        return identity
 
     @classmethod
     def load_or_create(cls, path: str | os.PathLike | None = None) -> Identity:

@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=15)
     parser.add_argument("--max-steps", type=int, default=300)
     parser.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"])
+    parser.add_argument("--identity-key", default=None, help="this peer's key file: the same peer after a restart")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -41,6 +42,7 @@ def main() -> None:
         initial_peers=args.initial_peers,
         sync_every=args.sync_every,
         host_maddrs=args.host_maddrs,
+        identity_key=args.identity_key,
         task_info=swarm.TaskInfo.of(task, args.task_preset),
     )
     try:

@@ -243,10 +243,11 @@ class TrainerConfig:
         Lists become tuples; an unknown name raises TypeError naming the known ones."""
         own: dict[str, Any] = {}
         parts: dict[str, dict[str, Any]] = {}
+        renamed: dict[str, str] = {}
         for name, value in fields.items():
             if name in _RENAMED:
                 warnings.warn(f"{name} is now {_RENAMED[name]}", DeprecationWarning, stacklevel=3)
-                name = _RENAMED[name]
+                renamed[_RENAMED[name]], name = name, _RENAMED[name]
             value = tuple(value) if isinstance(value, list) else value
             part = _PART_OF.get(name)
             if part is not None:
@@ -255,9 +256,17 @@ class TrainerConfig:
                 own[name] = value
             else:
                 raise TypeError(f"TrainerConfig has no field {name!r}; fields: {', '.join(sorted(all_field_names()))}")
-        for part, values in parts.items():
-            own[part] = dataclasses.replace(getattr(self, part), **values)
-        return dataclasses.replace(self, **own)
+        try:
+            for part, values in parts.items():
+                own[part] = dataclasses.replace(getattr(self, part), **values)
+            return dataclasses.replace(self, **own)
+        except ValueError as e:  # name the fields as the caller typed them
+            if not renamed:
+                raise
+            text = str(e)
+            for new, old in renamed.items():
+                text = text.replace(new, f"{old} (now {new})")
+            raise ValueError(text) from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

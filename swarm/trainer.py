@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -64,7 +65,9 @@ class Trainer:
     (`TrainerConfig.with_fields`), so ``Trainer(model, opt, run="r", sync_every=20, codec="fp32")``
     works without a config. Pass ``dht`` to share one DHT between components (the caller then owns
     its shutdown). ``evaluate`` (optional) returns the validation loss of the current model; its
-    value is sealed into each checkpoint and shown on the status board.
+    value is sealed into each checkpoint and shown on the status board. ``identity_key``: this peer's key
+    file (created 0600, refused if others can read it, as swarm.peer's ``--identity-key``): a restarted
+    script stays the same peer of its run; without it (or an ``identity``) each start is a new peer.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class Trainer:
         config: TrainerConfig | None = None,
         dht: DHT | None = None,
         identity: Identity | None = None,
+        identity_key: str | os.PathLike[str] | None = None,
         task_info: TaskInfo | None = None,
         evaluate: Callable[[], float] | None = None,
         **overrides: Any,
@@ -85,7 +89,7 @@ class Trainer:
             config = config.with_fields(**overrides)
         self.config = config
         self.model, self.inner_optimizer, self.evaluate = model, inner_optimizer, evaluate
-        self.identity = identity if identity is not None else Identity.generate()
+        self.identity = Identity.of(identity, identity_key)
         self.counters = TrainerCounters()
         self.local_step = 0
         self.state = "joining"
@@ -266,11 +270,9 @@ class Trainer:
         joined = self._join(overlap)
         self.outer.rebase(delta)
         overlap.start = None
-        if joined is None:
-            return None
-        if joined.group_size > 1 and joined.record is not None:  # the phase counts from when the group formed
+        if joined is not None and joined.group_size > 1 and joined.record is not None:  # counts from the group
             self._book.next_sync += overlap.steps_before(joined.record.phase_s.get("matchmaking", 0.0))
-        return dataclasses.replace(joined, landed_step=self.local_step)
+        return dataclasses.replace(joined, landed_step=self.local_step) if joined is not None else None
 
     def _join(self, overlap: Overlap) -> RoundResult | None:
         joined = overlap.join(self.interrupt)

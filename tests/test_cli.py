@@ -222,6 +222,12 @@ def test_bad_config_value_names_the_field(tmp_path, capsys):
     assert "sync_every" in err
 
 
+def test_an_error_in_a_renamed_field_names_it_as_the_user_typed_it():
+    with pytest.warns(DeprecationWarning, match="averaging_timeout_s is now round_timeout_s"):
+        with pytest.raises(ValueError, match=r"^averaging_timeout_s \(now round_timeout_s\) \(5\) must exceed"):
+            TrainerConfig.create(run="r", averaging_timeout_s=5)
+
+
 def test_logs_to_a_file_or_pipe_are_plain_one_line_records():
     """Written to a file, a long record (a peer ID and a multiaddr) stays on one line with its level and
     logger: rich's handler would wrap it at 80 columns. swarm.peer and the bootstrap node both use it."""

@@ -6,12 +6,14 @@ The algorithm is checked end to end against a single-process replay in tests/tes
 
 from __future__ import annotations
 
+import stat
 import threading
 import time
 
 import pytest
 import torch
 
+from bootstrap.identity import Identity, IdentityError
 from swarm.overlap import Overlap
 from tests.helpers import wait_until
 
@@ -112,6 +114,7 @@ def test_a_round_that_ends_between_sync_points_lands_under_the_progress_made_sin
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
         run="lone-landing",
+        identity_key=tmp_path / "me.key",  # (also checked: the documented identity argument, see the end)
         overlap=True,
         outer_lr=0.5,
         outer_momentum=0.0,
@@ -147,3 +150,25 @@ def test_a_round_that_ends_between_sync_points_lands_under_the_progress_made_sin
         torch.testing.assert_close(model.weight.detach(), torch.full((1, 2), 0.6))
     finally:
         trainer.shutdown(reason="test")
+    # identity_key=: the key file is created private, and a restart that loads it is the same peer
+    key = tmp_path / "me.key"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert Identity.load_or_create(key).peer_id == trainer.peer_id == trainer.identity.peer_id
+
+
+def test_an_identity_key_others_can_read_is_refused_before_anything_starts(tmp_path, caplog) -> None:
+    from swarm.trainer import Trainer
+
+    key = tmp_path / "shared.key"
+    Identity.load_or_create(key)
+    key.chmod(0o644)
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(IdentityError, match="accessible by other users"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), run="r", identity_key=key)
+    with pytest.raises(TypeError, match="not both"):
+        Trainer(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), run="r", identity=Identity.generate(), identity_key=key
+        )
+    with caplog.at_level("WARNING", logger="bootstrap.identity"):
+        Identity.of(None, None)
+    assert "no identity_key=: this peer has a new key" in caplog.text

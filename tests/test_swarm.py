@@ -222,6 +222,8 @@ def test_user_script_on_the_trainer_api_joins_a_swarm_peer_run(bootstrap_node, t
             "15",
             "--max-steps",
             "45",
+            "--identity-key",
+            str(tmp_path / "script.key"),
         ),
         env={"OMP_NUM_THREADS": "1"},
     )
