@@ -143,3 +143,13 @@ def log_handler() -> logging.Handler:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     return handler
+
+
+def default_log_handler(logger_name: str) -> None:
+    """Give ``logger_name`` the CLIs' handler at INFO when the application has configured no logging (a
+    library's records would otherwise show only from WARNING up, through Python's last-resort handler)."""
+    own = logging.getLogger(logger_name)
+    if logging.getLogger().handlers or own.handlers:
+        return
+    own.addHandler(log_handler())
+    own.setLevel(logging.INFO)

@@ -219,15 +219,7 @@ class PeerRunner:
         )
         if self.config.dump_dir:
             self._dump("joined", self.trainer.round, list(self.model.parameters()))
-        logger.info(
-            "peer %s joined run %r at round %s; training shard %s/%s on %s",
-            self.trainer.peer_id,
-            self.trainer_config.run,
-            self.trainer.round,
-            self.shard_index,
-            self.config.num_shards,
-            self.device,
-        )
+        logger.info("training shard %s/%s on %s", self.shard_index, self.config.num_shards, self.device)
 
     def evaluate_or_nan(self) -> float:
         """The trainer's ``evaluate``: after the rounds that ``eval_every`` names (NaN after the others)."""
@@ -331,7 +323,7 @@ class PeerRunner:
             rejected=list(result.rejected),
             record=result.record.to_dict() if result.record else None,
         )
-        logger.info(
+        logger.debug(  # the trainer logs each round (group, outcome, time, loss) at INFO
             "round %s: group of %s in %.2fs, val loss %s",
             result.round,
             result.group_size,

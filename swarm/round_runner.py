@@ -7,10 +7,14 @@ outer step, and the round's evidence (ledger entry, validation, receipt, seal, r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from swarm import rounds
 from swarm.rounds import RoundBook, RoundResult, TrainerCounters
@@ -105,6 +109,13 @@ class RoundRunner:
             record=record,
         )
         self._after_round(group if grouped else None, record, samples=samples, step=step)
+        outcome = record.outcome if record is not None and grouped else "alone (no group)"
+        loss = "-" if book.last_loss is None else f"{book.last_loss:.4f}"
+        shown = book.last_val_loss
+        val = f", val loss {shown:.4f}" if grouped and shown is not None and math.isfinite(shown) else ""
+        logger.info(
+            "round %s: %s, group of %s in %.2f s, loss %s%s", self.outer.round, outcome, size, duration, loss, val
+        )
         return self.last
 
     def _after_round(self, group: Any | None, record: Any | None, *, samples: int, step: int) -> None:
@@ -128,6 +139,35 @@ class RoundRunner:
         )
         if self.evidence.metrics is not None:
             self.evidence.metrics.set_peers_known(len(self.presence.run_peers()))
+
+    def join(self) -> RoundResult | None:
+        """Overlapped: wait for the round in flight (`Overlap.join`) and evaluate the new global parameters."""
+        if self.overlap is None:
+            raise RuntimeError("join() is for overlapped rounds")
+        joined = self.overlap.join(self.group_averager.interrupt)
+        if joined is not None and joined.group_size > 1 and self.evaluate is not None:
+            self.outer.to_model()  # the new global parameters, the same on every member
+            self.observe_val(float(self.evaluate()))
+        return joined
+
+    def land(self, local_step: int) -> RoundResult | None:
+        """Overlapped: the round in flight ended between sync points; its outer step lands now, under the progress
+        made since the sync point (`swarm.overlap`), which the next pseudo-gradient measures from the global state.
+        The steps this peer took while it waited for its group to form lengthen this phase, so that the members'
+        next sync points come together."""
+        overlap = self.overlap
+        if overlap is None:
+            raise RuntimeError("land() is for overlapped rounds")
+        local = [p.detach().to("cpu", torch.float32, copy=True) for p in self.outer.params]
+        delta = overlap.progress(local, self.outer.global_flat)
+        joined = self.join()
+        self.outer.rebase(delta)
+        overlap.start = None
+        if joined is None:
+            return None
+        if joined.group_size > 1 and joined.record is not None:  # the phase counts from when the group formed
+            self.book.next_sync += overlap.steps_before(joined.record.phase_s.get("matchmaking", 0.0))
+        return dataclasses.replace(joined, landed_step=local_step)
 
     def observe_val(self, val_loss: float | None) -> None:
         """Keep a grouped round's validation loss (of the new global parameters) and watch for divergence."""

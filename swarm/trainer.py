@@ -25,7 +25,6 @@ averaging (`averaging`), sealed checkpoints and receipts (`swarm.checkpoint`) an
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -37,6 +36,7 @@ from hivemind import DHT
 
 from averaging import GroupAverager
 from bootstrap import start_reaper, stop_dht
+from bootstrap.cli import default_log_handler
 from bootstrap.identity import Identity
 from bootstrap.network import start_swarm_dht
 from bootstrap.owned import OwnerBoundValidator
@@ -111,6 +111,7 @@ class Trainer:
         self._runner: RoundRunner | None = None
         self.identity.lock()
         start_reaper()
+        default_log_handler("swarm")  # join, state sync and each round, unless the application set up logging
         self._owns_dht = dht is None
         net = config.network.dht_kwargs()
         self.dht = dht if dht is not None else start_swarm_dht(self.identity, initial_peers=config.initial_peers, **net)
@@ -157,6 +158,8 @@ class Trainer:
         newest = self.checkpoints.newest_digest() if self.checkpoints is not None else None
         join_s = time.time() - self._book.started_at
         self.evidence.record("joined", rounds.joined_entry(self.round, self.local_step, self.counters, join_s, newest))
+        loaded = " from its sealed state (verified)" if self.counters.state_loaded else ""
+        logger.info("peer %s joined run %r at round %s%s in %.1f s", self.peer_id, cfg.run, self.round, loaded, join_s)
 
     @property
     def peer_id(self) -> str:
@@ -224,7 +227,7 @@ class Trainer:
             overlap.tick()
         if self.local_step >= book.next_sync:
             return self.sync()
-        return self._land(overlap) if overlap is not None and overlap.ended else None
+        return self._runner.land(self.local_step) if overlap is not None and overlap.ended else None
 
     def inner_lr_factor(self) -> float:
         """The factor on the inner optimizer's learning rate for the next local step (the warm-up)."""
@@ -244,7 +247,7 @@ class Trainer:
         local = [p.detach().to("cpu", torch.float32, copy=overlap is not None) for p in self.outer.params]
         if overlap is not None:
             delta = overlap.progress(local, self.outer.global_flat)
-            joined = self._join(overlap)
+            joined = self._runner.join()
             if self._resync_if_lagging():  # the model is the loaded state now: a phase from it, no progress
                 overlap.start, delta = None, None
                 local = [p.detach().to("cpu", torch.float32) for p in self.outer.params]
@@ -258,27 +261,6 @@ class Trainer:
             joined = self._runner.run(pseudo, samples, self.local_step, started)
             self._resync_if_lagging()
         book.last_sync_end = time.perf_counter()
-        return joined
-
-    def _land(self, overlap: Overlap) -> RoundResult | None:
-        """Overlapped: the round in flight ended between sync points; its outer step lands now, under the progress
-        made since the sync point (`swarm.overlap`), which the next pseudo-gradient measures from the global state.
-        The steps this peer took while it waited for its group to form lengthen this phase, so that the members'
-        next sync points come together."""
-        local = [p.detach().to("cpu", torch.float32, copy=True) for p in self.outer.params]
-        delta = overlap.progress(local, self.outer.global_flat)
-        joined = self._join(overlap)
-        self.outer.rebase(delta)
-        overlap.start = None
-        if joined is not None and joined.group_size > 1 and joined.record is not None:  # counts from the group
-            self._book.next_sync += overlap.steps_before(joined.record.phase_s.get("matchmaking", 0.0))
-        return dataclasses.replace(joined, landed_step=self.local_step) if joined is not None else None
-
-    def _join(self, overlap: Overlap) -> RoundResult | None:
-        joined = overlap.join(self.interrupt)
-        if joined is not None and joined.group_size > 1 and self.evaluate is not None:
-            self.outer.to_model()  # the new global parameters, the same on every member
-            self._runner.observe_val(float(self.evaluate()))
         return joined
 
     def _resync_if_lagging(self, max_solo_rounds: int = 3) -> bool:

@@ -235,6 +235,9 @@ def test_user_script_on_the_trainer_api_joins_a_swarm_peer_run(bootstrap_node, t
         terminate_all([peer, script], timeout_s=15)
     script.join_output()
     assert "group of 2" in script.stdout(), script.describe()
+    # the script set up no logging: the trainer's own handler shows its join and each round on stderr
+    log = " ".join(script.stderr().split())
+    assert "joined run 'mixed' at round" in log and ": ok, group of 2 in" in log, script.describe()
     rounds = [e for e in read_events(tmp_path / "peer.jsonl") if e["event"] == "round"]
     assert any(e["group_size"] == 2 for e in rounds), rounds
 
