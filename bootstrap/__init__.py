@@ -37,7 +37,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from bootstrap.lifetime import StopSignal, set_parent_death_signal, start_reaper
+    from bootstrap.lifetime import Stopped, StopSignal, set_parent_death_signal, start_reaper
     from bootstrap.metrics import MetricsServer, MetricsServerError, serve_metrics
     from bootstrap.node import (
         BootstrapConfig,
@@ -58,6 +58,7 @@ _EXPORTS = {
     "start_reaper": "bootstrap.lifetime",
     "set_parent_death_signal": "bootstrap.lifetime",
     "StopSignal": "bootstrap.lifetime",
+    "Stopped": "bootstrap.lifetime",
     "BootstrapConfig": "bootstrap.node",
     "DHTStartError": "bootstrap.node",
     "check_identity_file": "bootstrap.node",
@@ -81,6 +82,7 @@ __all__ = [
     "MetricsServer",
     "MetricsServerError",
     "StopSignal",
+    "Stopped",
     "check_identity_file",
     "ensure_identity",
     "initial_peers_line",

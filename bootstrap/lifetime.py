@@ -37,7 +37,7 @@ import psutil
 
 from bootstrap._private import procs
 
-__all__ = ["LIFETIME_TOKENS_ENV", "StopSignal", "set_parent_death_signal", "start_reaper"]
+__all__ = ["LIFETIME_TOKENS_ENV", "StopSignal", "Stopped", "set_parent_death_signal", "start_reaper"]
 
 LIFETIME_TOKENS_ENV = "SWARM_LIFETIME_TOKENS"
 """Environment variable holding a `:`-separated list of tokens, one per reaped ancestor.
@@ -165,6 +165,11 @@ def _await_ready(read_fd: int, reaper: subprocess.Popen) -> None:
         f"lifetime reaper (pid {reaper.pid}) did not start within {_READY_TIMEOUT_S:.0f} s "
         f"(exit code {reaper.returncode}); children of this process would outlive it"
     )
+
+
+class Stopped(KeyboardInterrupt):
+    """Raised at a well-defined point (e.g. `swarm.Trainer.step`) once a `StopSignal` has fired; the
+    argument is the signal's name. A KeyboardInterrupt, so ``except Exception`` does not swallow it."""
 
 
 class StopSignal:

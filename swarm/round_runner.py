@@ -109,13 +109,11 @@ class RoundRunner:
             record=record,
         )
         self._after_round(group if grouped else None, record, samples=samples, step=step)
-        outcome = record.outcome if record is not None and grouped else "alone (no group)"
+        what = f"{record.outcome}, group of {size}" if record is not None and grouped else "no group, own update alone"
         loss = "-" if book.last_loss is None else f"{book.last_loss:.4f}"
         shown = book.last_val_loss
         val = f", val loss {shown:.4f}" if grouped and shown is not None and math.isfinite(shown) else ""
-        logger.info(
-            "round %s: %s, group of %s in %.2f s, loss %s%s", self.outer.round, outcome, size, duration, loss, val
-        )
+        logger.info("round %s: %s in %.2f s, loss %s%s", self.outer.round, what, duration, loss, val)
         return self.last
 
     def _after_round(self, group: Any | None, record: Any | None, *, samples: int, step: int) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +36,7 @@ import torch
 from hivemind import DHT
 
 from averaging import GroupAverager
-from bootstrap import start_reaper, stop_dht
+from bootstrap import Stopped, StopSignal, start_reaper, stop_dht
 from bootstrap.cli import default_log_handler
 from bootstrap.identity import Identity
 from bootstrap.network import start_swarm_dht
@@ -109,13 +110,14 @@ class Trainer:
         self.group_averager: GroupAverager | None = None
         self.checkpoints: CheckpointManager | None = None
         self._runner: RoundRunner | None = None
+        self._stop: StopSignal | None = None
+        """Inside ``with``: SIGINT / SIGTERM, a request to leave at the next step."""
         self.identity.lock()
         start_reaper()
         default_log_handler("swarm")  # join, state sync and each round, unless the application set up logging
         self._owns_dht = dht is None
         net = config.network.dht_kwargs()
         self.dht = dht if dht is not None else start_swarm_dht(self.identity, initial_peers=config.initial_peers, **net)
-        self.binding = self.identity.bind(self.peer_id)
         try:
             self._wire()
         except BaseException:
@@ -149,7 +151,8 @@ class Trainer:
                 self.dht, self.identity, cfg, task, self.presence.run_peers, on_event
             )
         parts = (self.outer, self.group_averager, self.presence, self.checkpoints, self.evidence)
-        self._runner = RoundRunner(cfg, *parts, self.identity, self.binding, self.counters, self._book)
+        binding = self.identity.bind(self.peer_id)
+        self._runner = RoundRunner(cfg, *parts, self.identity, binding, self.counters, self._book)
         rt = cfg.averaging.round_timeout_s  # a round may take two all-reduces, then its bookkeeping
         self._runner.evaluate, self._runner.overlap = self.evaluate, Overlap(2 * rt + 30) if cfg.overlap else None
         if cfg.load_state:
@@ -211,6 +214,8 @@ class Trainer:
         scaled by ``step / inner_warmup_steps`` for the step only (a user's scheduler keeps its values).
         ``loss`` (optional) is only reported: status board and metrics."""
         book = self._book
+        if self._stop is not None and self._stop.event.is_set():
+            raise Stopped(self._stop.signal_name)
         step_with_lr_factor(self.inner_optimizer, self.inner_lr_factor())
         self.inner_optimizer.zero_grad(set_to_none=True)
         self.local_step += 1
@@ -325,7 +330,21 @@ class Trainer:
             stop_dht(self.dht)
 
     def __enter__(self) -> Trainer:
+        """In the main thread, SIGINT (Ctrl+C) and SIGTERM inside the block become a clean leave: a round in
+        progress is abandoned, the next `step` raises `Stopped`, and `__exit__` leaves the run quietly."""
+        if threading.current_thread() is threading.main_thread():
+            self._stop = StopSignal().install()
+            self._stop.on_stop.append(self.interrupt)
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> bool:
+        """Leave the run (`shutdown`); a stop signal or Ctrl+C ends the block quietly, the program goes on."""
+        stop, self._stop = self._stop, None
+        if stop is not None:
+            stop.restore()
+        interrupted = isinstance(error, KeyboardInterrupt)
+        reason = (stop.signal_name if stop is not None else None) or ("SIGINT" if interrupted else None)
+        self.shutdown(reason=reason)
+        if interrupted:
+            logger.info("stopped by %s: left the run cleanly", reason)
+        return interrupted
