@@ -46,7 +46,7 @@ class PeerConfig:
     """What this peer trains and how (the run and networking settings are in TrainerConfig)."""
 
     task: str = "charlm"
-    """Built-in task to train (see the list printed for an unknown name)."""
+    """Task to train: built in (charlm, teacher), installed (an entry point in the swarm.tasks group) or package.module:factory."""
     task_preset: str = "default"
     """Size preset of the task's model (charlm: tiny, small, default; teacher: tiny, default)."""
     device: str = "auto"

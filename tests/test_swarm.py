@@ -6,6 +6,7 @@ torch's own optimizer) and requires every peer to match within 1e-5. Overlapped 
 are checked the same way against a single-process replay of the delayed algorithm (`swarm.overlap`).
 """
 
+import os
 import signal
 from pathlib import Path
 
@@ -394,3 +395,57 @@ def test_a_lone_survivor_keeps_training_forward_after_its_partner_is_killed(boot
     stderr = "".join(survivor.stderr_lines)
     assert "no sealed checkpoint of this run after round" in stderr, stderr[-3000:]  # the re-sync check ran
     assert "re-synced" not in stderr, stderr[-3000:]
+
+
+def _install_example_task(site: Path) -> dict[str, str]:
+    """What `pip install examples/swarm_mlp_task` leaves for importlib.metadata: the package on the path and a
+    dist-info with its entry point (written here, so the test leaves the environment alone)."""
+    repo = Path(__file__).resolve().parents[1]
+    info = site / "swarm_mlp_task-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: swarm-mlp-task\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("[swarm.tasks]\nmlp = swarm_mlp_task:MLPTask.from_overrides\n")
+    path = os.pathsep.join([str(site), str(repo / "examples" / "swarm_mlp_task"), str(repo)])
+    return {"PYTHONPATH": path}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.heavy(seconds=12)
+def test_swarm_peer_trains_a_task_from_an_installed_package(bootstrap_node, tmp_path):
+    """`swarm.peer --task mlp` finds the example package's entry point (group swarm.tasks) and two peers
+    average it."""
+    env = _install_example_task(tmp_path / "site")
+    common = ["--initial-peers", *bootstrap_node, "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run", "own-task"]
+    flags = ["--task", "mlp", "--task-preset", "tiny", "--num-shards", "2", "--torch-threads", "1", "--no-progress"]
+    flags += ["--sync-every", "5", "--max-rounds", "2", "--target-group-size", "2", "--min-group-size", "2"]
+    peers = [
+        spawn(
+            python_cmd(
+                "-m",
+                "swarm.peer",
+                *common,
+                *flags,
+                "--shard-index",
+                str(i),
+                "--identity-key",
+                str(tmp_path / f"k{i}"),
+                "--events",
+                str(tmp_path / f"peer{i}.jsonl"),
+                "--checkpoint-dir",
+                str(tmp_path / f"ck{i}"),
+                "--ledger-dir",
+                str(tmp_path / "ledgers"),
+            ),
+            env=env,
+        )
+        for i in range(2)
+    ]
+    try:
+        for peer in peers:
+            wait_until(lambda p=peer: p.returncode is not None, timeout_s=180, message=peer.describe)
+            assert peer.returncode == 0, peer.describe()
+    finally:
+        terminate_all(peers, timeout_s=15)
+    for i in range(2):
+        events = read_events(tmp_path / f"peer{i}.jsonl")
+        assert [e["group_size"] for e in events if e["event"] == "round"] == [2, 2], events

@@ -6,12 +6,14 @@ import dataclasses
 import itertools
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bootstrap.errors import ConfigError
 from swarm.tasks import PRESETS, CharLMConfig, CharLMTask, Task, UnknownTaskError, get_task, known_tasks, num_params
 from swarm.tasks.charlm import corpus_text
 
@@ -54,7 +56,7 @@ def test_unknown_task_error_lists_known_tasks():
     with pytest.raises(UnknownTaskError) as info:
         get_task("foo")
     assert isinstance(info.value, ValueError)
-    assert str(info.value) == f"unknown task 'foo'; known tasks: {', '.join(known_tasks())}"
+    assert str(info.value).startswith(f"unknown task 'foo'; known tasks: {', '.join(known_tasks())} (or ")
     assert "charlm" in str(info.value)
 
 
@@ -325,3 +327,18 @@ def test_short_training_run_lowers_val_loss(tiny):
         optimizer.step()
     end = tiny.evaluate(model)
     assert end < 0.8 * start, f"val loss {start:.3f} -> {end:.3f} after 80 steps (seed {SEED})"
+
+
+def test_a_task_from_a_module_path_and_what_is_refused(monkeypatch):
+    """``package.module:factory`` loads a task from this installation; a factory that makes something else, a
+    module that is not there and a name of no shape say so."""
+    examples = Path(__file__).resolve().parents[1] / "examples" / "swarm_mlp_task"
+    monkeypatch.syspath_prepend(str(examples))
+    task = get_task("swarm_mlp_task:MLPTask.from_overrides", preset="tiny")
+    assert task.name == "mlp" and isinstance(task, Task) and task.config.hidden == 32
+    with pytest.raises(ConfigError, match=r"made a dict, not a task: it has no name, config"):
+        get_task("builtins:dict")
+    with pytest.raises(UnknownTaskError, match=r"cannot be loaded from this installation: No module named"):
+        get_task("no_such_package.tasks:make")
+    with pytest.raises(UnknownTaskError, match=r"^unknown task 'mlp'"):  # not installed: no entry point
+        get_task("mlp")

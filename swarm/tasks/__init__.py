@@ -1,9 +1,10 @@
-"""Training tasks: the model, data and loss a swarm trains, taken from a registry built into the package.
+"""Training tasks: the model, data and loss a swarm trains, built in or from an installed package.
 
-Owns the task interface (`Task`), the registry of built-in tasks (`known_tasks`, `get_task`) and the
-built-in tasks: `charlm` (a small character-level transformer over the CPython help text) and
-`teacher` (an MLP classifier on a non-IID synthetic data set labelled by a random teacher). A run names
-its task; the code always comes from this installed package and never from the network.
+Owns the task interface (`Task`), the registry (`known_tasks`, `get_task`: built-in names, entry points
+of installed packages in the ``swarm.tasks`` group, or ``package.module:factory``) and the built-in
+tasks: `charlm` (a small character-level transformer over the CPython help text) and `teacher` (an MLP
+classifier on a non-IID synthetic data set labelled by a random teacher). A run names its task; the
+code always comes from this machine's installation and never from the network.
 
 Depends on torch and on `pydoc_data` from the standard library (the charlm corpus); nothing else
 in swarm. Exports: Task, Batch, get_task, known_tasks, UnknownTaskError, num_params, CharLMConfig,
