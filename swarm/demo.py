@@ -37,7 +37,7 @@ class DemoConfig:
     """Contributing peers started at the beginning."""
     duration: float = 120.0
     """Seconds of training, from the moment all peers are started. Longer on a loaded machine: the kill
-    waits for the run's first round, and the replacement gets at least half of this after the kill and
+    waits for the victim's second grouped round, and the replacement gets at least half of this after the kill and
     up to all of it, until it has synced, averaged once and holds its receipt of a sealed round."""
     out: str = "demo-out"
     """Output folder for logs, summary.json and loss.png."""
@@ -46,7 +46,7 @@ class DemoConfig:
     sync_every: int = 15
     """Local steps between averaging rounds."""
     kill: bool = True
-    """SIGKILL one peer halfway (once a round is done) and start a replacement."""
+    """SIGKILL one peer halfway (once it has averaged in two rounds) and start a replacement."""
     seed: int = 0
     """Seed of the model and data order."""
 
@@ -180,6 +180,11 @@ def _last_round(children: list[_Child]) -> int:
     return max(rounds, default=0)
 
 
+def _grouped_rounds(child: _Child) -> int:
+    events = read_events(child.events) if child.events else []
+    return sum(1 for e in events if e["event"] == "round" and e.get("group_size", 1) > 1)
+
+
 def run_demo(config: DemoConfig, console: Console) -> dict[str, Any]:
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -202,13 +207,14 @@ def run_demo(config: DemoConfig, console: Console) -> dict[str, Any]:
             while (elapsed := time.time() - train_start) < end_s or (
                 replacement is not None and not _caught_up(replacement) and elapsed < latest_s
             ):
-                # the kill comes at half time, once the run has a round behind it (a slow machine may not
-                # at half time), and the replacement then always gets half a run to join and catch up
+                # the kill comes at half time, once the victim has two grouped rounds behind it (so its
+                # contribution and receipts are on record; a loaded machine may need longer), and the
+                # replacement then always gets half a run to join and catch up
                 if (
                     config.kill
                     and killed is None
                     and elapsed >= config.duration / 2
-                    and (_last_round(peers) >= 1 or elapsed >= config.duration)
+                    and (_grouped_rounds(peers[-1]) >= 2 or elapsed >= config.duration)
                 ):
                     end_s, latest_s = max(end_s, elapsed + config.duration / 2), elapsed + config.duration
                     killed = peers[-1]

@@ -196,26 +196,37 @@ print("AFTER THE BLOCK", flush=True)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["Ctrl+C", "SIGTERM"])
-def test_ctrl_c_and_sigterm_in_a_users_trainer_loop_are_a_clean_leave(tmp_path, sig) -> None:
-    """A user's script in the README's pattern (``with swarm.Trainer(...)``): the signal ends the block at the
-    next step, the trainer leaves the run (a "stop" entry naming the signal), no traceback, exit 0, in 5 s."""
+def test_ctrl_c_and_sigterm_in_a_users_trainer_loop_are_a_clean_leave(tmp_path) -> None:
+    """A user's script in the README's pattern (``with swarm.Trainer(...)``), run twice at once: SIGINT (Ctrl+C)
+    to one, SIGTERM to the other. Each ends the block at the next step and leaves the run (a "stop" entry
+    naming the signal), with no traceback, exit 0, within 5 s."""
     script = tmp_path / "train.py"
     script.write_text(_USER_SCRIPT)
-    ledgers = tmp_path / "ledgers"
-    child = spawn(python_cmd(str(script), str(tmp_path / "k"), str(ledgers), str(tmp_path / "ck")))
+    sigs = {"int": signal.SIGINT, "term": signal.SIGTERM}
+    children = {
+        name: spawn(
+            python_cmd(str(script), str(tmp_path / f"{name}.key"), str(tmp_path / name), str(tmp_path / f"{name}-ck"))
+        )
+        for name in sigs
+    }
     try:
-        read_line_matching(child, r"^READY$", timeout_s=60)
-        os.kill(child.pid, sig)
+        for child in children.values():
+            read_line_matching(child, r"^READY$", timeout_s=60)
         began = time.monotonic()
-        wait_until(lambda: child.returncode is not None, timeout_s=10, message=child.describe)
+        for name, child in children.items():
+            os.kill(child.pid, sigs[name])
+        for child in children.values():
+            wait_until(lambda c=child: c.returncode is not None, timeout_s=10, message=child.describe)
         took = time.monotonic() - began
     finally:
-        terminate_all([child], timeout_s=10)
-    child.join_output()
-    assert child.returncode == 0 and took < 5.0, child.describe()
-    assert "AFTER THE BLOCK" in child.stdout() and "Traceback" not in child.stderr(), child.describe()
-    assert f"stopped by {sig.name}: left the run cleanly" in " ".join(child.stderr().split()), child.describe()
-    (ledger,) = find_ledgers(ledgers)
-    last = read_entries(Path(ledger))[-1]
-    assert last.kind == "stop" and last.body["signal"] == sig.name, last
+        terminate_all(list(children.values()), timeout_s=10)
+    assert took < 5.0, took
+    for name, child in children.items():
+        child.join_output()
+        sig = sigs[name]
+        assert child.returncode == 0, child.describe()
+        assert "AFTER THE BLOCK" in child.stdout() and "Traceback" not in child.stderr(), child.describe()
+        assert f"stopped by {sig.name}: left the run cleanly" in " ".join(child.stderr().split()), child.describe()
+        (ledger,) = find_ledgers(tmp_path / name)
+        last = read_entries(Path(ledger))[-1]
+        assert last.kind == "stop" and last.body["signal"] == sig.name, last
