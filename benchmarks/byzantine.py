@@ -397,6 +397,7 @@ def run_arm(arm: Arm, *, config: ByzantineConfig, dhts: list, task: Any, advance
         ledger_dir="",
         advertise=False,
         bandwidth_probe_period_s=0,
+        progress=False,  # the benchmark draws its own progress bars
         **({"max_weight_ratio": 0} if arm.uncapped else {}),
     )
     models = [task.build_model(seed=config.seed) for _ in range(config.peers)]

@@ -129,15 +129,23 @@ def dataclass_flags(cls: type, *, skip: tuple[str, ...] = ()) -> list[str]:
     return flags
 
 
+@cache
+def stderr_console() -> Any:
+    """The process's one rich console on stderr, shared by the log handler and the progress line so that
+    log records are drawn above the live line instead of through it."""
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
 def log_handler() -> logging.Handler:
     """The CLIs' log handler: rich's on a terminal (stderr); plain one-line records with a timestamp when
     stderr is a file or a pipe (rich would hard-wrap them at 80 columns, splitting peer IDs)."""
     handler: logging.Handler
     if sys.stderr.isatty():
-        from rich.console import Console
         from rich.logging import RichHandler
 
-        handler = RichHandler(console=Console(stderr=True), show_path=False)
+        handler = RichHandler(console=stderr_console(), show_path=False)
         handler.setFormatter(logging.Formatter("%(message)s"))
     else:
         handler = logging.StreamHandler(sys.stderr)

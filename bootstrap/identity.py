@@ -206,7 +206,7 @@ class Identity:
     def lock(self) -> None:
         """Claim this key for this process: two live peers with one key would share a peer ID.
 
-        Raises IdentityError if another process on this machine holds the key. Released at exit.
+        Raises IdentityError if another peer on this machine holds the key. Released by `unlock` or at exit.
         """
         if self.path is None or self._lock_fd is not None:
             return
@@ -217,10 +217,16 @@ class Identity:
         except BlockingIOError:
             os.close(fd)
             raise IdentityError(
-                f"identity key {self.path} is in use by another running peer on this machine; "
-                f"give each peer its own key with --identity-key PATH"
+                f"identity key {self.path} is in use by another running peer on this machine; give each "
+                f"peer its own key (swarm.peer --identity-key PATH, swarm.Trainer(identity_key=PATH))"
             ) from None
         self._lock_fd = fd
+
+    def unlock(self) -> None:
+        """Release `lock` (a peer that left): the key may serve a later peer of this process. Idempotent."""
+        if self._lock_fd is not None:
+            fd, self._lock_fd = self._lock_fd, None
+            os.close(fd)
 
     @property
     def public_key(self) -> bytes:
@@ -246,16 +252,11 @@ class Identity:
 
     @classmethod
     def of(cls, identity: Identity | None, key_path: str | os.PathLike | None) -> Identity:
-        """``identity``, or the key at ``key_path`` (`load_or_create`), or a new one (with a warning: a peer
-        that restarts with a new key is a stranger to its run)."""
+        """``identity``, or the key at ``key_path``, by default ``~/.swarm/identity.key`` as swarm.peer's
+        (`load_or_create`): a restarted peer is the same peer of its run."""
         if identity is not None and key_path is not None:
             raise TypeError("pass identity= or identity_key=, not both")
-        if key_path is not None:
-            return cls.load_or_create(key_path)
-        if identity is None:
-            logger.warning("no identity_key=: this peer has a new key (pass a key file path to keep one)")
-            return cls.generate()
-        return identity
+        return identity if identity is not None else cls.load_or_create(key_path)
 
     @classmethod
     def load_or_create(cls, path: str | os.PathLike | None = None) -> Identity:

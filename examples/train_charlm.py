@@ -52,7 +52,7 @@ def main() -> None:
             with autocast:
                 loss = task.loss(model, (x, y))
             loss.backward()
-            result = trainer.step(num_samples=len(x))  # inner step; an averaging round every sync_every steps
+            result = trainer.step(num_samples=len(x), loss=loss.item())  # a round every sync_every steps
             if result is not None:
                 print(
                     f"round {result.round}: group of {result.group_size}, "

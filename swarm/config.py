@@ -150,12 +150,14 @@ class RequirementsConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MetricsConfig:
-    """The Prometheus endpoint."""
+    """What a peer shows: the Prometheus endpoint and the progress line."""
 
     metrics_port: int = 0
     """Serve Prometheus metrics on this port (0: off)."""
     metrics_host: str = "127.0.0.1"
     """Address the metrics endpoint listens on (0.0.0.0 to let a remote Prometheus scrape it)."""
+    progress: bool = True
+    """Show a live progress line (step, loss, samples/s, round, group, val loss) when stderr is a terminal."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:

@@ -25,11 +25,10 @@ from typing import Any
 import torch
 from hivemind import DHT
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from safetensors.torch import save_file
 
 from bootstrap import DHTStartError, StopSignal, parse_initial_peers, stop_dht
-from bootstrap.cli import add_dataclass_arguments, dataclass_from_args, field_docs, log_handler
+from bootstrap.cli import add_dataclass_arguments, dataclass_from_args, field_docs, log_handler, stderr_console
 from bootstrap.identity import Identity, IdentityError
 from bootstrap.network import start_swarm_dht
 from peers import ResourceGraph, pick_run, probe_hardware, probe_software
@@ -81,8 +80,6 @@ class PeerConfig:
     """Append JSON-lines events (steps, rounds, validation) to this file."""
     dump_dir: str | None = None
     """Debug: write each round's local and resulting parameters as safetensors files here."""
-    progress: bool = True
-    """Show a live progress line (rich) on the terminal."""
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -240,14 +237,13 @@ class PeerRunner:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def run(self, progress: Progress | None) -> None:
+    def run(self) -> None:
         trainer, cfg = self.trainer, self.config
         assert trainer is not None, "start() first"
         val = self.evaluate()
         self.events.emit("val", round=trainer.round, step=trainer.local_step, val_loss=val)
         trainer.evidence.record("val", {"round": trainer.round, "step": trainer.local_step, "val_loss": val})
         batches = self.task.train_batches(shard_index=self.shard_index, num_shards=cfg.num_shards, seed=cfg.seed)
-        task_id = progress.add_task("train", total=None, **_progress_fields()) if progress else None
         started, window_start, window_samples = time.monotonic(), time.monotonic(), 0
         while not self._should_stop(started):
             x, y = next(batches)
@@ -273,21 +269,8 @@ class PeerRunner:
                 self.events.emit("train", **train)
                 trainer.evidence.record("train", train)
             if result is not None:
-                val = self._on_round(result)
+                self._on_round(result)
                 window_start, window_samples = time.monotonic(), 0
-            if progress is not None:
-                last = trainer.last_round
-                progress.update(
-                    task_id,
-                    **_progress_fields(
-                        step=trainer.local_step,
-                        loss=loss_value,
-                        sps=samples_per_s,
-                        round=trainer.round,
-                        group=last.group_size if last else "-",
-                        val=val,
-                    ),
-                )
 
         if not self.stop.event.is_set():  # done (steps, rounds, time): the round in flight lands, then a last look
             result = trainer.finish()
@@ -367,18 +350,6 @@ class PeerRunner:
         self.events.close()
 
 
-def _progress_fields(
-    *, step: Any = 0, loss: Any = None, sps: Any = 0.0, round: Any = 0, group: Any = "-", val: Any = None
-) -> dict[str, str]:
-    return {
-        "fields": f"step {step}  loss {_fmt(loss)}  {sps:.1f} samples/s  round {round}  group {group}  val {_fmt(val)}"
-    }
-
-
-def _fmt(value: Any) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
 def _fail(console: Console, message: str) -> int:
     console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     return EXIT_BAD_INPUT
@@ -397,7 +368,7 @@ def choose_run(dht: DHT, device: torch.device, console: Console) -> tuple[str, s
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console(stderr=True)
+    console = stderr_console()
     logging.basicConfig(level=args.log_level.upper(), handlers=[log_handler()])
     for noisy in ("hivemind", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -428,10 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer_config = dataclass_from_args(TrainerConfig, args, run=run, initial_peers=tuple(peers))
         runner = PeerRunner(trainer_config, config, stop=stop, identity=identity, dht=dht)
         runner.start()
-        show = config.progress and console.is_terminal
-        columns = (SpinnerColumn(), TextColumn("{task.fields[fields]}"), TimeElapsedColumn())
-        with Progress(*columns, console=console, disable=not show) as progress:
-            runner.run(progress if show else None)
+        runner.run()
     except (ValueError, IdentityError, DHTStartError) as e:  # UnknownTaskError and RunMismatch are ValueErrors
         return _fail(console, str(e))
     except KeyboardInterrupt:

@@ -67,8 +67,8 @@ class Trainer:
     works without a config. Pass ``dht`` to share one DHT between components (the caller then owns
     its shutdown). ``evaluate`` (optional) returns the validation loss of the current model; its
     value is sealed into each checkpoint and shown on the status board. ``identity_key``: this peer's key
-    file (created 0600, refused if others can read it, as swarm.peer's ``--identity-key``): a restarted
-    script stays the same peer of its run; without it (or an ``identity``) each start is a new peer.
+    file, by default ``~/.swarm/identity.key`` as swarm.peer's ``--identity-key`` (created 0600, refused
+    if others can read it, held by one live peer at a time): a restarted script is the same peer.
     """
 
     def __init__(
@@ -222,14 +222,10 @@ class Trainer:
         book.samples_since_sync += num_samples
         if loss is not None:
             book.last_loss = float(loss)
-        if self.evidence.metrics is not None:
-            rate = book.samples_since_sync / max(time.perf_counter() - book.last_sync_end, 1e-9)
-            self.evidence.metrics.observe_step(
-                step=self.local_step, samples=num_samples, loss=book.last_loss, samples_per_s=rate
-            )
         overlap = self._runner.overlap
         if overlap is not None:
             overlap.tick()
+        self.evidence.step(self.local_step, num_samples, book, round=self.round, in_flight=self.rounds_in_flight > 0)
         if self.local_step >= book.next_sync:
             return self.sync()
         return self._runner.land(self.local_step) if overlap is not None and overlap.ended else None
@@ -328,6 +324,7 @@ class Trainer:
             self.evidence.close()
         if getattr(self, "_owns_dht", False) and getattr(self, "dht", None) is not None:
             stop_dht(self.dht)
+        self.identity.unlock()  # the key may serve this process's next peer
 
     def __enter__(self) -> Trainer:
         """In the main thread, SIGINT (Ctrl+C) and SIGTERM inside the block become a clean leave: a round in

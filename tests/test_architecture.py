@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from bootstrap.identity import Identity, IdentityError
+
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {"bootstrap": 1, "peers": 2, "averaging": 3, "swarm": 4}
 """Each package may import its own floor and the ones below, never one above."""
@@ -133,9 +135,17 @@ def test_one_trainer_process_runs_one_event_loop_over_one_p2p_replica(tmp_path) 
         assert len(_live_replicas()) == 1
         names = sorted(t.name for t in set(threading.enumerate()) - threads_before)
         assert names.count("swarm-network") == 1, names
+        # no identity given: swarm.peer's persistent default key, held by this live peer alone
+        assert trainer.identity.path == Path.home() / ".swarm" / "identity.key"
+        with pytest.raises(IdentityError, match=r"in use by another running peer.*identity_key="):
+            Identity.load_or_create().lock()
     finally:
         trainer.shutdown()
     assert NetworkRuntime.count() == 0
+    again = Identity.load_or_create()  # released at shutdown: the next peer of this process is the same peer
+    again.lock()
+    again.unlock()
+    assert again.peer_id == trainer.identity.peer_id
     from tests.helpers import wait_until
 
     def ours_left() -> list[str]:  # hivemind's and multiprocessing's process-wide helper threads stay, by design

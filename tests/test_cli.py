@@ -63,6 +63,7 @@ PEER_FLAGS = [
     "--require-torch-version",
     "--metrics-port",
     "--metrics-host",
+    "--progress",
     "--task",
     "--task-preset",
     "--device",
@@ -81,7 +82,6 @@ PEER_FLAGS = [
     "--identity-key",
     "--events",
     "--dump-dir",
-    "--progress",
 ]
 
 

@@ -7,6 +7,7 @@ are checked the same way against a single-process replay of the delayed algorith
 """
 
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -226,7 +227,7 @@ def test_user_script_on_the_trainer_api_joins_a_swarm_peer_run(bootstrap_node, t
             "--identity-key",
             str(tmp_path / "script.key"),
         ),
-        env={"OMP_NUM_THREADS": "1"},
+        env={"OMP_NUM_THREADS": "1", "TTY_COMPATIBLE": "1"},  # rich takes the pipe for a terminal
     )
     try:
         for child in (peer, script):
@@ -239,6 +240,7 @@ def test_user_script_on_the_trainer_api_joins_a_swarm_peer_run(bootstrap_node, t
     # the script set up no logging: the trainer's own handler shows its join and each round on stderr
     log = " ".join(script.stderr().split())
     assert "joined run 'mixed' at round" in log and ": ok, group of 2 in" in log, script.describe()
+    assert re.search(r"step \d+ loss \d\.\d{3} [\d.]+ samples/s round \d", log), script.describe()  # its live line
     rounds = [e for e in read_events(tmp_path / "peer.jsonl") if e["event"] == "round"]
     assert any(e["group_size"] == 2 for e in rounds), rounds
 

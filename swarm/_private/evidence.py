@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from swarm._private.progress import ProgressLine
 from swarm.ledger import Ledger, LedgerError, default_ledger_path
 from swarm.rounds import Replacements, group_summary
 
@@ -79,10 +81,12 @@ def _short(peers: Any) -> str:
 class Evidence:
     """Fans each recorded event out to the ledger, the status publisher and the metrics (each optional)."""
 
-    def __init__(self, *, ledger: Ledger | None = None, metrics: Any | None = None):
+    def __init__(self, *, ledger: Ledger | None = None, metrics: Any | None = None, progress: Any | None = None):
         self.ledger = ledger
         self.metrics = metrics
         """A ``swarm.metrics.PeerMetrics`` or None."""
+        self.progress = progress
+        """A ``swarm._private.progress.ProgressLine`` (on a terminal) or None."""
         self.status: Any | None = None
         """A ``swarm.status.StatusPublisher`` or None (set once the trainer advertises)."""
         self.listeners: list[Listener] = []
@@ -111,6 +115,19 @@ class Evidence:
                 listener(kind, body)
             except Exception as e:
                 logger.warning("evidence listener failed on %r: %r", kind, e)
+
+    def step(self, step: int, samples: int, book: Any, *, round: int, in_flight: bool) -> None:
+        """One inner step: the metrics' step figures and the progress line (``book``: a ``swarm.rounds.RoundBook``)."""
+        if self.metrics is None and self.progress is None:
+            return
+        rate = book.samples_since_sync / max(time.perf_counter() - book.last_sync_end, 1e-9)
+        if self.metrics is not None:
+            self.metrics.observe_step(step=step, samples=samples, loss=book.last_loss, samples_per_s=rate)
+        if self.progress is not None:
+            val, size = book.shown_val_loss, len(self.last_group["members"]) if self.last_group else None
+            val = val if val is not None and math.isfinite(val) else None
+            fields = {"loss": book.last_loss, "group": size, "val_loss": val, "in_flight": in_flight}
+            self.progress.update(step=step, samples_per_s=rate, round=round, **fields)
 
     def round(self, entry: dict, *, group: Any | None, record: Any | None, peer_id: str) -> None:
         """A finished round: its ledger entry (``swarm.rounds.round_entry``), one entry per failure seen,
@@ -179,19 +196,20 @@ class Evidence:
 
     def close(self) -> None:
         """Stop the status publisher and the metrics server, close the ledger. Idempotent."""
-        for part in (self.status, self.metrics, self.ledger):
+        for part in (self.progress, self.status, self.metrics, self.ledger):
             if part is not None:
                 try:
                     part.close()
                 except Exception as e:
                     logger.warning("could not close %s: %r", type(part).__name__, e)
-        self.status = self.metrics = self.ledger = None
+        self.progress = self.status = self.metrics = self.ledger = None
 
 
 def open_evidence(identity: Any, *, run: str, task: str, ledger_dir: str, metrics: Any) -> Evidence:
-    """Evidence with the peer's ledger (DIR/RUN/PEER_ID.sqlite under ``ledger_dir``; empty: none) and its
-    Prometheus endpoint (``metrics``: a MetricsConfig; port 0: none). Raises ValueError naming the file
-    when the ledger cannot be opened."""
+    """Evidence with the peer's ledger (DIR/RUN/PEER_ID.sqlite under ``ledger_dir``; empty: none), its
+    Prometheus endpoint (``metrics``: a MetricsConfig; port 0: none) and, on a terminal, its progress line
+    (``metrics.progress``). Raises ValueError naming the file when the ledger cannot be opened."""
+    progress = ProgressLine.open(metrics.progress)
     ledger = None
     if ledger_dir:
         path = default_ledger_path(ledger_dir, run=run, peer_id=identity.peer_id)
@@ -202,7 +220,7 @@ def open_evidence(identity: Any, *, run: str, task: str, ledger_dir: str, metric
                 f"cannot open the ledger {path}: {e}; move the file away or pass another --ledger-dir"
             ) from None
     if not metrics.metrics_port:
-        return Evidence(ledger=ledger)
+        return Evidence(ledger=ledger, progress=progress)
     from swarm.metrics import PeerMetrics  # prometheus-client is imported only when metrics are on
 
     served = PeerMetrics(peer_id=identity.peer_id, run=run, task=task)
@@ -214,4 +232,4 @@ def open_evidence(identity: Any, *, run: str, task: str, ledger_dir: str, metric
             ledger.close()
         raise
     logger.info("Prometheus metrics on http://%s:%s/metrics", metrics.metrics_host, metrics.metrics_port)
-    return Evidence(ledger=ledger, metrics=served)
+    return Evidence(ledger=ledger, metrics=served, progress=progress)
