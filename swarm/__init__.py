@@ -1,6 +1,7 @@
 """Swarm: peer-to-peer training on an open network, with no central coordinator.
 
-Owns the contributing peer process (`python -m swarm.peer`), the trainer API for users' own
+Owns the contributing peer process (`python -m swarm.peer`; several processes under torchrun as one
+peer: `swarm.node`), the trainer API for users' own
 scripts (`swarm.Trainer`, a composition root over its parts: the nested `swarm.config.TrainerConfig`,
 the DiLoCo outer optimizer `swarm.outer`, one round `swarm.round_runner` (blocking, or in the
 background as `swarm.overlap` defines), the round's pure bookkeeping `swarm.rounds`, presence in the

@@ -43,6 +43,8 @@ class DiLoCo:
         self.names, self.params, self.settings = tuple(names), tuple(params), settings
         self.round = 0
         """The run's round counter: rounds applied to the global state (or the sealed state's round)."""
+        self.model_writes = 0
+        """How many times the swarm wrote the model's parameters (a node's other ranks then copy them)."""
         self._lock = threading.Lock()
         self._global = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
         self._optimizer = torch.optim.SGD(
@@ -89,6 +91,7 @@ class DiLoCo:
             self.round = next_round
 
     def _copy_to_model(self) -> None:
+        self.model_writes += 1
         with torch.no_grad():
             for param, base in zip(self.params, self._global):
                 param.copy_(base)
@@ -112,7 +115,7 @@ class DiLoCo:
         """model <- global - ``delta`` (flat); returns that flat start of the next overlapped phase."""
         with self._lock:
             start = torch.cat([b.reshape(-1) for b in self._global]) - delta
-            offset = 0
+            offset, self.model_writes = 0, self.model_writes + 1
             with torch.no_grad():
                 for param in self.params:
                     param.copy_(start[offset : offset + param.numel()].view_as(param))

@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ from bootstrap.identity import Identity, IdentityError
 from bootstrap.network import start_swarm_dht
 from peers import ResourceGraph, pick_run, probe_hardware, probe_software
 from swarm.events import EventLog
+from swarm.node import Node
+from swarm.recipe import step_with_lr_factor, warmup_factor
 from swarm.tasks import get_task
 from swarm.trainer import TaskInfo, Trainer, TrainerConfig
 
@@ -139,27 +142,33 @@ def default_shard(identity: Identity, num_shards: int) -> int:
 
 
 class PeerRunner:
-    """Owns one peer's training loop: the task, the model, the trainer and the event log."""
+    """Owns one peer's training loop: the task, the model, the trainer and the event log. In a multi-process
+    node (`swarm.node`), rank 0's runner is the peer and the other ranks' runners `follow` it."""
 
     def __init__(
         self,
         trainer_config: TrainerConfig,
         config: PeerConfig,
         *,
-        stop: StopSignal,
-        identity: Identity,
+        stop: StopSignal | None,
+        identity: Identity | None,
         dht: DHT | None = None,
+        node: Node | None = None,
     ):
-        self.trainer_config, self.config, self.stop = trainer_config, config, stop
+        self.trainer_config, self.config, self.stop, self.node = trainer_config, config, stop, node
         self.identity, self.dht = identity, dht
-        self.device = resolve_device(config.device)
+        self.device = node.device if node is not None else resolve_device(config.device)
         self.task = get_task(config.task, preset=config.task_preset)
-        self.events = EventLog(config.events)
-        self.shard_index = (
-            config.shard_index if config.shard_index is not None else default_shard(self.identity, config.num_shards)
-        )
+        leads = node is None or node.leads
+        self.events = EventLog(config.events if leads else None)
+        shard = config.shard_index
+        if shard is None and identity is not None:
+            shard = default_shard(identity, config.num_shards)
+        self.shard_index = node.share(shard) if node is not None else shard  # the node's ranks: rank 0's shard
         torch.manual_seed(config.seed)
         self.model = self.task.build_model(seed=config.seed).to(self.device)
+        self.forward = node.wrap(self.model) if node is not None else self.model
+        """The model as the training step calls it (under DDP in a node)."""
         self.optimizer = make_inner_optimizer(config, self.model.parameters())
         self.trainer: Trainer | None = None
         self.samples_seen = 0
@@ -237,26 +246,52 @@ class PeerRunner:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _batches(self) -> Iterator[Any]:
+        cfg = self.config
+        stream = self.task.train_batches(shard_index=self.shard_index, num_shards=cfg.num_shards, seed=cfg.seed)
+        return self.node.batches(stream) if self.node is not None else stream
+
+    def _backward(self, batch: Any) -> tuple[int, float]:
+        """Forward and backward on ``batch``: (the samples it holds, node-wide; its loss)."""
+        x, y = (t.to(self.device, non_blocking=True) for t in batch)
+        with self._autocast():
+            loss = self.task.loss(self.forward, (x, y))
+        loss.backward()
+        return x.shape[0] * (self.node.world_size if self.node is not None else 1), loss.item()
+
+    def follow(self) -> None:
+        """Another rank of a node: the same inner steps as rank 0's trainer, rank 0's parameters whenever the
+        swarm wrote them, until rank 0 says stop (`swarm.node`)."""
+        params, batches, step = _trainable(self.model), self._batches(), 0
+        while not self.node.follow(params):
+            self._backward(next(batches))
+            step_with_lr_factor(self.optimizer, warmup_factor(step + 1, self.trainer_config.inner_warmup_steps))
+            self.optimizer.zero_grad(set_to_none=True)
+            step += 1
+        if self.config.dump_dir:
+            self._dump("final", 0, params, folder=Path(self.config.dump_dir) / f"rank{self.node.rank}", step=step)
+
     def run(self) -> None:
-        trainer, cfg = self.trainer, self.config
+        trainer, cfg, node = self.trainer, self.config, self.node
         assert trainer is not None, "start() first"
         val = self.evaluate()
         self.events.emit("val", round=trainer.round, step=trainer.local_step, val_loss=val)
         trainer.evidence.record("val", {"round": trainer.round, "step": trainer.local_step, "val_loss": val})
-        batches = self.task.train_batches(shard_index=self.shard_index, num_shards=cfg.num_shards, seed=cfg.seed)
+        batches, params, writes = self._batches(), _trainable(self.model), None
         started, window_start, window_samples = time.monotonic(), time.monotonic(), 0
-        while not self._should_stop(started):
-            x, y = next(batches)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with self._autocast():
-                loss = self.task.loss(self.model, (x, y))
-            loss.backward()
-            loss_value = loss.item()
-            result = trainer.step(num_samples=x.shape[0], loss=loss_value)
-            self.samples_seen += x.shape[0]
+        while True:
+            stop = self._should_stop(started)
+            if node is not None:  # the first time, the state this peer joined with
+                node.lead(params, changed=trainer.outer.model_writes != writes, stop=stop)
+                writes = trainer.outer.model_writes
+            if stop:
+                break
+            samples, loss_value = self._backward(next(batches))
+            result = trainer.step(num_samples=samples, loss=loss_value)
+            self.samples_seen += samples
             if trainer.local_step == 1:
                 self.events.emit("first_step", round=trainer.round, loss=loss_value)
-            window_samples += x.shape[0]
+            window_samples += samples
             samples_per_s = window_samples / max(time.monotonic() - window_start, 1e-9)
             if trainer.local_step % 10 == 0:
                 train = {
@@ -330,13 +365,15 @@ class PeerRunner:
         if self.trainer_config.overlap and round_ > 0:  # the global state after the round just joined
             self._dump("global", round_, self.trainer.outer.global_params())
 
-    def _dump(self, kind: str, round_: int, params: list[torch.Tensor]) -> None:
+    def _dump(
+        self, kind: str, round_: int, params: list[torch.Tensor], *, folder: Path | None = None, step: int | None = None
+    ) -> None:
         names = [n for n, p in self.model.named_parameters()]
         tensors = {n: p.detach().to("cpu", torch.float32).contiguous() for n, p in zip(names, params)}
-        path = Path(self.config.dump_dir) / f"{kind}_round{round_:04d}.safetensors"
+        path = (folder or Path(self.config.dump_dir)) / f"{kind}_round{round_:04d}.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        save_file(tensors, str(tmp), metadata={"step": str(self.trainer.local_step)})
+        save_file(tensors, str(tmp), metadata={"step": str(self.trainer.local_step if step is None else step)})
         os.replace(tmp, path)
 
     def shutdown(self) -> None:
@@ -348,6 +385,10 @@ class PeerRunner:
         if self.dht is not None:
             stop_dht(self.dht)
         self.events.close()
+
+
+def _trainable(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _fail(console: Console, message: str) -> int:
@@ -366,6 +407,17 @@ def choose_run(dht: DHT, device: torch.device, console: Console) -> tuple[str, s
     return picked.name, picked.task, picked.task_preset
 
 
+def start_node(run: str | None, cfg: TrainerConfig, device: torch.device) -> Node | None:
+    """This process's place in a torchrun node (`swarm.node`), or None when it runs alone."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    if run is None:
+        raise ValueError("a multi-process node (torchrun) needs --run: its ranks must build the same task")
+    # the longest pause of rank 0 between two steps: joining (the DHT, the state download) or a blocking round
+    timeout_s = 120 + cfg.load_state_timeout_s + 2 * cfg.averaging.round_timeout_s + cfg.network.connect_timeout_s
+    return Node.from_env(device, timeout_s=timeout_s)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = stderr_console()
@@ -374,17 +426,23 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     runner: PeerRunner | None = None
     dht: DHT | None = None
+    node: Node | None = None
     try:
         peers = parse_initial_peers(args.initial_peers)
         config = dataclass_from_args(PeerConfig, args)
-        dataclass_from_args(TrainerConfig, args, run=args.run or "unnamed", initial_peers=tuple(peers))  # validate
+        checked = dataclass_from_args(TrainerConfig, args, run=args.run or "unnamed", initial_peers=tuple(peers))
         get_task(config.task, preset=config.task_preset)  # unknown task: fail before touching any file
-        identity = Identity.load_or_create(config.identity_key)
-        identity.lock()
-        # process-wide settings only once every argument has been checked
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
-        stop = StopSignal().install()  # the first signal: leave cleanly; a second one: leave now
+        node = start_node(args.run, checked, resolve_device(config.device))
+        if node is not None and not node.leads:  # another rank of a multi-process node: no identity, no DHT
+            follower = PeerRunner(checked, config, stop=None, identity=None, node=node)
+            follower.follow()
+            return 0
+        identity = Identity.load_or_create(config.identity_key)
+        identity.lock()
+        # under torchrun each rank gets the terminal's signal, then torchrun's: the second must not cut the leave short
+        stop = StopSignal(second_interrupts=node is None).install()  # first signal: leave cleanly; second: now
         run = args.run
         if run is None:
             dht = start_swarm_dht(
@@ -397,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             run, task, preset = choose_run(dht, resolve_device(config.device), console)
             config = dataclasses.replace(config, task=task, task_preset=preset)
         trainer_config = dataclass_from_args(TrainerConfig, args, run=run, initial_peers=tuple(peers))
-        runner = PeerRunner(trainer_config, config, stop=stop, identity=identity, dht=dht)
+        runner = PeerRunner(trainer_config, config, stop=stop, identity=identity, dht=dht, node=node)
         runner.start()
         runner.run()
     except (ValueError, IdentityError, DHTStartError) as e:  # UnknownTaskError and RunMismatch are ValueErrors
@@ -409,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
             runner.shutdown()
         elif dht is not None:
             stop_dht(dht)
+        if node is not None:
+            node.close()
     logger.info("left the run cleanly")
     return 0
 

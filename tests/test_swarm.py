@@ -9,6 +9,7 @@ are checked the same way against a single-process replay of the delayed algorith
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -451,3 +452,105 @@ def test_swarm_peer_trains_a_task_from_an_installed_package(bootstrap_node, tmp_
     for i in range(2):
         events = read_events(tmp_path / f"peer{i}.jsonl")
         assert [e["group_size"] for e in events if e["event"] == "round"] == [2, 2], events
+
+
+NODE_SYNC_EVERY, NODE_ROUNDS = 5, 3
+NODE_TOLERANCE = 1e-5  # measured: <= 2.5e-6 (DDP sums two half-batch gradients, the replay one batch)
+
+
+def _replay_node_and_peer(batch_groups: list[int]) -> list[dict]:
+    """Single-process reference of a run of two members: one taking ``batch_groups[i]`` consecutive
+    batches of its shard per step (a node of that many ranks: one step on them all at once), each with
+    swarm.peer's inner optimizer and warm-up; after every NODE_SYNC_EVERY steps an outer step on the
+    sample-weighted mean of their pseudo-gradients, and both continue from the new global parameters.
+    Returns per round: {"local": [member -> params], "global": params}."""
+    from swarm.config import TrainerConfig
+    from swarm.recipe import step_with_lr_factor, warmup_factor
+
+    cfg = TrainerConfig(run="reference", sync_every=NODE_SYNC_EVERY, outer_lr=0.7, outer_momentum=0.9)
+    task = get_task("charlm", preset="tiny")
+    models = [task.build_model(seed=0) for _ in batch_groups]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.01) for m in models]
+    streams = [task.train_batches(shard_index=i, num_shards=len(batch_groups), seed=0) for i in range(len(models))]
+    names = [n for n, _ in models[0].named_parameters()]
+    base = [p.detach().clone() for p in models[0].parameters()]
+    outer = torch.optim.SGD(base, lr=cfg.outer().lr, momentum=cfg.outer().momentum, nesterov=True)
+    rounds, step = [], 0
+    for _ in range(NODE_ROUNDS):
+        samples = [0] * len(models)
+        for _ in range(NODE_SYNC_EVERY):
+            for i, (model, optimizer, k) in enumerate(zip(models, optimizers, batch_groups)):
+                parts = [next(streams[i]) for _ in range(k)]
+                x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+                task.loss(model, (x, y)).backward()
+                step_with_lr_factor(optimizer, warmup_factor(step + 1, cfg.inner_warmup_steps))
+                optimizer.zero_grad(set_to_none=True)
+                samples[i] += x.shape[0]
+            step += 1
+        local = [{n: p.detach().clone() for n, p in zip(names, m.parameters())} for m in models]
+        for name, param in zip(names, base):
+            mean = sum(w * member[name] for w, member in zip(samples, local)) / sum(samples)
+            param.grad = param.detach() - mean
+        outer.step()
+        with torch.no_grad():
+            for model in models:
+                for param, new in zip(model.parameters(), base):
+                    param.copy_(new)
+        rounds.append({"local": local, "global": {n: p.detach().clone() for n, p in zip(names, base)}})
+    return rounds
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.heavy(seconds=25)
+def test_a_two_rank_torchrun_node_is_one_peer_and_averages_exactly(bootstrap_node, tmp_path):
+    """`torchrun --nproc-per-node 2 -m swarm.peer` (DDP over gloo) and one ordinary peer: the node is one member
+    of every group, its ranks stay bit-identical, it counts both ranks' samples, and every round matches a
+    single-process replay in which the node takes its ranks' two batches as one step."""
+
+    def cmd(index: int) -> list[str]:
+        return [
+            *("--initial-peers", *bootstrap_node, "--run", "node-and-peer", "--task-preset", "tiny"),
+            *("--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--shard-index", str(index), "--num-shards", "2"),
+            *("--identity-key", str(tmp_path / f"m{index}.key"), "--events", str(tmp_path / f"m{index}.jsonl")),
+            *("--dump-dir", str(tmp_path / f"dump{index}"), "--torch-threads", "1", "--no-progress"),
+            *("--sync-every", str(NODE_SYNC_EVERY), "--max-rounds", str(NODE_ROUNDS), "--round-timeout-s", "60"),
+            *("--target-group-size", "2", "--outer-lr", "0.7", "--outer-momentum", "0.9"),
+            *("--codec", "fp32", "--aggregator", "mean"),
+        ]
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    node = spawn([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "swarm.peer", "--", *cmd(0)])
+    peer = spawn(python_cmd("-m", "swarm.peer", *cmd(1)))
+    try:
+        for child in (node, peer):
+            wait_until(lambda c=child: c.returncode is not None, timeout_s=200, message=child.describe)
+            assert child.returncode == 0, child.describe()
+    finally:
+        terminate_all([node, peer], timeout_s=15)
+
+    events = read_events(tmp_path / "m0.jsonl")
+    assert [e["group_size"] for e in events if e["event"] == "round"] == [2] * NODE_ROUNDS  # one peer, not two
+    batch = get_task("charlm", preset="tiny").config.batch_size
+    train = [e for e in events if e["event"] == "train"]
+    assert train[-1]["samples"] == 2 * batch * train[-1]["step"]  # both ranks' samples, counted once
+    final = load_file(tmp_path / "dump0" / f"final_round{NODE_ROUNDS:04d}.safetensors")
+    other_rank = load_file(tmp_path / "dump0" / "rank1" / "final_round0000.safetensors")
+    assert all(torch.equal(final[n], other_rank[n]) for n in final), "the node's ranks drifted apart"
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the members ran (the order of float sums follows the thread count)
+    try:
+        reference, wrong = _replay_node_and_peer([2, 1]), _replay_node_and_peer([1, 1])[0]["local"][0]
+    finally:
+        torch.set_num_threads(threads)
+    errors = []
+    for round_, want in enumerate(reference):
+        for member in range(2):
+            got = load_file(tmp_path / f"dump{member}" / f"local_round{round_:04d}.safetensors")
+            errors.append(max((got[n] - w).abs().max().item() for n, w in want["local"][member].items()))
+        got = load_file(tmp_path / "dump0" / f"global_round{round_ + 1:04d}.safetensors")
+        errors.append(max((got[n] - w).abs().max().item() for n, w in want["global"].items()))
+    assert max(errors) < NODE_TOLERANCE, errors
+    # negative control: a node whose second rank did nothing (one batch a step) is far outside the tolerance
+    got = load_file(tmp_path / "dump0" / "local_round0000.safetensors")
+    assert max((got[n] - w).abs().max().item() for n, w in wrong.items()) > 10 * NODE_TOLERANCE
