@@ -50,6 +50,7 @@ from averaging.membership import (
     JOIN_MIN_REFRESH_S,
     NEWCOMER_GRACE_S,
     Admission,
+    Entry,
     EntryRejected,
     Guard,
     newcomer_slots,
@@ -65,6 +66,8 @@ logger = logging.getLogger(__name__)
 _MAX_HEADER_BYTES = 64 * 1024
 _MAX_MEMBERS = 64
 _MAX_ENTRIES_READ = 16 * _MAX_MEMBERS
+_GONE_POLL_S = 0.25
+_POLLERS: set[asyncio.Task] = set()
 
 
 # --------------------------------------------------------------------------------------------- groups
@@ -173,6 +176,7 @@ class GroupAverager:
         self._bandwidth_mbps = bandwidth_mbps or (lambda: None)
         self.fault_hook: FaultHook | None = None
         self._dead = False
+        self._left = False
         self._current: concurrent.futures.Future | None = None
         self._rounds = 0
         self._states: dict[str, _ReduceState] = {}
@@ -181,7 +185,6 @@ class GroupAverager:
         self._state_added = asyncio.Event()
         self._active_serves = 0
         self._lonely = False
-        self._expected: frozenset[str] = frozenset()
         self._service = Handler(
             dht, handler_name=self._handler_name, handler=self._handle_stream, start_timeout_s=start_timeout_s
         )
@@ -212,11 +215,43 @@ class GroupAverager:
             await self._p2p.shutdown()
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop serving and leave, after up to 3 s for replies still in flight to be read. Idempotent."""
+        """Leave: say so in the matchmaking key (peers then neither draw this one nor wait for it), stop
+        serving after up to 3 s for replies still in flight to be read. Idempotent."""
+        self.leave(timeout_s=min(2.0, timeout_s / 4))
         if self._active_serves and not self._dead:
             with contextlib.suppress(Exception):
                 self._service.submit(self._drain(min(3.0, timeout_s / 2))).result(timeout=timeout_s / 2 + 1)
         self._service.close(timeout_s)
+
+    def leave(self, timeout_s: float = 2.0) -> None:
+        """Say in the matchmaking key that this peer left the run: the others neither draw it nor wait for it
+        (a signed "gone" entry, `averaging.membership`). Once; `close` does it too."""
+        if self._left or self._dead or self._service.closed:
+            return
+        self._left = True
+        with contextlib.suppress(Exception):
+            self._service.submit(self._say_gone()).result(timeout=timeout_s)
+
+    async def _say_gone(self) -> None:
+        """A "gone" entry over this peer's matchmaking entry (a later expiry replaces it in the DHT)."""
+        cfg, key = self.config, f"{self.prefix}.mm"
+        expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s + 1
+        await self.dht.store(
+            key, self._entry(key, expiration, gone=True), expiration, subkey=self.peer_id, return_future=True
+        )
+
+    def _entry(self, key: str, expiration: float, *, gone: bool = False) -> dict:
+        bandwidth = bandwidth_class(self._bandwidth_mbps())
+        if self._admission.identity is not None:
+            return sign_entry(
+                self._admission.identity,
+                key,
+                bandwidth_class=bandwidth,
+                region=self.region,
+                expires_at=expiration,
+                gone=gone,
+            )
+        return {"t": time.time(), "c": bandwidth, "r": self.region, **({"g": 1} if gone else {})}
 
     async def _drain(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -249,7 +284,7 @@ class GroupAverager:
         timeout_s = timeout_s if timeout_s is not None else self.config.round_timeout_s
         with self._step_lock:
             self._rounds += 1
-            self._expected = frozenset(expected)
+            self._admission.expected = frozenset(expected)
             record = RoundRecord(round=self._rounds)
             future = asyncio.run_coroutine_threadsafe(
                 self._step(tensor.detach().cpu().contiguous(), weight, gather, record, time.monotonic() + timeout_s),
@@ -365,21 +400,14 @@ class GroupAverager:
     async def _form_group(self, gather: Any, record: RoundRecord, deadline: float, suspects: set[str]) -> Group | None:
         cfg = self.config
         key = f"{self.prefix}.mm"
-        looking_since = time.time()
         my_class = (self.region, bandwidth_class(self._bandwidth_mbps()))
         expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s
-        if self._admission.identity is not None:
-            entry = sign_entry(
-                self._admission.identity, key, bandwidth_class=my_class[1], region=self.region, expires_at=expiration
-            )
-        else:
-            entry = {"t": looking_since, "c": my_class[1], "r": self.region}
+        entry = self._entry(key, expiration)
         await self.dht.store(key, entry, expiration_time=expiration, subkey=self.peer_id, return_future=True)
         # the gathering window; it closes early once exactly a full group is looking, or every live member
         # of the run this peer knows of, and that view is stable (what hivemind's leader does when its
         # group fills up); otherwise peers wait the whole window, so that everyone draws the groups from
         # the same list
-        expected = self._expected if len(self._expected) >= cfg.min_group_size else None
         window_end = time.monotonic() + cfg.matchmaking_time_s
         previous: set[str] | None = None
         poll_s = 0.0  # read at once (the others may all be looking already), then every 0.1 s
@@ -387,6 +415,8 @@ class GroupAverager:
             await asyncio.sleep(min(poll_s, max(0.0, window_end - time.monotonic())))
             poll_s = 0.1
             candidates = await self._read_candidates(key, my_class, suspects)
+            live = self._admission.live_expected() | {self.peer_id}  # one that said it left is not waited for
+            expected = live if len(live) >= cfg.min_group_size else None
             everyone = len(candidates) == cfg.target_group_size or (
                 expected is not None and expected <= set(candidates)
             )
@@ -420,10 +450,14 @@ class GroupAverager:
                     self.rejected["candidates beyond the read limit"] += 1
                     break
                 if subkey == self.peer_id:
+                    await self._supersede_own_gone(key, item, now)
                     continue
                 entry = self._parse_entry(key, subkey, item, now)
-                if entry is not None:
-                    entries[subkey] = entry
+                if entry is not None and entry.gone:
+                    self._admission.gone(subkey)
+                elif entry is not None:
+                    self._admission.looking(subkey)
+                    entries[subkey] = (entry.region, entry.bandwidth_class)
         if self._admission.members is not None and entries:
             members = await self._admission.members.get(self.dht, set(entries))
             for peer in [p for p in entries if p not in members]:
@@ -433,7 +467,17 @@ class GroupAverager:
         candidates.update((peer, entry) for peer, entry in entries.items() if peer not in suspects)
         return candidates
 
-    def _parse_entry(self, key: str, subkey: Any, item: Any, now: float) -> tuple[str, int] | None:
+    async def _supersede_own_gone(self, key: str, item: Any, now: float) -> None:
+        """This peer's own "gone" entry, from before a restart (the same key, the same peer ID): it would hide
+        this peer's entries until it expires (the DHT keeps the later expiry), so one with a later expiry
+        replaces it now."""
+        entry = self._parse_entry(key, self.peer_id, item, now)
+        if entry is None or not entry.gone or self._left:
+            return
+        expiration = max(getattr(item, "expiration_time", now), now) + 0.5
+        await self.dht.store(key, self._entry(key, expiration), expiration, subkey=self.peer_id, return_future=True)
+
+    def _parse_entry(self, key: str, subkey: Any, item: Any, now: float) -> Entry | None:
         value = getattr(item, "value", None)
         if self._admission.identity is not None:
             try:
@@ -447,7 +491,7 @@ class GroupAverager:
             and isinstance(value.get("c"), int)
             and isinstance(value.get("r", ""), str)
         ):
-            return value.get("r", "")[:64], value["c"]
+            return Entry(value.get("r", "")[:64], value["c"], value.get("g") == 1)
         return None
 
     async def _lead(
@@ -459,18 +503,20 @@ class GroupAverager:
         lobby_id = self.peer_id
         self._lobbies[lobby_id] = lobby
         try:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(lobby.complete.wait(), max(0.0, join_deadline - time.monotonic()))
+            await self._wait_for_followers(lobby, join_deadline)
+            staying = lobby.expected
             if newcomers - set(lobby.joined) and lobby.complete.is_set():
                 lobby.complete.clear()
-                lobby.expected = expected | newcomers
+                lobby.expected = staying | newcomers
                 grace = min(NEWCOMER_GRACE_S, join_deadline - time.monotonic())
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(lobby.complete.wait(), max(0.0, grace))
-                lobby.expected = expected
+                lobby.expected = staying
             del self._lobbies[lobby_id]
             followers = sorted(lobby.joined)[: self.config.target_group_size - 1]
-            for missing in expected - set(lobby.joined):
+            for left in expected - staying - set(lobby.joined):
+                record.fail(left, "matchmaking", "left the run")
+            for missing in staying - set(lobby.joined):
                 record.fail(missing, "matchmaking", "did not join its leader")
                 self._admission.no_show(missing)
             if len(followers) + 1 < self.config.min_group_size:
@@ -487,6 +533,28 @@ class GroupAverager:
             self._lobbies.pop(lobby_id, None)
             if not lobby.final.done():
                 lobby.final.set_result(None)
+
+    async def _wait_for_followers(self, lobby: _Lobby, join_deadline: float) -> None:
+        """Until the chunk's followers have joined, or ``join_deadline``. A follower that says it left the run
+        meanwhile (a "gone" entry: a clean leave) is not waited for: a poller reads the key every
+        `_GONE_POLL_S` beside the wait (a slow read never delays the group)."""
+
+        async def drop_the_departed() -> None:
+            while not lobby.complete.is_set() and time.monotonic() < join_deadline:
+                await asyncio.sleep(_GONE_POLL_S)
+                with contextlib.suppress(Exception):  # a failed read: the next one, or the join deadline
+                    await self._read_candidates(f"{self.prefix}.mm", (self.region, 0), set())  # notes who is gone
+                gone = lobby.expected & self._admission.departed.keys()
+                if gone:
+                    lobby.expected -= gone
+                    if lobby.expected <= set(lobby.joined):
+                        lobby.complete.set()
+
+        poller = asyncio.create_task(drop_the_departed())  # ends after its read in flight: DHT calls are not cut
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(lobby.complete.wait(), max(0.0, join_deadline - time.monotonic()))
+        _POLLERS.add(poller)  # a reference until it ends (the loop keeps only weak ones)
+        poller.add_done_callback(_POLLERS.discard)
 
     async def _follow(self, leader: str, gather: Any, record: RoundRecord, join_deadline: float) -> Group | None:
         try:

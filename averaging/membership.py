@@ -6,7 +6,7 @@ Anyone can write to a DHT key, so a matchmaking key read as-is lets a stranger s
 
 * **Owner-signed entries.** The subkey is the writer's Ed25519 peer ID and the value is
   ``{"p": payload, "s": signature}``: ``payload`` is canonical JSON ``{"c": bandwidth class,
-  "r": region, "x": expiry in unix ms}``, signed by that peer ID's key (domain ``swarm/mm``, run id =
+  "r": region, "x": expiry in unix ms}`` (plus ``"g": 1`` when its writer left the run), signed by that peer ID's key (domain ``swarm/mm``, run id =
   the matchmaking key). Our peer IDs embed the public key, so any reader checks an entry without a
   lookup. An entry with another subkey, a bad signature, or one kept alive (or replayed) past its
   signed expiry is dropped with a counted reason: no one can add, forge or revive another's entry.
@@ -48,7 +48,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from bootstrap.envelope import check_int, check_str, unwrap_signed
 from bootstrap.errors import Rejected
@@ -73,14 +73,26 @@ class EntryRejected(Rejected):
     what = "matchmaking entry"
 
 
-def sign_entry(identity: Identity, key: str, *, bandwidth_class: int, region: str, expires_at: float) -> dict:
-    """The DHT value of ``identity``'s matchmaking entry under ``key``, valid until ``expires_at``."""
-    payload = canonical_json({"c": int(bandwidth_class), "r": region, "x": int(expires_at * 1000)})
+class Entry(NamedTuple):
+    """A valid matchmaking entry: its writer is looking for a group, or (``gone``) has left the run."""
+
+    region: str
+    bandwidth_class: int
+    gone: bool = False
+
+
+def sign_entry(
+    identity: Identity, key: str, *, bandwidth_class: int, region: str, expires_at: float, gone: bool = False
+) -> dict:
+    """The DHT value of ``identity``'s matchmaking entry under ``key``, valid until ``expires_at``; ``gone``:
+    the writer left the run (a clean leave), so that no one draws it or waits for it."""
+    fields = {"c": int(bandwidth_class), "r": region, "x": int(expires_at * 1000), **({"g": 1} if gone else {})}
+    payload = canonical_json(fields)
     return {"p": payload, "s": identity.sign(kind=ENTRY_KIND, run_id=key, payload=payload)}
 
 
-def parse_entry(key: str, subkey: Any, value: Any, expiration_time: float, now: float) -> tuple[str, int]:
-    """(region, bandwidth class) of an untrusted entry; raises EntryRejected with the reason."""
+def parse_entry(key: str, subkey: Any, value: Any, expiration_time: float, now: float) -> Entry:
+    """The `Entry` of an untrusted value; raises EntryRejected with the reason."""
     try:
         public_key = public_key_from_peer_id(subkey)
     except ValueError:
@@ -90,8 +102,8 @@ def parse_entry(key: str, subkey: Any, value: Any, expiration_time: float, now: 
         raise EntryRejected("bad signature", subkey)
     try:
         data = json.loads(payload)
-        if not isinstance(data, dict) or set(data) != {"c", "r", "x"}:
-            raise ValueError("fields are not {c, r, x}")
+        if not isinstance(data, dict) or set(data) - {"g"} != {"c", "r", "x"} or data.get("g", 1) != 1:
+            raise ValueError("fields are not {c, r, x[, g=1]}")
         check_int("c", data["c"], maximum=_MAX_CLASS)
         check_str("r", data["r"], max_chars=64, allow_empty=True)
         check_int("x", data["x"])
@@ -102,7 +114,7 @@ def parse_entry(key: str, subkey: Any, value: Any, expiration_time: float, now: 
         raise EntryRejected("expired", subkey)
     if expiration_time > signed_expiry + 1 or signed_expiry > now + _CLOCK_SKEW_S + 3600:
         raise EntryRejected("outlives its expiry", subkey)
-    return data["r"], data["c"]
+    return Entry(data["r"], data["c"], "g" in data)
 
 
 class RunMembers:
@@ -250,6 +262,24 @@ class Admission:
         self.members = RunMembers(run, rejected) if run is not None else None
         self.guard = Guard(guard_s)
         self.suspects = Suspects(suspect_s, self.guard.proven)
+        self.expected: frozenset[str] = frozenset()
+        """Who the caller believes the run's live members are (this round's ``step(expected=...)``)."""
+        self.departed: dict[str, float] = {}
+        """Peers whose "gone" entry was read (monotonic time): not waited for until they look again."""
+
+    def gone(self, peer: str) -> None:
+        """``peer`` said it left the run (a signed "gone" entry)."""
+        self.departed[peer] = time.monotonic()
+        if len(self.departed) > _MAX_TRACKED:  # bounded: the oldest goes first
+            del self.departed[next(iter(self.departed))]
+
+    def looking(self, peer: str) -> None:
+        """``peer`` is looking for a group (again, after a restart): a member like any other."""
+        self.departed.pop(peer, None)
+
+    def live_expected(self) -> frozenset[str]:
+        """The expected members, minus those that said they left."""
+        return self.expected - self.departed.keys()
 
     def prove(self, peers: Iterable[str], *, own_round: bool = True) -> None:
         """``peers`` averaged with this one (or, ``own_round=False``, signed the state it loaded): they

@@ -228,6 +228,10 @@ class Handler:
         """Run `coroutine` on the runtime's loop; returns a concurrent future."""
         return self.runtime.submit(coroutine)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop serving and let the runtime go. Idempotent."""
         if self._closed:

@@ -211,6 +211,10 @@ class Presence:
             self._run_peers = (time.monotonic(), peers)
         return peers
 
+    def forget_run_peers(self) -> None:
+        """The next `run_peers` reads the records again (a member of a group was not among them)."""
+        self._run_peers = (-float("inf"), self._run_peers[1])
+
     def reconnect(self) -> None:
         """Alone this round: ping the peers of recent groups, the run's known peers and the initial peers,
         in the background. A partition (or any run of failed DHT calls) empties the DHT's routing table,

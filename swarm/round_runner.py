@@ -74,6 +74,8 @@ class RoundRunner:
             logger.warning("averaging round failed: %r; applying this peer's update alone", e)
             averaged, record, group = None, None, None
         grouped = averaged is not None and group is not None
+        if group is not None and not set(group.members) <= expected:
+            self.presence.forget_run_peers()  # a member it did not know of: its view of the run is stale
         rejected: tuple[str, ...] = ()
         new_state = None
         if grouped:

@@ -315,6 +315,8 @@ class Trainer:
         still in flight (overlapped) is abandoned first."""
         if getattr(self, "_runner", None) is not None and self._runner.overlap is not None:
             self._runner.overlap.abandon(self.interrupt)
+        if getattr(self, "group_averager", None) is not None:
+            self.group_averager.leave()  # first: the others stop waiting for this peer at once
         for part in ("presence", "checkpoints", "group_averager"):
             if getattr(self, part, None) is not None:
                 getattr(self, part).close()

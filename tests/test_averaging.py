@@ -366,6 +366,34 @@ def test_the_window_closes_early_once_every_live_member_is_looking(make_group, t
         assert matchmaking < 3.0 if told else matchmaking >= 6.0, record.to_dict()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("left", [True, False], ids=["said it left", "silent (negative control)"])
+def test_a_member_that_left_is_neither_waited_for_nor_drawn(make_group, left):
+    """4 members, a 6 s window: one leaves before the round (closing its averager writes a signed "gone"
+    entry), the other 3 still count it a live member (its record is cached) and stop gathering once the
+    3 are looking; a member that vanished without a word is waited for the whole window."""
+    averagers = make_group(aggregator="mean", matchmaking_time_s=6.0)
+    tensors, weights = _inputs()
+    members = {a.peer_id for a in averagers}
+    if left:
+        averagers[-1].close()
+
+    def one(i):
+        return averagers[i].step(tensors[i], weight=weights[i], timeout_s=40.0, expected=members)
+
+    with ThreadPoolExecutor(NUM_PEERS - 1) as pool:
+        results = list(pool.map(one, range(NUM_PEERS - 1)))
+    reference = _weighted_mean(tensors, weights, range(NUM_PEERS - 1))
+    for i, (out, record, group) in enumerate(results):
+        assert record.outcome == "ok" and len(group.members) == NUM_PEERS - 1, record.to_dict()
+        assert (out - reference).abs().max().item() < 1e-5
+        matchmaking = record.phase_s["matchmaking"]
+        assert matchmaking < 3.0 if left else matchmaking >= 6.0, record.to_dict()
+        assert (
+            averagers[-1].peer_id in averagers[i]._admission.departed
+        ) is left  # the fault fired: its entry was read
+
+
 # --------------------------------------------------------------------------- an open network (issue 15)
 # Two Swarm peers (Ed25519 identities, our DHT start-up) join the module's plain hivemind DHTs; a plain
 # hivemind node of that network (no Swarm code, no validator) plays the outsider.
@@ -596,7 +624,9 @@ def test_matchmaking_entries_accept_only_what_the_owner_signed_for_this_key_unti
     owner, other = Identity.generate(), Identity.generate()
     now = time.time()
     good = sign_entry(owner, "k.mm", bandwidth_class=3, region="eu", expires_at=now + 5)
-    assert parse_entry("k.mm", owner.peer_id, good, now + 5, now) == ("eu", 3)
+    assert parse_entry("k.mm", owner.peer_id, good, now + 5, now) == ("eu", 3, False)
+    gone = sign_entry(owner, "k.mm", bandwidth_class=3, region="eu", expires_at=now + 5, gone=True)
+    assert parse_entry("k.mm", owner.peer_id, gone, now + 5, now) == ("eu", 3, True)  # a clean leave
     forged = sign_entry(other, "k.mm", bandwidth_class=3, region="eu", expires_at=now + 5)
     cases = {
         "subkey is not a peer id": ("k.mm", "fake-1", good, now + 5, now),

@@ -6,8 +6,6 @@ The algorithm is checked end to end against a single-process replay in tests/tes
 
 from __future__ import annotations
 
-import os
-import signal
 import stat
 import threading
 import time
@@ -17,9 +15,8 @@ import pytest
 import torch
 
 from bootstrap.identity import Identity, IdentityError
-from swarm.ledger import find_ledgers, read_entries
 from swarm.overlap import Overlap
-from tests.helpers import python_cmd, read_line_matching, spawn, terminate_all, wait_until
+from tests.helpers import wait_until
 
 
 def test_the_round_runs_beside_the_caller_and_its_result_or_error_comes_back_at_the_join() -> None:
@@ -174,57 +171,3 @@ def test_an_identity_key_others_can_read_is_refused_before_anything_starts(tmp_p
             model, torch.optim.SGD(model.parameters(), lr=0.1), run="r", identity=Identity.generate(), identity_key=key
         )
     assert Identity.of(None, None).path == Path.home() / ".swarm" / "identity.key"  # swarm.peer's default
-
-
-_USER_SCRIPT = """
-import sys, torch, swarm
-
-model = torch.nn.Linear(4, 1)
-key, ledgers, checkpoints = sys.argv[1:4]
-with swarm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), run="leave", identity_key=key,
-                   host_maddrs=["/ip4/127.0.0.1/tcp/0"], ledger_dir=ledgers, checkpoint_dir=checkpoints,
-                   sync_every=5, matchmaking_time_s=0.3, join_timeout_s=0.5, round_timeout_s=5.0,
-                   load_state=False) as trainer:
-    print("READY", flush=True)
-    while True:
-        model(torch.randn(8, 4)).pow(2).mean().backward()
-        trainer.step(num_samples=8)
-print("AFTER THE BLOCK", flush=True)
-"""
-
-
-@pytest.mark.timeout(120)
-def test_ctrl_c_and_sigterm_in_a_users_trainer_loop_are_a_clean_leave(tmp_path) -> None:
-    """A user's script in the README's pattern (``with swarm.Trainer(...)``), run twice at once: SIGINT (Ctrl+C)
-    to one, SIGTERM to the other. Each ends the block at the next step and leaves the run (a "stop" entry
-    naming the signal), with no traceback, exit 0, within 5 s."""
-    script = tmp_path / "train.py"
-    script.write_text(_USER_SCRIPT)
-    sigs = {"int": signal.SIGINT, "term": signal.SIGTERM}
-    children = {
-        name: spawn(
-            python_cmd(str(script), str(tmp_path / f"{name}.key"), str(tmp_path / name), str(tmp_path / f"{name}-ck"))
-        )
-        for name in sigs
-    }
-    try:
-        for child in children.values():
-            read_line_matching(child, r"^READY$", timeout_s=60)
-        began = time.monotonic()
-        for name, child in children.items():
-            os.kill(child.pid, sigs[name])
-        for child in children.values():
-            wait_until(lambda c=child: c.returncode is not None, timeout_s=10, message=child.describe)
-        took = time.monotonic() - began
-    finally:
-        terminate_all(list(children.values()), timeout_s=10)
-    assert took < 5.0, took
-    for name, child in children.items():
-        child.join_output()
-        sig = sigs[name]
-        assert child.returncode == 0, child.describe()
-        assert "AFTER THE BLOCK" in child.stdout() and "Traceback" not in child.stderr(), child.describe()
-        assert f"stopped by {sig.name}: left the run cleanly" in " ".join(child.stderr().split()), child.describe()
-        (ledger,) = find_ledgers(tmp_path / name)
-        last = read_entries(Path(ledger))[-1]
-        assert last.kind == "stop" and last.body["signal"] == sig.name, last
