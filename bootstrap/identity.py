@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import logging
 import os
 import stat
 import tempfile
@@ -31,8 +30,6 @@ from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
 from bootstrap.errors import StateError
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_IDENTITY_PATH = Path("~/.swarm/identity.key")
 _KEY_FILE_MAGIC = b"swarm-ed25519-v1\n"
