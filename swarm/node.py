@@ -35,6 +35,11 @@ logger = logging.getLogger(__name__)
 _STOP, _CHANGED = 0, 1
 
 
+def launched_size() -> int:
+    """How many processes torchrun started for this node (``WORLD_SIZE``; 1 when run alone)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 @dataclass
 class Node:
     """This process's place in a multi-process node (see the module docstring)."""
@@ -53,8 +58,7 @@ class Node:
         """Join the node's process group when started by torchrun with more than one process (None
         otherwise). CUDA: rank r uses GPU LOCAL_RANK over NCCL; CPU: gloo. ``timeout_s``: the longest any
         collective waits, so it must exceed rank 0's longest pause between steps (joining, a blocking round)."""
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size <= 1:
+        if launched_size() <= 1:
             return None
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

@@ -34,8 +34,8 @@ from bootstrap.identity import Identity, IdentityError
 from bootstrap.network import start_swarm_dht
 from peers import ResourceGraph, pick_run, probe_hardware, probe_software
 from swarm.events import EventLog
-from swarm.node import Node
-from swarm.recipe import step_with_lr_factor, warmup_factor
+from swarm.node import Node, launched_size
+from swarm.recipe import inner_step
 from swarm.tasks import get_task
 from swarm.trainer import TaskInfo, Trainer, TrainerConfig
 
@@ -265,9 +265,8 @@ class PeerRunner:
         params, batches, step = _trainable(self.model), self._batches(), 0
         while not self.node.follow(params):
             self._backward(next(batches))
-            step_with_lr_factor(self.optimizer, warmup_factor(step + 1, self.trainer_config.inner_warmup_steps))
-            self.optimizer.zero_grad(set_to_none=True)
             step += 1
+            inner_step(self.optimizer, step, self.trainer_config.inner_warmup_steps)
         if self.config.dump_dir:
             self._dump("final", 0, params, folder=Path(self.config.dump_dir) / f"rank{self.node.rank}", step=step)
 
@@ -409,7 +408,7 @@ def choose_run(dht: DHT, device: torch.device, console: Console) -> tuple[str, s
 
 def start_node(run: str | None, cfg: TrainerConfig, device: torch.device) -> Node | None:
     """This process's place in a torchrun node (`swarm.node`), or None when it runs alone."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if launched_size() <= 1:
         return None
     if run is None:
         raise ValueError("a multi-process node (torchrun) needs --run: its ranks must build the same task")

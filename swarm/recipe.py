@@ -77,3 +77,10 @@ def step_with_lr_factor(optimizer: torch.optim.Optimizer, factor: float) -> None
     finally:
         for group, lr in zip(groups, saved):
             group["lr"] = lr
+
+
+def inner_step(optimizer: torch.optim.Optimizer, step: int, warmup_steps: int) -> None:
+    """Local step ``step`` (1-based) of the inner loop: the optimizer step under the warm-up factor, then
+    ``zero_grad``. The one definition shared by `swarm.Trainer.step` and the other ranks of a node."""
+    step_with_lr_factor(optimizer, warmup_factor(step, warmup_steps))
+    optimizer.zero_grad(set_to_none=True)

@@ -50,7 +50,7 @@ from swarm.config import RunMismatch, TaskInfo, TrainerConfig
 from swarm.outer import DiLoCo
 from swarm.overlap import Overlap
 from swarm.presence import PeerView, Presence, RunFacts, check_run
-from swarm.recipe import step_with_lr_factor, warmup_factor
+from swarm.recipe import inner_step, warmup_factor
 from swarm.round_runner import RoundRunner
 from swarm.rounds import RoundResult, TrainerCounters
 
@@ -216,8 +216,7 @@ class Trainer:
         book = self._book
         if self._stop is not None and self._stop.event.is_set():
             raise Stopped(self._stop.signal_name)
-        step_with_lr_factor(self.inner_optimizer, self.inner_lr_factor())
-        self.inner_optimizer.zero_grad(set_to_none=True)
+        inner_step(self.inner_optimizer, self.local_step + 1, self.config.inner_warmup_steps)
         self.local_step += 1
         book.samples_since_sync += num_samples
         if loss is not None:

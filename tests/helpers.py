@@ -216,6 +216,17 @@ def terminate_all(children: Sequence[Child | subprocess.Popen], timeout_s: float
     return [popen.returncode for popen in popens]
 
 
+def expect_success(children: Sequence[Child], timeout_s: float) -> None:
+    """Wait for each child to exit by itself within ``timeout_s`` and assert it exited 0 (its output in the
+    message); whatever happens, every child is then stopped (`terminate_all`)."""
+    try:
+        for child in children:
+            wait_until(lambda c=child: c.returncode is not None, timeout_s=timeout_s, message=child.describe)
+            assert child.returncode == 0, child.describe()
+    finally:
+        terminate_all(children, timeout_s=15)
+
+
 def descendants(pid: int) -> list[psutil.Process]:
     """Live descendants of `pid` (empty if it is gone)."""
     try:

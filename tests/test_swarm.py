@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from swarm.events import read_events
 from swarm.tasks import get_task
-from tests.helpers import python_cmd, spawn, terminate, terminate_all, wait_until
+from tests.helpers import expect_success, python_cmd, spawn, terminate, terminate_all, wait_until
 
 NUM_PEERS = 3
 
@@ -147,12 +147,7 @@ def _reference_overlapped(tmp_path: Path, *, outer_lr: float, outer_momentum: fl
 def test_three_peers_average_exactly_and_learn(bootstrap_node, tmp_path, outer_lr, outer_momentum, overlap):
     settings = {"outer_lr": outer_lr, "outer_momentum": outer_momentum}
     peers = [spawn(_peer_cmd(tmp_path, bootstrap_node, i, **settings, overlap=overlap)) for i in range(NUM_PEERS)]
-    try:
-        for peer in peers:
-            wait_until(lambda p=peer: p.returncode is not None, timeout_s=180, message=peer.describe)
-            assert peer.returncode == 0, peer.describe()
-    finally:
-        terminate_all(peers, timeout_s=15)
+    expect_success(peers, timeout_s=180)
 
     expected = (_reference_overlapped if overlap else _reference_rounds)(tmp_path, **settings)
     assert len(expected) == NUM_ROUNDS
@@ -230,12 +225,7 @@ def test_user_script_on_the_trainer_api_joins_a_swarm_peer_run(bootstrap_node, t
         ),
         env={"OMP_NUM_THREADS": "1", "TTY_COMPATIBLE": "1"},  # rich takes the pipe for a terminal
     )
-    try:
-        for child in (peer, script):
-            wait_until(lambda c=child: c.returncode is not None, timeout_s=200, message=child.describe)
-            assert child.returncode == 0, child.describe()
-    finally:
-        terminate_all([peer, script], timeout_s=15)
+    expect_success([peer, script], timeout_s=200)
     script.join_output()
     assert "group of 2" in script.stdout(), script.describe()
     # the script set up no logging: the trainer's own handler shows its join and each round on stderr
@@ -443,12 +433,7 @@ def test_swarm_peer_trains_a_task_from_an_installed_package(bootstrap_node, tmp_
         )
         for i in range(2)
     ]
-    try:
-        for peer in peers:
-            wait_until(lambda p=peer: p.returncode is not None, timeout_s=180, message=peer.describe)
-            assert peer.returncode == 0, peer.describe()
-    finally:
-        terminate_all(peers, timeout_s=15)
+    expect_success(peers, timeout_s=180)
     for i in range(2):
         events = read_events(tmp_path / f"peer{i}.jsonl")
         assert [e["group_size"] for e in events if e["event"] == "round"] == [2, 2], events
@@ -523,12 +508,7 @@ def test_a_two_rank_torchrun_node_is_one_peer_and_averages_exactly(bootstrap_nod
     torchrun = Path(sys.executable).with_name("torchrun")
     node = spawn([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "swarm.peer", "--", *cmd(0)])
     peer = spawn(python_cmd("-m", "swarm.peer", *cmd(1)))
-    try:
-        for child in (node, peer):
-            wait_until(lambda c=child: c.returncode is not None, timeout_s=200, message=child.describe)
-            assert child.returncode == 0, child.describe()
-    finally:
-        terminate_all([node, peer], timeout_s=15)
+    expect_success([node, peer], timeout_s=200)
 
     events = read_events(tmp_path / "m0.jsonl")
     assert [e["group_size"] for e in events if e["event"] == "round"] == [2] * NODE_ROUNDS  # one peer, not two
