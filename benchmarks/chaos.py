@@ -92,6 +92,8 @@ class ChaosConfig:
     """charlm size preset."""
     sync_every: int = 20
     """Local steps between averaging rounds."""
+    overlap: bool = False
+    """Overlapped rounds (swarm.peer --overlap): a round runs while the peer trains on."""
     matchmaking_time_s: float = 2.0
     sender_timeout_s: float = 5.0
     averaging_timeout_s: float = 30.0
@@ -313,6 +315,7 @@ class _Arm:
             str(self.work / "checkpoints"),
             "--ledger-dir",
             str(self.work / "ledgers"),
+            *(["--overlap"] if cfg.overlap else []),
         ]
         log = self.work / f"{name}.log"
         incarnation = _Incarnation(
@@ -1025,7 +1028,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lab", default=defaults.lab, choices=("auto", "netns", "loopback"))
     parser.add_argument("--preset", default=defaults.preset)
     parser.add_argument("--sync-every", type=int, default=defaults.sync_every)
-    parser.add_argument("--round-timeout-s", type=float, default=defaults.averaging_timeout_s)
+    parser.add_argument("--overlap", action="store_true", help="overlapped rounds (swarm.peer --overlap)")
+    parser.add_argument(
+        "--round-timeout-s", dest="averaging_timeout_s", type=float, default=defaults.averaging_timeout_s
+    )
     parser.add_argument("--max-rss-growth-mib", type=float, default=defaults.max_rss_growth_mib)
     parser.add_argument("--min-progress-ratio", type=float, default=defaults.min_progress_ratio)
     parser.add_argument("--keep-logs", action="store_true")
@@ -1034,11 +1040,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def config_from_args(args: argparse.Namespace) -> ChaosConfig:
+    """The ChaosConfig the parsed flags describe (every flag but --work-dir and --out is a field)."""
+    return ChaosConfig(**{k: v for k, v in vars(args).items() if k not in ("work_dir", "out")})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    fields = {k: v for k, v in vars(args).items() if k not in ("work_dir", "out")}
     try:
-        config = ChaosConfig(**fields)
+        config = config_from_args(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

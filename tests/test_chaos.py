@@ -16,7 +16,7 @@ import shutil
 import pytest
 from rich.console import Console
 
-from benchmarks.chaos import ChaosConfig, checks, run
+from benchmarks.chaos import ChaosConfig, build_parser, checks, config_from_args, run
 
 _NETNS = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 
@@ -90,6 +90,12 @@ _BREAKAGES = [
     ("joiner without state", lambda s: s["joiners"].update(verified=2), "joiners under load get verified state"),
     ("slow host dropped", lambda s: s["slow_host"].update(grouped_rounds=0), "slow host keeps averaging"),
 ]
+
+
+def test_every_flag_lands_in_its_config_field() -> None:
+    assert config_from_args(build_parser().parse_args([])) == ChaosConfig()
+    config = config_from_args(build_parser().parse_args(["--round-timeout-s", "12", "--overlap", "--seed", "3"]))
+    assert (config.averaging_timeout_s, config.overlap, config.seed) == (12.0, True, 3)
 
 
 def test_a_healthy_summary_passes_every_check() -> None:
