@@ -67,6 +67,8 @@ _MAX_HEADER_BYTES = 64 * 1024
 _MAX_MEMBERS = 64
 _MAX_ENTRIES_READ = 16 * _MAX_MEMBERS
 _GONE_POLL_S = 0.25
+_PROBE_TIMEOUT_S = 2.0
+_PROBE_ABSENT_AFTER_S = 0.5  # a leader probes the followers that have not joined by then
 _POLLERS: set[asyncio.Task] = set()
 
 
@@ -128,6 +130,23 @@ class _ReduceState:
     received_sets: dict[str, frozenset] = field(default_factory=dict)
     all_sets: asyncio.Event = field(default_factory=asyncio.Event)
     result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    dead: set[str] = field(default_factory=set)
+    """Members gone from this attempt (a stream to them broke and a probe found them gone): neither their
+    part nor their list of senders is waited for."""
+
+    def waiting_for(self) -> set[str]:
+        return set(self.group.members) - self.dead
+
+    def update(self) -> None:
+        """Wake the waits whose peers have all answered or are known dead."""
+        if set(self.parts) >= self.waiting_for():
+            self.all_parts.set()
+        if set(self.received_sets) >= self.waiting_for():
+            self.all_sets.set()
+
+    def mark_dead(self, peer: str) -> None:
+        self.dead.add(peer)
+        self.update()
 
 
 @dataclass
@@ -137,6 +156,8 @@ class _Lobby:
     expected: frozenset
     joined: dict[str, Any] = field(default_factory=dict)
     complete: asyncio.Event = field(default_factory=asyncio.Event)
+    dead: set[str] = field(default_factory=set)
+    """Expected followers that a probe found gone (killed, or restarted and in no round)."""
     final: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -184,6 +205,7 @@ class GroupAverager:
         self._step_lock = threading.Lock()
         self._state_added = asyncio.Event()
         self._active_serves = 0
+        self._steps_in_flight = 0  # rounds (matchmaking included) under way: parts for an unknown group may come
         self._lonely = False
         self._service = Handler(
             dht, handler_name=self._handler_name, handler=self._handle_stream, start_timeout_s=start_timeout_s
@@ -353,6 +375,7 @@ class GroupAverager:
     ) -> tuple[torch.Tensor | None, Group | None]:
         started = time.monotonic()
         group: Group | None = None
+        self._steps_in_flight += 1
         try:
             lonely_windows = 0
             while group is None and time.monotonic() + self.config.matchmaking_time_s < deadline:
@@ -391,6 +414,7 @@ class GroupAverager:
                 )
             return result, group
         finally:
+            self._steps_in_flight -= 1
             record.phase_s["total"] = time.monotonic() - started
             for peer in {f["peer"] for f in record.failures if f["phase"] in ("send", "reduce", "gather")}:
                 if peer != self.peer_id:
@@ -515,7 +539,11 @@ class GroupAverager:
             del self._lobbies[lobby_id]
             followers = sorted(lobby.joined)[: self.config.target_group_size - 1]
             for left in expected - staying - set(lobby.joined):
-                record.fail(left, "matchmaking", "left the run")
+                if left in lobby.dead:
+                    record.fail(left, "matchmaking", "gone (a probe failed)")
+                    self._admission.no_show(left)  # drawn, and not there: a suspect for a while, as below
+                else:
+                    record.fail(left, "matchmaking", "left the run")
             for missing in staying - set(lobby.joined):
                 record.fail(missing, "matchmaking", "did not join its leader")
                 self._admission.no_show(missing)
@@ -537,14 +565,28 @@ class GroupAverager:
     async def _wait_for_followers(self, lobby: _Lobby, join_deadline: float) -> None:
         """Until the chunk's followers have joined, or ``join_deadline``. A follower that says it left the run
         meanwhile (a "gone" entry: a clean leave) is not waited for: a poller reads the key every
-        `_GONE_POLL_S` beside the wait (a slow read never delays the group)."""
+        `_GONE_POLL_S` beside the wait (a slow read never delays the group). Nor is one that a probe finds
+        gone (killed: its dial fails; restarted: it is in no round), asked once `_PROBE_ABSENT_AFTER_S` in."""
+
+        probed = False
+        started = time.monotonic()
+
+        async def probe_the_absent() -> None:
+            absent = sorted(lobby.expected - set(lobby.joined))
+            alive = await asyncio.gather(*(self._probe(p, "", _PROBE_TIMEOUT_S) for p in absent))
+            lobby.dead |= {p for p, ok in zip(absent, alive) if not ok}
 
         async def drop_the_departed() -> None:
+            nonlocal probed
             while not lobby.complete.is_set() and time.monotonic() < join_deadline:
                 await asyncio.sleep(_GONE_POLL_S)
+                if not probed and time.monotonic() - started >= _PROBE_ABSENT_AFTER_S:
+                    probed = True  # once per lobby: a killed follower fails its dial at once
+                    with contextlib.suppress(Exception):
+                        await probe_the_absent()
                 with contextlib.suppress(Exception):  # a failed read: the next one, or the join deadline
                     await self._read_candidates(f"{self.prefix}.mm", (self.region, 0), set())  # notes who is gone
-                gone = lobby.expected & self._admission.departed.keys()
+                gone = lobby.expected & (self._admission.departed.keys() | lobby.dead)
                 if gone:
                     lobby.expected -= gone
                     if lobby.expected <= set(lobby.joined):
@@ -658,6 +700,7 @@ class GroupAverager:
         self._states[group.group_id] = state
         self._state_added.set()
         self._state_added = asyncio.Event()
+        self._steps_in_flight += 1
         try:
             reduce_task = asyncio.create_task(self._reduce(state, record))
             send_tasks = {
@@ -688,6 +731,7 @@ class GroupAverager:
                 return None, lost
             return torch.cat([slices[m] for m in group.members]), set()
         finally:
+            self._steps_in_flight -= 1
             self._states.pop(group.group_id, None)
 
     async def _reduce(self, state: _ReduceState, record: RoundRecord) -> torch.Tensor | None:
@@ -696,14 +740,18 @@ class GroupAverager:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(state.all_parts.wait(), max(0.0, state.sender_deadline - time.monotonic()))
         for missing in expected - set(state.parts):
-            record.fail(missing, "send", "no part before the sender deadline")
+            reason = (
+                "gone (a broken stream, then a probe)"
+                if missing in state.dead
+                else "no part before the sender deadline"
+            )
+            record.fail(missing, "send", reason)
         started = time.monotonic()
         mine = frozenset(state.parts)
         state.received_sets[self.peer_id] = mine
         others = [m for m in state.group.members if m != self.peer_id]
         await asyncio.gather(*(self._send_received_set(peer, state, mine) for peer in others))
-        if set(state.received_sets) >= expected:
-            state.all_sets.set()
+        state.update()
         # a reducer that already has every part must still wait for those that wait out the sender
         # deadline; a reducer whose list never comes is dead, and its slice is lost anyway
         agreement_deadline = state.sender_deadline + self.config.agreement_timeout_s
@@ -748,7 +796,7 @@ class GroupAverager:
         """Tell ``peer`` which senders' parts this reducer took; retried until acknowledged, within the
         agreement timeout (a list lost on a reset stream would make that reducer wait out its deadline)."""
         deadline = time.monotonic() + self.config.agreement_timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and peer not in state.dead:
             try:
                 async with asyncio.timeout(max(0.05, deadline - time.monotonic())):
                     _, reader, writer = await self._open(peer)
@@ -811,9 +859,39 @@ class GroupAverager:
         except (ProtocolError, ValueError) as e:
             self.rejected[getattr(e, "reason", "bad slice")] += 1
             record.fail(peer, "gather", str(e)[:200])
-        except Exception as e:  # timeouts, resets, unreachable peers
+        except asyncio.TimeoutError:
+            record.fail(peer, "gather", "TimeoutError: no slice before the reducer deadline")
+            return None
+        except Exception as e:  # resets, unreachable peers
             record.fail(peer, "gather", f"{type(e).__name__}: {e}"[:200])
+        await self._probe_after_failure(peer, group.group_id, reply_deadline)
         return None
+
+    async def _probe_after_failure(self, peer: str, group_id: str, deadline: float) -> None:
+        """A stream to ``peer`` broke or was refused: if a probe finds it gone, it is marked dead in this
+        attempt's state, so that nobody waits out a deadline for its part or its list of senders."""
+        state = self._states.get(group_id)
+        if state is None or peer in state.dead:
+            return
+        if not await self._probe(peer, group_id, min(_PROBE_TIMEOUT_S, deadline - time.monotonic())):
+            state.mark_dead(peer)
+
+    async def _probe(self, peer: str, group_id: str, timeout_s: float) -> bool:
+        """Whether ``peer`` still takes part in a round (``group_id``'s attempt, or any while a group forms),
+        asked on a fresh stream. False for a killed peer (the dial fails) and a restarted one (it is in no
+        round), and for one that does not answer within ``timeout_s``."""
+        try:
+            async with asyncio.timeout(max(0.05, timeout_s)):
+                _, reader, writer = await self._open(peer)
+                try:
+                    await write_frame(writer, {"op": "probe", "group_id": group_id})
+                    reply = await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)
+                finally:
+                    writer.close()
+        except Exception as e:  # a dial that fails, a reset, a timeout: gone
+            logger.debug("probe of %s failed: %r", peer[-6:], e)
+            return False
+        return reply.get("status") == "ok"
 
     async def _open(self, peer: str) -> Any:
         if self._dead:
@@ -839,6 +917,12 @@ class GroupAverager:
                     await self._serve_part(peer, header, reader, writer)
                 finally:
                     self._active_serves -= 1
+            elif op == "probe":
+                group_id = header_field(header, "group_id", str)
+                known = group_id in self._states or self._steps_in_flight > 0
+                await write_frame(writer, {"status": "ok" if known else "unknown group"})
+                with contextlib.suppress(asyncio.TimeoutError, ConnectionError):  # linger until the sender hangs up
+                    await asyncio.wait_for(reader.read(1), 2.0)
             elif op == "received":
                 await self._serve_received(peer, header)
                 await write_frame(writer, {"status": "ok"})
@@ -867,7 +951,7 @@ class GroupAverager:
         deadline = time.monotonic() + self.config.sender_timeout_s + self.config.agreement_timeout_s
         while (state := self._states.get(group_id)) is None:  # the part may race our own matchmaking
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or not self._steps_in_flight:  # in no round (e.g. restarted): it will never come
                 raise ProtocolError("unknown group", group_id[:20])
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._state_added.wait(), remaining)
@@ -879,8 +963,7 @@ class GroupAverager:
         if peer not in state.group.members or not all(isinstance(s, str) for s in senders):
             raise ProtocolError("not a member", peer)
         state.received_sets[peer] = frozenset(senders) & frozenset(state.group.members)
-        if set(state.received_sets) >= set(state.group.members):
-            state.all_sets.set()
+        state.update()
 
     async def _serve_part(
         self, peer: str, header: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -915,8 +998,7 @@ class GroupAverager:
         if peer in state.parts:
             raise ProtocolError("duplicate part", peer)
         state.parts[peer] = Contribution(sender=peer, tensor=part, weight=weight)
-        if set(state.parts) >= set(state.group.members):
-            state.all_parts.set()
+        state.update()
         result = await asyncio.wait_for(asyncio.shield(state.result), self.config.reducer_timeout_s)
         if self._dead:
             return  # a crashed peer answers nothing, not even on streams opened before it died
