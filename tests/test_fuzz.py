@@ -934,7 +934,7 @@ def _bare_averager(codec: str) -> tuple[GroupAverager, _ReduceState]:
     )
     averager.rejected, averager.fault_hook, averager._dead = Counter(), None, False
     averager._states, averager._lobbies, averager._state_added = {}, {}, asyncio.Event()
-    averager._active_serves = 0
+    averager._active_serves, averager._steps_in_flight = 0, 1  # in a round: the one of the open slice
     averager._admission = Admission(None, None, 0.0, averager.rejected)
     averager.peer_id = OWNER.peer_id
     group = Group(group_id=AVG_GROUP, members=(OTHER.peer_id, OWNER.peer_id), gathered={})
@@ -952,6 +952,8 @@ def _bare_averager(codec: str) -> tuple[GroupAverager, _ReduceState]:
     stream=("fp32", frame(canonical_json({**_valid_part("fp32")[0], "weight": 10**400}), _valid_part("fp32")[1])),
     outsider=False,
 )
+@example(stream=("fp32", frame(canonical_json({"op": "probe", "group_id": AVG_GROUP}))), outsider=False)
+@example(stream=("fp32", frame(canonical_json({"op": "probe", "group_id": 5}))), outsider=True)
 def test_averaging_handler_rejects_every_bad_stream_with_one_counted_reason(stream, outsider):
     codec, data = stream
 
@@ -967,7 +969,11 @@ def test_averaging_handler_rejects_every_bad_stream_with_one_counted_reason(stre
     assert set(averager.rejected) <= _AVG_REASONS, averager.rejected
     accepted = int(bool(state.parts) or bool(state.received_sets))
     not_leading = int(b'"not leading"' in writer.sent)
-    assert sum(averager.rejected.values()) + accepted + not_leading == 1, (averager.rejected, writer.sent[:200])
+    probed = int(not accepted and b'"status":"ok"' in writer.sent)  # a probe, answered (a part's slice "failed")
+    assert sum(averager.rejected.values()) + accepted + not_leading + probed == 1, (
+        averager.rejected,
+        writer.sent[:200],
+    )
     assert writer.closed
 
 
