@@ -125,11 +125,14 @@ class _ReduceState:
     weight: float
     sender_deadline: float
     codec: str
+    started: float = field(default_factory=time.monotonic)
     parts: dict[str, Contribution] = field(default_factory=dict)
     all_parts: asyncio.Event = field(default_factory=asyncio.Event)
     received_sets: dict[str, frozenset] = field(default_factory=dict)
     all_sets: asyncio.Event = field(default_factory=asyncio.Event)
     result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    reply: bytes = b""
+    """The aggregated slice, encoded (set before ``result``)."""
     dead: set[str] = field(default_factory=set)
     """Members gone from this attempt (a stream to them broke and a probe found them gone): neither their
     part nor their list of senders is waited for."""
@@ -720,6 +723,7 @@ class GroupAverager:
                 if peer != self.peer_id
             }
             own = await reduce_task
+            record.phase_s["reduced"] = time.monotonic() - started
             slices: dict[str, torch.Tensor | None] = {self.peer_id: own}
             for peer, task in send_tasks.items():
                 slices[peer] = await task
@@ -739,6 +743,7 @@ class GroupAverager:
         expected = set(state.group.members)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(state.all_parts.wait(), max(0.0, state.sender_deadline - time.monotonic()))
+        record.phase_s["parts"] = time.monotonic() - state.started
         for missing in expected - set(state.parts):
             reason = (
                 "gone (a broken stream, then a probe)"
@@ -784,13 +789,12 @@ class GroupAverager:
         for sender, reason in result.rejected.items():
             record.rejected[sender] = reason
             self.rejected[reason] += 1
-        state.result.set_result(result)
-        # keep exactly the bytes the others receive: with a lossy codec the reducer's own copy of its
-        # slice must be the decoded one too, or the members' results (and checkpoints) would differ
+        # encoded once, for every member; the reducer's own copy is decoded from the same bytes, so that with a
+        # lossy codec the members' results (and checkpoints) are the same
         codec = get_codec(state.codec)
-        return await asyncio.to_thread(
-            lambda: codec.decode(codec.encode(result.tensor.contiguous()), numel=state.numel)
-        )
+        state.reply = await asyncio.to_thread(codec.encode, result.tensor.contiguous())
+        state.result.set_result(result)
+        return await asyncio.to_thread(codec.decode, state.reply, numel=state.numel)
 
     async def _send_received_set(self, peer: str, state: _ReduceState, received: frozenset) -> None:
         """Tell ``peer`` which senders' parts this reducer took; retried until acknowledged, within the
@@ -1005,8 +1009,7 @@ class GroupAverager:
         if result is None:
             await write_frame(writer, {"status": "slice failed"})
             return
-        payload = await asyncio.to_thread(codec.encode, result.tensor.contiguous())
-        await write_frame(writer, {"status": "ok", "payload_bytes": len(payload)}, payload)
+        await write_frame(writer, {"status": "ok", "payload_bytes": len(state.reply)}, state.reply)
         # closing now could reset the stream while the reply is still in flight (p2pd resets a stream
         # whose local end vanished): linger until the sender, having read it all, hangs up
         with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
