@@ -209,6 +209,7 @@ class GroupAverager:
         self._state_added = asyncio.Event()
         self._active_serves = 0
         self._steps_in_flight = 0  # rounds (matchmaking included) under way: parts for an unknown group may come
+        self._last_round_end = -math.inf
         self._lonely = False
         self._service = Handler(
             dht, handler_name=self._handler_name, handler=self._handle_stream, start_timeout_s=start_timeout_s
@@ -418,6 +419,7 @@ class GroupAverager:
             return result, group
         finally:
             self._steps_in_flight -= 1
+            self._last_round_end = time.monotonic()
             record.phase_s["total"] = time.monotonic() - started
             for peer in {f["peer"] for f in record.failures if f["phase"] in ("send", "reduce", "gather")}:
                 if peer != self.peer_id:
@@ -736,6 +738,7 @@ class GroupAverager:
             return torch.cat([slices[m] for m in group.members]), set()
         finally:
             self._steps_in_flight -= 1
+            self._last_round_end = time.monotonic()
             self._states.pop(group.group_id, None)
 
     async def _reduce(self, state: _ReduceState, record: RoundRecord) -> torch.Tensor | None:
@@ -923,7 +926,7 @@ class GroupAverager:
                     self._active_serves -= 1
             elif op == "probe":
                 group_id = header_field(header, "group_id", str)
-                known = group_id in self._states or self._steps_in_flight > 0
+                known = group_id in self._states or self._in_a_round()
                 await write_frame(writer, {"status": "ok" if known else "unknown group"})
                 with contextlib.suppress(asyncio.TimeoutError, ConnectionError):  # linger until the sender hangs up
                     await asyncio.wait_for(reader.read(1), 2.0)
@@ -950,12 +953,18 @@ class GroupAverager:
         finally:
             writer.close()
 
+    def _in_a_round(self) -> bool:
+        """In a round, or lately: a group of it may still come (the second all-reduce of `average_in_group`
+        starts after `step` returned). A peer restarted since is in none, and says so at once."""
+        since = time.monotonic() - self._last_round_end
+        return self._steps_in_flight > 0 or since < self.config.sender_timeout_s + self.config.agreement_timeout_s
+
     async def _find_state(self, group_id: str) -> _ReduceState:
         # a peer may start an attempt (or a retry) while this one is still finishing the previous one
         deadline = time.monotonic() + self.config.sender_timeout_s + self.config.agreement_timeout_s
         while (state := self._states.get(group_id)) is None:  # the part may race our own matchmaking
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._steps_in_flight:  # in no round (e.g. restarted): it will never come
+            if remaining <= 0 or not self._in_a_round():  # e.g. restarted: this group's state will never come
                 raise ProtocolError("unknown group", group_id[:20])
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._state_added.wait(), remaining)

@@ -96,6 +96,31 @@ def _weighted_mean(tensors, weights, members):
 
 
 @pytest.mark.timeout(120)
+def test_a_second_all_reduce_keeps_a_part_for_a_member_not_there_yet(make_group):
+    """`average_in_group` after `step` (the trainer's base agreement): the members get there at different
+    times, and a part that comes before its reducer did is kept until it is there, not refused (a peer in no
+    round refuses at once; one that has just ended its step is still in one)."""
+    averagers = make_group(aggregator="mean")
+    tensors, weights = _inputs()
+    stepped = _run(averagers, tensors, weights)
+    groups = [group for _, _, group in stepped]
+    assert all(g is not None and len(g.members) == NUM_PEERS for g in groups), [r for _, r, _ in stepped]
+    late = 0.5  # the last member runs its checks for half a second before its second all-reduce
+
+    def again(i):
+        if i == NUM_PEERS - 1:
+            time.sleep(late)  # the delay under test, not a synchronisation
+        return averagers[i].average_in_group(groups[i], 2 * tensors[i], weight=1.0, codec="fp32", timeout_s=20.0)
+
+    with ThreadPoolExecutor(NUM_PEERS) as pool:
+        results = list(pool.map(again, range(NUM_PEERS)))
+    reference = _weighted_mean([2 * t for t in tensors], [1.0] * NUM_PEERS, range(NUM_PEERS))
+    for out, record in results:
+        assert out is not None and not record.failures, record.to_dict()
+        assert (out - reference).abs().max().item() < 1e-5
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("aggregator", ["mean", "centered_clip", "trimmed_mean"])
 def test_fp32_round_equals_the_weighted_mean(make_group, aggregator):
     tensors, weights = _inputs()

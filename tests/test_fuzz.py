@@ -934,7 +934,7 @@ def _bare_averager(codec: str) -> tuple[GroupAverager, _ReduceState]:
     )
     averager.rejected, averager.fault_hook, averager._dead = Counter(), None, False
     averager._states, averager._lobbies, averager._state_added = {}, {}, asyncio.Event()
-    averager._active_serves, averager._steps_in_flight = 0, 1  # in a round: the one of the open slice
+    averager._active_serves, averager._steps_in_flight, averager._last_round_end = 0, 1, 0.0  # in a round
     averager._admission = Admission(None, None, 0.0, averager.rejected)
     averager.peer_id = OWNER.peer_id
     group = Group(group_id=AVG_GROUP, members=(OTHER.peer_id, OWNER.peer_id), gathered={})
