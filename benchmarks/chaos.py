@@ -627,8 +627,10 @@ def restarts_summary(arm: _Arm) -> dict[str, Any]:
     restarts = [i for i in arm.incarnations if i.number > 0]
     rows = []
     for inc in restarts:
-        joined = inc.first("joined")
+        joined, first_step = inc.first("joined"), inc.first("first_step")
         grouped = next((e for e in inc.read() if e["event"] == "round" and (e.get("group_size") or 0) >= 2), None)
+        # the slot trains nothing from its predecessor's kill (the restart is spawned then) to its first step
+        began = min(first_step["t"], arm.t_end) if first_step else (inc.killed_at or arm.t_end)
         rows.append(
             {
                 "name": inc.name,
@@ -638,9 +640,11 @@ def restarts_summary(arm: _Arm) -> dict[str, Any]:
                 "join_s": joined["t"] - inc.started if joined else None,
                 "first_grouped_round_s": grouped["t"] - inc.started if grouped else None,
                 "lived_s": (inc.killed_at or arm.t_end) - inc.started,
+                "down_s": max(0.0, began - max(inc.started, arm.t0)),
             }
         )
     settled = [r for r in rows if r["lived_s"] >= _SETTLE_S]
+    down_s = sum(r["down_s"] for r in rows)
     after_loss = [r for r in settled if r["after_bootstrap_loss"]]
     return {
         "restarts": len(rows),
@@ -652,6 +656,8 @@ def restarts_summary(arm: _Arm) -> dict[str, Any]:
         "after_bootstrap_loss_grouped": sum(r["first_grouped_round_s"] is not None for r in after_loss),
         "join_s_median": _median([r["join_s"] for r in rows if r["join_s"] is not None]),
         "join_s_max": max((r["join_s"] for r in rows if r["join_s"] is not None), default=None),
+        "down_s": down_s,
+        "down_fraction": down_s / max(arm.config.peers * (arm.t_end - arm.t0), 1e-9),
         "rows": rows,
     }
 
@@ -798,11 +804,13 @@ def checks(config: ChaosConfig, chaos: dict[str, Any], baseline: dict[str, Any] 
         out.append({"check": name, "figure": figure, "bound": bound, "ok": ok})
 
     prog = chaos["progress"]
+    down = (chaos.get("restarts") or {}).get("down_fraction")  # from a kill to its replacement's first step
     if baseline is not None:
         ratio = prog["steps_per_min"] / max(baseline["progress"]["steps_per_min"], 1e-9)
         add(
             "progress vs no-chaos",
-            f"{prog['steps_per_min']:.0f} vs {baseline['progress']['steps_per_min']:.0f} steps/min ({ratio:.2f}x)",
+            f"{prog['steps_per_min']:.0f} vs {baseline['progress']['steps_per_min']:.0f} steps/min ({ratio:.2f}x)"
+            + (f"; restarting slots idle {down:.0%} of the peer-seconds" if down is not None else ""),
             f">= {config.min_progress_ratio:.2f}x",
             ratio >= config.min_progress_ratio,
         )
