@@ -153,6 +153,24 @@ class _ReduceState:
 
 
 @dataclass
+class _Activity:
+    """What an averager is doing: streams it is serving (`close` lets them finish) and rounds under way
+    (matchmaking included: parts for a group it does not know yet may come meanwhile)."""
+
+    serves: int = 0
+    rounds: int = 0
+    last_round_end: float = -math.inf
+
+    def round_ended(self) -> None:
+        self.rounds -= 1
+        self.last_round_end = time.monotonic()
+
+    def in_a_round(self, *, grace_s: float) -> bool:
+        """In a round, or in one that ended less than ``grace_s`` ago."""
+        return self.rounds > 0 or time.monotonic() - self.last_round_end < grace_s
+
+
+@dataclass
 class _Lobby:
     """A leader's open invitation: followers join until the chunk is complete or time is up."""
 
@@ -207,9 +225,7 @@ class GroupAverager:
         self._lobbies: dict[str, _Lobby] = {}
         self._step_lock = threading.Lock()
         self._state_added = asyncio.Event()
-        self._active_serves = 0
-        self._steps_in_flight = 0  # rounds (matchmaking included) under way: parts for an unknown group may come
-        self._last_round_end = -math.inf
+        self._activity = _Activity()
         self._lonely = False
         self._service = Handler(
             dht, handler_name=self._handler_name, handler=self._handle_stream, start_timeout_s=start_timeout_s
@@ -244,7 +260,7 @@ class GroupAverager:
         """Leave: say so in the matchmaking key (peers then neither draw this one nor wait for it), stop
         serving after up to 3 s for replies still in flight to be read. Idempotent."""
         self.leave(timeout_s=min(2.0, timeout_s / 4))
-        if self._active_serves and not self._dead:
+        if self._activity.serves and not self._dead:
             with contextlib.suppress(Exception):
                 self._service.submit(self._drain(min(3.0, timeout_s / 2))).result(timeout=timeout_s / 2 + 1)
         self._service.close(timeout_s)
@@ -281,7 +297,7 @@ class GroupAverager:
 
     async def _drain(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while self._active_serves and time.monotonic() < deadline:
+        while self._activity.serves and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # polling a counter with a deadline
 
     async def _fault(self, phase: str, peer: str = "") -> None:
@@ -379,7 +395,7 @@ class GroupAverager:
     ) -> tuple[torch.Tensor | None, Group | None]:
         started = time.monotonic()
         group: Group | None = None
-        self._steps_in_flight += 1
+        self._activity.rounds += 1
         try:
             lonely_windows = 0
             while group is None and time.monotonic() + self.config.matchmaking_time_s < deadline:
@@ -418,8 +434,7 @@ class GroupAverager:
                 )
             return result, group
         finally:
-            self._steps_in_flight -= 1
-            self._last_round_end = time.monotonic()
+            self._activity.round_ended()
             record.phase_s["total"] = time.monotonic() - started
             for peer in {f["peer"] for f in record.failures if f["phase"] in ("send", "reduce", "gather")}:
                 if peer != self.peer_id:
@@ -705,7 +720,7 @@ class GroupAverager:
         self._states[group.group_id] = state
         self._state_added.set()
         self._state_added = asyncio.Event()
-        self._steps_in_flight += 1
+        self._activity.rounds += 1
         try:
             reduce_task = asyncio.create_task(self._reduce(state, record))
             send_tasks = {
@@ -737,8 +752,7 @@ class GroupAverager:
                 return None, lost
             return torch.cat([slices[m] for m in group.members]), set()
         finally:
-            self._steps_in_flight -= 1
-            self._last_round_end = time.monotonic()
+            self._activity.round_ended()
             self._states.pop(group.group_id, None)
 
     async def _reduce(self, state: _ReduceState, record: RoundRecord) -> torch.Tensor | None:
@@ -919,11 +933,11 @@ class GroupAverager:
             if op == "join":
                 await self._serve_join(peer, header, writer)
             elif op == "part":
-                self._active_serves += 1
+                self._activity.serves += 1
                 try:
                     await self._serve_part(peer, header, reader, writer)
                 finally:
-                    self._active_serves -= 1
+                    self._activity.serves -= 1
             elif op == "probe":
                 group_id = header_field(header, "group_id", str)
                 known = group_id in self._states or self._in_a_round()
@@ -956,8 +970,7 @@ class GroupAverager:
     def _in_a_round(self) -> bool:
         """In a round, or lately: a group of it may still come (the second all-reduce of `average_in_group`
         starts after `step` returned). A peer restarted since is in none, and says so at once."""
-        since = time.monotonic() - self._last_round_end
-        return self._steps_in_flight > 0 or since < self.config.sender_timeout_s + self.config.agreement_timeout_s
+        return self._activity.in_a_round(grace_s=self.config.sender_timeout_s + self.config.agreement_timeout_s)
 
     async def _find_state(self, group_id: str) -> _ReduceState:
         # a peer may start an attempt (or a retry) while this one is still finishing the previous one

@@ -69,7 +69,7 @@ from safetensors.torch import save as safetensors_save
 
 from averaging.compression import get_codec
 from averaging.config import AveragingConfig, RoundRecord
-from averaging.group import Group, GroupAverager, _ReduceState
+from averaging.group import Group, GroupAverager, _Activity, _ReduceState
 from averaging.membership import Admission
 from bootstrap import start_dht, stop_dht, visible_maddrs
 from bootstrap.framing import ProtocolError, read_frame
@@ -934,7 +934,7 @@ def _bare_averager(codec: str) -> tuple[GroupAverager, _ReduceState]:
     )
     averager.rejected, averager.fault_hook, averager._dead = Counter(), None, False
     averager._states, averager._lobbies, averager._state_added = {}, {}, asyncio.Event()
-    averager._active_serves, averager._steps_in_flight, averager._last_round_end = 0, 1, 0.0  # in a round
+    averager._activity = _Activity(rounds=1)  # in a round: the one of the open slice
     averager._admission = Admission(None, None, 0.0, averager.rejected)
     averager.peer_id = OWNER.peer_id
     group = Group(group_id=AVG_GROUP, members=(OTHER.peer_id, OWNER.peer_id), gathered={})
