@@ -20,7 +20,11 @@ Faults. A sender silent past ``sender_timeout_s`` (a straggler or a dead peer) i
 aggregating, reducers exchange the lists of parts they received and all use their intersection,
 so every slice averages the *same* survivors: the result is the weighted mean of the surviving
 contributions, exactly. A reducer that never answers loses its slice: the members re-form a group
-from the survivors and retry, within the round's deadline. Every outcome is in the RoundRecord.
+from the survivors and retry, within the round's deadline. A member whose stream breaks or is refused
+is probed once on a fresh stream; one found gone (a killed peer's dial fails; a restarted one is in no
+round) is waited for no longer -- neither its part nor its list of senders -- so a SIGKILL costs the
+survivors the retry, not the deadlines; a leader probes the followers that have not joined 0.5 s in.
+Every outcome is in the RoundRecord.
 """
 
 from __future__ import annotations
