@@ -130,6 +130,7 @@ class _ReduceState:
     sender_deadline: float
     codec: str
     started: float = field(default_factory=time.monotonic)
+    """When this attempt began (monotonic)."""
     parts: dict[str, Contribution] = field(default_factory=dict)
     all_parts: asyncio.Event = field(default_factory=asyncio.Event)
     received_sets: dict[str, frozenset] = field(default_factory=dict)
@@ -719,6 +720,7 @@ class GroupAverager:
             weight=weight,
             codec=codec,
             sender_deadline=min(deadline, started + cfg.sender_timeout_s),
+            started=started,
         )
         state.parts[self.peer_id] = Contribution(sender=self.peer_id, tensor=tensor[lo:hi].clone(), weight=weight)
         self._states[group.group_id] = state
@@ -943,16 +945,11 @@ class GroupAverager:
                 finally:
                     self._activity.serves -= 1
             elif op == "probe":
-                group_id = header_field(header, "group_id", str)
-                known = group_id in self._states or self._in_a_round()
-                await write_frame(writer, {"status": "ok" if known else "unknown group"})
-                with contextlib.suppress(asyncio.TimeoutError, ConnectionError):  # linger until the sender hangs up
-                    await asyncio.wait_for(reader.read(1), 2.0)
+                header_field(header, "group_id", str)  # an attempt's state exists only while this peer is in a round
+                await _answer(reader, writer, "ok" if self._in_a_round() else "unknown group")
             elif op == "received":
                 await self._serve_received(peer, header)
-                await write_frame(writer, {"status": "ok"})
-                with contextlib.suppress(asyncio.TimeoutError, ConnectionError):  # linger until the sender hangs up
-                    await asyncio.wait_for(reader.read(1), 2.0)
+                await _answer(reader, writer, "ok")
             else:
                 raise ProtocolError("unknown op", str(op)[:30])
         except ProtocolError as e:
@@ -1040,6 +1037,14 @@ class GroupAverager:
         # whose local end vanished): linger until the sender, having read it all, hangs up
         with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
             await asyncio.wait_for(reader.read(1), self.config.reducer_timeout_s)
+
+
+async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, status: str) -> None:
+    """A one-frame answer, then linger until the asker hangs up (p2pd resets a stream whose local end vanished,
+    which could drop the answer still in flight)."""
+    await write_frame(writer, {"status": status})
+    with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
+        await asyncio.wait_for(reader.read(1), 2.0)
 
 
 def _derive_id(seed: str, members: tuple[str, ...]) -> str:
