@@ -580,9 +580,10 @@ def test_signed_sybils_that_never_join_cost_peers_with_history_one_attempt(dhts,
                 assert any(a.guard.active() and a.guard.raised == 1 for a in averagers), [r for _, r, _ in first]
             later = [_two_step(averagers, seed=SEED + 100 + i) for i in range(2)]
         sybil_ids = {s.peer_id for s in sybils}
-        records = [record for round_ in later for _out, record, _group in round_]
+        results = [result for round_ in later for result in round_]
+        records = [record for _out, record, _group in results]
         if guard_s:
-            for _out, record, group in (result for round_ in later for result in round_):
+            for _out, record, group in results:
                 assert record.outcome == "ok" and set(group.members) == honest and not record.failures, record
                 assert record.phase_s["matchmaking"] < MM_CONFIG["join_timeout_s"], record.to_dict()
         else:  # every chunk of 26 candidates holds Sybils: the attempts wait on them (all but a rare lucky
