@@ -112,9 +112,11 @@ class RoundRecord:
     bytes_sent: int = 0
     bytes_received: int = 0
     phase_s: dict[str, float] = field(default_factory=dict)
-    """Seconds of the round: ``matchmaking``, and of its last all-reduce attempt ``parts`` (until this reducer had
-    every part, or stopped waiting), ``agreement`` (the reducers' lists of senders), ``reduced`` (its own slice
-    aggregated, from the attempt's start) and ``allreduce`` (every slice back); ``total``."""
+    """Seconds of the round: ``matchmaking``, ``ready`` (a tensor handed later: until it came, from the round's
+    start), and of its last all-reduce attempt ``parts`` (until this reducer had every part, or stopped
+    waiting), ``last_sender`` (until the last part began to arrive; 0 if all did before), ``agreement`` (the
+    reducers' lists of senders), ``reduced`` (its own slice aggregated, from the attempt's start) and
+    ``allreduce`` (every slice back); ``total``."""
     attempts: int = 0
     outcome: str = "failed"
     """ok (every member included), partial (survivors' mean: some senders dropped), retried (a slice was

@@ -37,7 +37,7 @@ import logging
 import math
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,6 +138,8 @@ class _ReduceState:
     result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     reply: bytes = b""
     """The aggregated slice, encoded (set before ``result``)."""
+    last_arrival: float = -math.inf
+    """When the latest member's part began to arrive (its header; monotonic): when the last member sent."""
     dead: set[str] = field(default_factory=set)
     """Members gone from this attempt (a stream to them broke and a probe found them gone): neither their
     part nor their list of senders is waited for."""
@@ -165,6 +167,9 @@ class _Activity:
     serves: int = 0
     rounds: int = 0
     last_round_end: float = -math.inf
+    left_groups: deque[str] = field(default_factory=lambda: deque(maxlen=16))
+    """Groups this peer formed and then left before its all-reduce (it had no tensor): parts and probes for
+    them are answered at once, so the others do not wait for its part."""
 
     def round_ended(self) -> None:
         self.rounds -= 1
@@ -314,7 +319,7 @@ class GroupAverager:
     # ------------------------------------------------------------------------------------ step
     def step(
         self,
-        tensor: torch.Tensor,
+        tensor: torch.Tensor | concurrent.futures.Future,
         *,
         weight: float,
         gather: Any = None,
@@ -323,19 +328,20 @@ class GroupAverager:
     ) -> tuple[torch.Tensor | None, RoundRecord, Group | None]:
         """Average ``tensor`` (1-D float32) with a group; see the class docstring. ``expected``: the peers this
         one believes to be the live members of the run (itself included); once all of them are looking (at
-        least ``min_group_size``) and that view is stable, the matchmaking window closes early."""
-        if tensor.dim() != 1 or tensor.dtype != torch.float32:
-            raise ValueError(f"expected a 1-D float32 tensor, got {tuple(tensor.shape)} {tensor.dtype}")
-        if not (math.isfinite(weight) and 0 < weight <= self.config.max_weight):
-            raise ValueError(f"weight must be in (0, {self.config.max_weight}], got {weight!r}")
+        least ``min_group_size``) and that view is stable, the matchmaking window closes early.
+
+        ``tensor`` may be a future of ``(tensor, weight)`` (then ``weight`` is ignored): the group forms now and
+        the all-reduce starts once the future is set (an overlapped trainer matchmakes before its sync point);
+        no group, or no tensor by the deadline (a cancelled future included), and the round has no result."""
+        if isinstance(tensor, torch.Tensor):
+            tensor = self._checked(tensor, weight)
         timeout_s = timeout_s if timeout_s is not None else self.config.round_timeout_s
         with self._step_lock:
             self._rounds += 1
             self._admission.expected = frozenset(expected)
             record = RoundRecord(round=self._rounds)
             future = asyncio.run_coroutine_threadsafe(
-                self._step(tensor.detach().cpu().contiguous(), weight, gather, record, time.monotonic() + timeout_s),
-                self._loop,
+                self._step(tensor, weight, gather, record, time.monotonic() + timeout_s), self._loop
             )
             self._current = future
             try:
@@ -350,6 +356,13 @@ class GroupAverager:
             finally:
                 self._current = None
             return result, record, group
+
+    def _checked(self, tensor: torch.Tensor, weight: float) -> torch.Tensor:
+        if tensor.dim() != 1 or tensor.dtype != torch.float32:
+            raise ValueError(f"expected a 1-D float32 tensor, got {tuple(tensor.shape)} {tensor.dtype}")
+        if not (math.isfinite(weight) and 0 < weight <= self.config.max_weight):
+            raise ValueError(f"weight must be in (0, {self.config.max_weight}], got {weight!r}")
+        return tensor.detach().cpu().contiguous()
 
     def interrupt(self) -> None:
         """Abandon the round in progress (e.g. on Ctrl+C): ``step`` returns at once with no result.
@@ -396,7 +409,12 @@ class GroupAverager:
             return result, record
 
     async def _step(
-        self, tensor: torch.Tensor, weight: float, gather: Any, record: RoundRecord, deadline: float
+        self,
+        tensor: torch.Tensor | concurrent.futures.Future,
+        weight: float,
+        gather: Any,
+        record: RoundRecord,
+        deadline: float,
     ) -> tuple[torch.Tensor | None, Group | None]:
         started = time.monotonic()
         group: Group | None = None
@@ -414,6 +432,19 @@ class GroupAverager:
             record.phase_s["matchmaking"] = time.monotonic() - started
             if group is None:
                 return None, None
+            if isinstance(tensor, concurrent.futures.Future):  # formed before this peer's sync point
+                try:
+                    tensor, weight = await asyncio.wait_for(
+                        asyncio.wrap_future(tensor), max(0.0, deadline - time.monotonic())
+                    )
+                except (asyncio.TimeoutError, asyncio.CancelledError, concurrent.futures.CancelledError):
+                    if asyncio.current_task().cancelling():
+                        raise
+                    record.fail(self.peer_id, "round", "no tensor: cancelled, or none by the deadline")
+                    self._activity.left_groups.append(group.group_id)
+                    return None, None
+                tensor = self._checked(tensor, weight)
+                record.phase_s["ready"] = time.monotonic() - started
             result = None
             for attempt in range(self.config.max_attempts):
                 record.attempts = attempt + 1
@@ -767,6 +798,7 @@ class GroupAverager:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(state.all_parts.wait(), max(0.0, state.sender_deadline - time.monotonic()))
         record.phase_s["parts"] = time.monotonic() - state.started
+        record.phase_s["last_sender"] = max(0.0, state.last_arrival - state.started)  # 0: all sent before this began
         for missing in expected - set(state.parts):
             reason = (
                 "gone (a broken stream, then a probe)"
@@ -945,8 +977,9 @@ class GroupAverager:
                 finally:
                     self._activity.serves -= 1
             elif op == "probe":
-                header_field(header, "group_id", str)  # an attempt's state exists only while this peer is in a round
-                await _answer(reader, writer, "ok" if self._in_a_round() else "unknown group")
+                group_id = header_field(header, "group_id", str)  # a state exists only while in a round
+                taking_part = self._in_a_round() and group_id not in self._activity.left_groups
+                await _answer(reader, writer, "ok" if taking_part else "unknown group")
             elif op == "received":
                 await self._serve_received(peer, header)
                 await _answer(reader, writer, "ok")
@@ -978,7 +1011,7 @@ class GroupAverager:
         deadline = time.monotonic() + self.config.sender_timeout_s + self.config.agreement_timeout_s
         while (state := self._states.get(group_id)) is None:  # the part may race our own matchmaking
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._in_a_round():  # e.g. restarted: this group's state will never come
+            if remaining <= 0 or not self._in_a_round() or group_id in self._activity.left_groups:  # restarted, left
                 raise ProtocolError("unknown group", group_id[:20])
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._state_added.wait(), remaining)
@@ -995,6 +1028,7 @@ class GroupAverager:
     async def _serve_part(
         self, peer: str, header: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        arrived = time.monotonic()  # the sender's part is on its way (this peer's own attempt may start later)
         state = await self._find_state(header_field(header, "group_id", str))
         if peer not in state.group.members:
             raise ProtocolError("not a member", peer)
@@ -1025,6 +1059,7 @@ class GroupAverager:
         if peer in state.parts:
             raise ProtocolError("duplicate part", peer)
         state.parts[peer] = Contribution(sender=peer, tensor=part, weight=weight)
+        state.last_arrival = max(state.last_arrival, arrived)
         state.update()
         result = await asyncio.wait_for(asyncio.shield(state.result), self.config.reducer_timeout_s)
         if self._dead:

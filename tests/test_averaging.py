@@ -4,6 +4,7 @@ Faults are injected keyed by (peer, round, phase) through averaging.faults.Fault
 asserts both the outcome and that its fault fired. Seeded; the seed is in every assertion message.
 """
 
+import concurrent.futures
 import itertools
 import json
 import threading
@@ -118,6 +119,54 @@ def test_a_second_all_reduce_keeps_a_part_for_a_member_not_there_yet(make_group)
     for out, record in results:
         assert out is not None and not record.failures, record.to_dict()
         assert (out - reference).abs().max().item() < 1e-5
+
+
+@pytest.mark.timeout(120)
+def test_a_group_formed_before_its_tensors_averages_them_when_they_come(make_group):
+    """`step` with a future of (tensor, weight) (an overlapped trainer matchmakes before its sync point): the
+    group forms first, each member's all-reduce starts when its future is set (at different times here), and
+    the result is the exact weighted mean. A member whose future is cancelled instead (its training ended)
+    leaves the group at once: the others average without it, well before the sender deadline (4 s)."""
+    averagers = make_group(aggregator="mean")
+    tensors, weights = _inputs()
+    futures = [concurrent.futures.Future() for _ in range(NUM_PEERS)]
+
+    def one(i):
+        return averagers[i].step(futures[i], weight=1.0, gather={"i": i}, timeout_s=30.0)
+
+    with ThreadPoolExecutor(NUM_PEERS) as pool:
+        running = [pool.submit(one, i) for i in range(NUM_PEERS)]
+        wait_until(lambda: all(a._states or a._activity.rounds for a in averagers), 10.0, message="no round began")
+        time.sleep(1.5)  # matchmaking's window (1 s) is over: the group has formed
+        for i, future in enumerate(futures):  # one after another, the last 0.9 s after the first
+            future.set_result((tensors[i], weights[i]))
+            time.sleep(0.3)  # the delay under test (members hand their tensors at different times)
+        results = [r.result() for r in running]
+    reference = _weighted_mean(tensors, weights, range(NUM_PEERS))
+    for out, record, group in results:
+        assert out is not None and record.outcome == "ok" and len(group.members) == NUM_PEERS, record.to_dict()
+        assert (out - reference).abs().max().item() < 1e-5
+        assert record.phase_s["ready"] > record.phase_s["matchmaking"]  # the tensor came after the group formed
+    assert max(r.phase_s["last_sender"] for _, r, _ in results) > 0.5  # the first waited for the last
+
+    futures = [concurrent.futures.Future() for _ in range(NUM_PEERS)]
+    with ThreadPoolExecutor(NUM_PEERS) as pool:
+        running = [pool.submit(one, i) for i in range(NUM_PEERS)]
+        wait_until(lambda: all(a._activity.rounds for a in averagers), 10.0, message="no round began")
+        time.sleep(1.5)  # matchmaking's window (1 s) is over: the group has formed
+        assert futures[-1].cancel()
+        began = time.monotonic()
+        for i, future in enumerate(futures[:-1]):
+            future.set_result((tensors[i], weights[i]))
+        results = [r.result() for r in running]
+    took = time.monotonic() - began
+    left = results[-1][1]
+    assert results[-1][0] is None and any("no tensor" in f["reason"] for f in left.failures), left.to_dict()
+    reference = _weighted_mean(tensors, weights, range(NUM_PEERS - 1))
+    for out, record, _ in results[:-1]:
+        assert out is not None and (out - reference).abs().max().item() < 1e-5, record.to_dict()
+        assert averagers[-1].peer_id not in record.included
+    assert took < 3.0, f"the others waited {took:.1f} s for the member that left"
 
 
 @pytest.mark.timeout(120)
