@@ -58,12 +58,18 @@ class DiLoCo:
     def pseudo_gradient(self, local: Sequence[torch.Tensor], delta: torch.Tensor | None = None) -> PseudoGradient:
         """This round's pseudo-gradient of ``local`` (the model's parameters now, on the CPU in fp32): global -
         local, or ``delta`` if given (an overlapped phase's progress, `swarm.overlap`), with the global state."""
+        state, digest = self.state()
+        base = state[: state.numel() // 2]
+        delta = base - torch.cat([t.reshape(-1) for t in local]) if delta is None else delta
+        return PseudoGradient(delta=delta, state=state, digest=digest)
+
+    def state(self) -> tuple[torch.Tensor, str]:
+        """The global parameters then the outer momentum (flat fp32, a copy), and its short digest."""
         with self._lock:
             base = torch.cat([b.reshape(-1) for b in self._global])
             momentum = torch.cat([self._momentum(b).reshape(-1) for b in self._global])
-        delta = base - torch.cat([t.reshape(-1) for t in local]) if delta is None else delta
         digest = hashlib.sha256(base.numpy().tobytes() + momentum.numpy().tobytes()).hexdigest()[:32]
-        return PseudoGradient(delta=delta, state=torch.cat([base, momentum]), digest=digest)
+        return torch.cat([base, momentum]), digest
 
     def step(
         self, delta: torch.Tensor, *, next_round: int, new_state: torch.Tensor | None = None, to_model: bool = True

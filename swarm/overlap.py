@@ -16,8 +16,14 @@ all of its own progress). With ``G`` the global parameters (`swarm.outer.DiLoCo`
         the next sync point comes sync_every steps after round j's group formed (the steps this peer took
         while it waited for the others to be looking are added to the phase), so the members' sync points
         come together and no member's update waits on a member that is behind
+    once round j-1 has landed, ``lead`` steps before sync point j (one matchmaking window at the last phase's
+    pace, 1 to sync_every/2 steps; only after a grouped round): round j is prelaunched -- it forms its group
+        while the peer trains, and its all-reduce starts when sync point j hands it delta_j (no join then:
+        round j-1 has landed); here the steps this peer took from its sync point until the last member's
+        part began to arrive are added to the next phase instead, which brings a member ahead back in step
 
 A round lands after the first inner step it has ended by, so its update is as stale as the round is long
+(prelaunched: as its all-reduce after the last member's sync point)
 (``python -m benchmarks.recipe_sweep --grid overlap`` measures the cost of each step of delay); a round
 slower than a whole phase lands at the next sync point. A round that finds no group applies the peer's
 own ``delta`` alone, as in blocking mode; bases that differ are averaged in the round as in blocking mode.
@@ -34,6 +40,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -52,7 +59,9 @@ class Overlap:
         """Seconds the training thread waited at sync points for a round still in flight."""
         self._thread: threading.Thread | None = None
         self._outcome: tuple[Any, BaseException | None] = (None, None)
-        self._launched_at = 0.0
+        self._launched_at = self._round_started = 0.0
+        self.pending: Future | None = None
+        """A prelaunched round waits for its sync point to set this (`prelaunch`)."""
         self._ticks: list[float] = []
         """When each inner step since the launch ended (perf_counter)."""
 
@@ -77,8 +86,10 @@ class Overlap:
             self._ticks.append(time.perf_counter())
 
     def steps_before(self, seconds: float) -> int:
-        """Inner steps that ended within ``seconds`` of the last launch."""
-        return bisect.bisect_left(self._ticks, self._launched_at + seconds)
+        """Inner steps that ended within ``seconds`` of the round's start (its launch or prelaunch), counted from
+        the start of the phase (the launch, or the delivery of a prelaunched round)."""
+        since = bisect.bisect_left(self._ticks, self._launched_at)
+        return max(0, bisect.bisect_left(self._ticks, self._round_started + seconds) - since)
 
     def join(self, interrupt: Callable[[], None]) -> Any:
         """Wait for the round in flight (at most ``join_timeout_s``, then ``interrupt`` it) and return its result
@@ -99,18 +110,46 @@ class Overlap:
             raise error
         return result
 
+    def cancel_pending(self) -> None:
+        """A prelaunched round whose sync point will not come (training ends): it ends without a result."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.cancel()
+
     def abandon(self, interrupt: Callable[[], None]) -> None:
         """Interrupt the round in flight, if any, and wait for it to end (on shutdown)."""
         if self._thread is not None:
+            self.cancel_pending()
             interrupt()
             with contextlib.suppress(Exception):
                 self.join(lambda: None)
 
     def launch(self, start: torch.Tensor, round_fn: Callable[[], Any]) -> None:
         """Begin the next phase at ``start`` (flat, already in the model) and run ``round_fn`` in the background."""
+        self._run(round_fn)
+        self.start, self._launched_at = start, self._round_started
+
+    def prelaunch(self, round_fn: Callable[[Future], Any]) -> None:
+        """Start this phase's round before its sync point: ``round_fn(pending)`` matchmakes now and waits for
+        `deliver` to set ``pending`` (to what the sync point hands over), or for it to be cancelled."""
+        pending: Future = Future()
+        self._run(lambda: round_fn(pending))
+        self.pending = pending
+
+    def deliver(self, start: torch.Tensor, handed: Any) -> bool:
+        """The sync point of a prelaunched round: the next phase begins at ``start`` and the round gets ``handed``;
+        False if the round no longer waits for it (it gave up: the caller starts the phase as after a round)."""
+        pending, self.pending = self.pending, None
+        self.start, self._launched_at = start, time.perf_counter()
+        if pending is None or not pending.set_running_or_notify_cancel():
+            return False
+        pending.set_result(handed)
+        return True
+
+    def _run(self, round_fn: Callable[[], Any]) -> None:
         if self._thread is not None:
             raise RuntimeError("a round is still in flight: join() it first")
-        self.start, self._launched_at, self._ticks = start, time.perf_counter(), []
+        self._ticks, self._round_started = [], time.perf_counter()
 
         def run() -> None:
             try:

@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,18 +62,57 @@ class RoundRunner:
     def run(self, pseudo: Any, samples: int, step: int, started: float) -> RoundResult:
         """Average ``pseudo`` with a group, step the global state and keep the round's evidence (blocking, or in
         the background when overlapped: then the model is left to the training thread)."""
-        book, timeout_s, weight = self.book, self.config.averaging.round_timeout_s, float(max(samples, 1))
+        averaged, record, group, expected = self._average(pseudo.delta, samples, pseudo.digest)
+        return self._finish(pseudo, samples, step, started, (averaged, record, group, expected))
+
+    def run_prelaunched(self, pending: Future, samples: int, digest: str) -> RoundResult | None:
+        """`run`, started before the sync point (`swarm.overlap`): the group forms now, on ``samples`` (the
+        phase's planned samples) and ``digest`` (the global state's), and the all-reduce begins when the sync
+        point sets ``pending`` to ``(pseudo, samples, step, started)``; None if it is cancelled or never set."""
+        ready: Future = Future()  # what the group's all-reduce waits for: (tensor, weight)
+
+        def handed(done: Future) -> None:
+            if done.cancelled() or not ready.set_running_or_notify_cancel():
+                ready.cancel()
+                return
+            pseudo, actual, *_ = done.result()
+            ready.set_result((pseudo.delta, float(max(actual, 1))))
+
+        pending.add_done_callback(handed)
+        outcome = self._average(ready, samples, digest)
+        try:
+            pseudo, samples, step, started = pending.result(timeout=self.config.averaging.round_timeout_s)
+        except TimeoutError:
+            if pending.cancel():  # the sync point never came (it finds the round gone, `Overlap.deliver`)
+                return None
+            pseudo, samples, step, started = pending.result()  # it came just now
+        except CancelledError:
+            return None
+        return self._finish(pseudo, samples, step, started, outcome)
+
+    def _average(self, tensor: torch.Tensor | Future, samples: int, digest: str) -> tuple[Any, Any, Any, set[str]]:
+        """The group's all-reduce: (averaged, record, group, the run's peers this one expected)."""
         newest = self.checkpoints.newest_digest() if self.checkpoints is not None else None
         fresh = self.counters.rounds_ok + self.counters.rounds_solo == 0
-        gather = rounds.gather_metadata(self.outer.round, samples, self.binding, pseudo.digest, newest, fresh=fresh)
+        gather = rounds.gather_metadata(self.outer.round, samples, self.binding, digest, newest, fresh=fresh)
+        expected = self.presence.run_peers()  # all of them looking: the window closes early
         try:
-            expected = self.presence.run_peers()  # all of them looking: the window closes early
             averaged, record, group = self.group_averager.step(
-                pseudo.delta, weight=weight, gather=gather, timeout_s=timeout_s, expected=expected
+                tensor,
+                weight=float(max(samples, 1)),
+                gather=gather,
+                timeout_s=self.config.averaging.round_timeout_s,
+                expected=expected,
             )
         except Exception as e:  # a failed round must not kill training; the update is applied alone
             logger.warning("averaging round failed: %r; applying this peer's update alone", e)
             averaged, record, group = None, None, None
+        return averaged, record, group, expected
+
+    def _finish(self, pseudo: Any, samples: int, step: int, started: float, outcome: tuple) -> RoundResult:
+        """Base agreement, the outer step and the round's evidence, after the all-reduce."""
+        book, timeout_s, weight = self.book, self.config.averaging.round_timeout_s, float(max(samples, 1))
+        averaged, record, group, expected = outcome
         grouped = averaged is not None and group is not None
         if group is not None and not set(group.members) <= expected:
             self.presence.forget_run_peers()  # a member it did not know of: its view of the run is stale
@@ -140,6 +180,40 @@ class RoundRunner:
         if self.evidence.metrics is not None:
             self.evidence.metrics.set_peers_known(len(self.presence.run_peers()))
 
+    def between_steps(self, local_step: int) -> RoundResult | None:
+        """Overlapped, after an inner step that is no sync point: the round in flight lands if it has ended, and
+        this phase's round is prelaunched once the sync point is `lead` steps away (the last round grouped)."""
+        overlap, book = self.overlap, self.book
+        if overlap is None:
+            raise RuntimeError("between_steps() is for overlapped rounds")
+        landed = self.land(local_step) if overlap.ended else None
+        if not overlap.in_flight and book.solo_streak == 0 and local_step >= book.next_sync - self.lead():
+            done = max(local_step - book.last_sync_step, 1)
+            planned = book.samples_since_sync + (book.next_sync - local_step) * book.samples_since_sync // done
+            _state, digest = self.outer.state()
+            overlap.prelaunch(lambda pending: self.run_prelaunched(pending, planned, digest))
+        return landed
+
+    def lead(self) -> int:
+        """How many steps before its sync point an overlapped phase's round starts matchmaking: its window's
+        length at the last phase's pace, at least 1, at most half a phase (the group forms while the peer
+        trains, so the round lands as soon after the sync point as the all-reduce allows)."""
+        steps = math.ceil(self.config.averaging.matchmaking_time_s * self.book.steps_per_s)
+        return max(1, min(steps, self.config.sync_every // 2))
+
+    def start_phase(self, pseudo: Any, samples: int, step: int, started: float) -> None:
+        """Overlapped, at a sync point: hand ``pseudo`` to this phase's prelaunched round (its group formed
+        already) or, with none waiting, start the round now; the next phase begins at global - delta."""
+        overlap = self.overlap
+        if overlap is None:
+            raise RuntimeError("start_phase() is for overlapped rounds")
+        if overlap.pending is not None:
+            if overlap.deliver(self.outer.rebase(pseudo.delta), (pseudo, samples, step, started)):
+                return
+            self.join()  # it gave up waiting (no result): this phase's round runs as a fresh one
+        args = (pseudo, samples, step)
+        overlap.launch(self.outer.rebase(pseudo.delta), lambda: self.run(*args, time.perf_counter()))
+
     def join(self) -> RoundResult | None:
         """Overlapped: wait for the round in flight (`Overlap.join`) and evaluate the new global parameters."""
         if self.overlap is None:
@@ -165,8 +239,11 @@ class RoundRunner:
         overlap.start = None
         if joined is None:
             return None
-        if joined.group_size > 1 and joined.record is not None:  # the phase counts from when the group formed
-            self.book.next_sync += overlap.steps_before(joined.record.phase_s.get("matchmaking", 0.0))
+        if joined.group_size > 1 and joined.record is not None:
+            phases = joined.record.phase_s  # a phase counts from when the group formed, or (prelaunched) from
+            waited = phases.get("ready", 0.0) + phases.get("last_sender", 0.0)  # when the last member sent
+            waited = waited if "ready" in phases else phases.get("matchmaking", 0.0)
+            self.book.next_sync += min(overlap.steps_before(waited), self.config.sync_every)
         return dataclasses.replace(joined, landed_step=local_step)
 
     def observe_val(self, val_loss: float | None) -> None:

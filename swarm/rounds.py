@@ -75,6 +75,9 @@ class RoundBook:
     solo_streak: int = 0
     next_sync: int = 0
     """The local step of the next sync point (set by the trainer)."""
+    last_sync_step: int = 0
+    steps_per_s: float = 0.0
+    """Inner steps per second over the last phase (an overlapped trainer's matchmaking lead)."""
 
 
 def gather_metadata(

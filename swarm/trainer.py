@@ -180,9 +180,9 @@ class Trainer:
 
     @property
     def rounds_in_flight(self) -> int:
-        """Rounds started and not yet joined: 0 or 1 (overlapped), always 0 blocking."""
+        """Rounds started on a phase's progress, not yet joined: 0 or 1 (overlapped), always 0 blocking."""
         overlap = self._runner.overlap if self._runner is not None else None
-        return int(overlap is not None and overlap.in_flight)
+        return int(overlap is not None and overlap.in_flight and overlap.pending is None)
 
     @property
     def device(self) -> torch.device:
@@ -227,7 +227,7 @@ class Trainer:
         self.evidence.step(self.local_step, num_samples, book, round=self.round, in_flight=self.rounds_in_flight > 0)
         if self.local_step >= book.next_sync:
             return self.sync()
-        return self._runner.land(self.local_step) if overlap is not None and overlap.ended else None
+        return self._runner.between_steps(self.local_step) if overlap is not None else None
 
     def inner_lr_factor(self) -> float:
         """The factor on the inner optimizer's learning rate for the next local step (the warm-up)."""
@@ -242,21 +242,22 @@ class Trainer:
         book, overlap, joined, delta = self._book, self._runner.overlap, None, None
         started, book.next_sync = time.perf_counter(), self.local_step + self.config.sync_every
         book.samples_per_s = book.samples_since_sync / max(started - book.last_sync_end, 1e-9)
+        book.steps_per_s = (self.local_step - book.last_sync_step) / max(started - book.last_sync_end, 1e-9)
+        book.last_sync_step = self.local_step
         samples, book.samples_since_sync = int(book.samples_since_sync), 0
         # a copy when overlapped: the model's own tensors (on a CPU, in fp32) are overwritten below
         local = [p.detach().to("cpu", torch.float32, copy=overlap is not None) for p in self.outer.params]
-        if overlap is not None:
-            delta = overlap.progress(local, self.outer.global_flat)
-            joined = self._runner.join()
-            if self._resync_if_lagging():  # the model is the loaded state now: a phase from it, no progress
+        if overlap is not None:  # a prelaunched round (its group formed already) is this phase's own
+            delta, prelaunched = overlap.progress(local, self.outer.global_flat), overlap.pending is not None
+            joined = None if prelaunched else self._runner.join()
+            if not prelaunched and self._resync_if_lagging():  # the model is the loaded state: no progress
                 overlap.start, delta = None, None
                 local = [p.detach().to("cpu", torch.float32) for p in self.outer.params]
         for hook in self.before_sync:
             hook(self.round, local)
         pseudo = self.outer.pseudo_gradient(local, delta)
         if overlap is not None:
-            args = (pseudo, samples, self.local_step)
-            overlap.launch(self.outer.rebase(pseudo.delta), lambda: self._runner.run(*args, time.perf_counter()))
+            self._runner.start_phase(pseudo, samples, self.local_step, started)
         else:
             joined = self._runner.run(pseudo, samples, self.local_step, started)
             self._resync_if_lagging()
@@ -299,6 +300,7 @@ class Trainer:
         overlap = self._runner.overlap if self._runner is not None else None
         if overlap is None:
             return None
+        overlap.cancel_pending()
         joined, overlap.start = overlap.join(self.interrupt), None
         self.outer.to_model()
         return joined

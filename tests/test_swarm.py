@@ -170,6 +170,8 @@ def test_three_peers_average_exactly_and_learn(bootstrap_node, tmp_path, outer_l
         events = read_events(tmp_path / f"peer{i}.jsonl")
         rounds = [e for e in events if e["event"] == "round"]
         assert [e["group_size"] for e in rounds] == [NUM_PEERS] * NUM_ROUNDS
+        if overlap:  # after the first round, a phase's group forms before its sync point (prelaunched)
+            assert any("ready" in (e["record"] or {}).get("phase_s", {}) for e in rounds[1:]), rounds
         start = next(e["val_loss"] for e in events if e["event"] == "val")
         assert rounds[-1]["val_loss"] < 0.9 * start, f"peer {i}: val loss {start:.3f} -> {rounds[-1]['val_loss']:.3f}"
 
