@@ -114,7 +114,8 @@ class RoundRecord:
     phase_s: dict[str, float] = field(default_factory=dict)
     """Seconds of the round: ``matchmaking``, ``ready`` (a tensor handed later: until it came, from the round's
     start), and of its last all-reduce attempt ``parts`` (until this reducer had every part, or stopped
-    waiting), ``last_sender`` (until the last part began to arrive; 0 if all did before), ``agreement`` (the
+    waiting), ``last_sender`` (until the last part began to arrive; 0 if all did before), ``mean_sender`` (the
+    members' mean of when their parts began to arrive, this one's own at 0; negative: it is behind), ``agreement`` (the
     reducers' lists of senders), ``reduced`` (its own slice aggregated, from the attempt's start) and
     ``allreduce`` (every slice back); ``total``."""
     attempts: int = 0

@@ -138,8 +138,8 @@ class _ReduceState:
     result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     reply: bytes = b""
     """The aggregated slice, encoded (set before ``result``)."""
-    last_arrival: float = -math.inf
-    """When the latest member's part began to arrive (its header; monotonic): when the last member sent."""
+    arrivals: dict[str, float] = field(default_factory=dict)
+    """When each member's part began to arrive (its header; monotonic): about when that member sent."""
     dead: set[str] = field(default_factory=set)
     """Members gone from this attempt (a stream to them broke and a probe found them gone): neither their
     part nor their list of senders is waited for."""
@@ -798,7 +798,10 @@ class GroupAverager:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(state.all_parts.wait(), max(0.0, state.sender_deadline - time.monotonic()))
         record.phase_s["parts"] = time.monotonic() - state.started
-        record.phase_s["last_sender"] = max(0.0, state.last_arrival - state.started)  # 0: all sent before this began
+        # when the others sent, against this attempt's start: how far ahead of them this member is (ahead > 0)
+        offsets = [0.0] + [t - state.started for t in state.arrivals.values()]
+        record.phase_s["last_sender"] = max(offsets)
+        record.phase_s["mean_sender"] = sum(offsets) / len(offsets)
         for missing in expected - set(state.parts):
             reason = (
                 "gone (a broken stream, then a probe)"
@@ -1059,7 +1062,7 @@ class GroupAverager:
         if peer in state.parts:
             raise ProtocolError("duplicate part", peer)
         state.parts[peer] = Contribution(sender=peer, tensor=part, weight=weight)
-        state.last_arrival = max(state.last_arrival, arrived)
+        state.arrivals[peer] = arrived
         state.update()
         result = await asyncio.wait_for(asyncio.shield(state.result), self.config.reducer_timeout_s)
         if self._dead:

@@ -19,8 +19,9 @@ all of its own progress). With ``G`` the global parameters (`swarm.outer.DiLoCo`
     once round j-1 has landed, ``lead`` steps before sync point j (one matchmaking window at the last phase's
     pace, 1 to sync_every/2 steps; only after a grouped round): round j is prelaunched -- it forms its group
         while the peer trains, and its all-reduce starts when sync point j hands it delta_j (no join then:
-        round j-1 has landed); here the steps this peer took from its sync point until the last member's
-        part began to arrive are added to the next phase instead, which brings a member ahead back in step
+        round j-1 has landed); here the next sync point moves instead by how far this peer's sync point was
+        ahead of the members' mean (from when their parts began to arrive, at the last phase's pace; a member
+        behind gets a shorter phase), so phases stay sync_every long on average and the members in step
 
 A round lands after the first inner step it has ended by, so its update is as stale as the round is long
 (prelaunched: as its all-reduce after the last member's sync point)

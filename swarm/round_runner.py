@@ -240,10 +240,12 @@ class RoundRunner:
         if joined is None:
             return None
         if joined.group_size > 1 and joined.record is not None:
-            phases = joined.record.phase_s  # a phase counts from when the group formed, or (prelaunched) from
-            waited = phases.get("ready", 0.0) + phases.get("last_sender", 0.0)  # when the last member sent
-            waited = waited if "ready" in phases else phases.get("matchmaking", 0.0)
-            self.book.next_sync += min(overlap.steps_before(waited), self.config.sync_every)
+            phases, cap = joined.record.phase_s, self.config.sync_every // 2
+            if "ready" in phases:  # prelaunched: the next sync point moves to the members' mean (steps ahead > 0)
+                ahead = round(phases.get("mean_sender", 0.0) * self.book.steps_per_s)
+                self.book.next_sync += max(-cap, min(ahead, cap))
+            else:  # the phase counts from when the group formed
+                self.book.next_sync += overlap.steps_before(phases.get("matchmaking", 0.0))
         return dataclasses.replace(joined, landed_step=local_step)
 
     def observe_val(self, val_loss: float | None) -> None:

@@ -238,7 +238,7 @@ class Trainer:
         runs now and its result is returned; it never blocks past ``round_timeout_s`` (plus a second
         all-reduce of the global state when members disagree on it). With ``overlap``: the round started at
         the last sync point is joined and its result returned (None at the first), and this phase's round
-        starts in the background (the algorithm: `swarm.overlap`)."""
+        starts in the background, or gets its delta if prelaunched (the algorithm: `swarm.overlap`)."""
         book, overlap, joined, delta = self._book, self._runner.overlap, None, None
         started, book.next_sync = time.perf_counter(), self.local_step + self.config.sync_every
         book.samples_per_s = book.samples_since_sync / max(started - book.last_sync_end, 1e-9)
