@@ -14,6 +14,7 @@ Everything here polls with a deadline; nothing sleeps for a fixed time to synchr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -129,7 +130,7 @@ def spawn(
     `PYTHONUNBUFFERED=1`; `cwd` defaults to the repository root. With `start_new_session` the child
     leads its own process group, so `os.killpg(child.pid, SIGINT)` imitates Ctrl+C in a terminal.
     """
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
     popen = subprocess.Popen(
         list(cmd),
         stdin=subprocess.DEVNULL,
@@ -203,16 +204,22 @@ def terminate_all(children: Sequence[Child | subprocess.Popen], timeout_s: float
         if popen.poll() is None:
             popen.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    stuck = []
-    for popen in popens:
+    stuck, stacks = [], []
+    for child, popen in zip(children, popens):
         try:
             popen.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            popen.send_signal(signal.SIGABRT)  # spawn's PYTHONFAULTHANDLER: every thread's stack on stderr
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(timeout=5)
             popen.kill()
             popen.wait(timeout=10)
             stuck.append(popen.pid)
+            if isinstance(child, Child):
+                stacks.append(child.describe())
     if stuck:
-        raise AssertionError(f"pids {stuck} did not exit within {timeout_s:.1f} s of SIGTERM")
+        shown = "\n".join(stacks)
+        raise AssertionError(f"pids {stuck} did not exit within {timeout_s:.1f} s of SIGTERM\n{shown}")
     return [popen.returncode for popen in popens]
 
 
