@@ -95,8 +95,9 @@ class RoundRunner:
         newest = self.checkpoints.newest_digest() if self.checkpoints is not None else None
         fresh = self.counters.rounds_ok + self.counters.rounds_solo == 0
         gather = rounds.gather_metadata(self.outer.round, samples, self.binding, digest, newest, fresh=fresh)
-        expected = self.presence.run_peers()  # all of them looking: the window closes early
+        expected: set[str] = set()
         try:
+            expected = self.presence.run_peers()  # all of them looking: the window closes early
             averaged, record, group = self.group_averager.step(
                 tensor,
                 weight=float(max(samples, 1)),
