@@ -62,8 +62,7 @@ class RoundRunner:
     def run(self, pseudo: Any, samples: int, step: int, started: float) -> RoundResult:
         """Average ``pseudo`` with a group, step the global state and keep the round's evidence (blocking, or in
         the background when overlapped: then the model is left to the training thread)."""
-        averaged, record, group, expected = self._average(pseudo.delta, samples, pseudo.digest)
-        return self._finish(pseudo, samples, step, started, (averaged, record, group, expected))
+        return self._finish(pseudo, samples, step, started, self._average(pseudo.delta, samples, pseudo.digest))
 
     def run_prelaunched(self, pending: Future, samples: int, digest: str) -> RoundResult | None:
         """`run`, started before the sync point (`swarm.overlap`): the group forms now, on ``samples`` (the
