@@ -18,6 +18,7 @@ import math
 import os
 import re
 import secrets
+import signal
 import socket
 import sys
 import threading
@@ -276,6 +277,39 @@ def _wait_until_ready(dht: hivemind.DHT, timeout_s: float, cancel: threading.Eve
     raise KeyboardInterrupt  # raised here, in our own frame: see `StopSignal`
 
 
+_shm_manager: tuple[int, Any] | None = None
+"""(pid, a shared tensor) of the process that started torch's shared-memory manager (a forked child has its
+own); the tensor is kept so that the manager keeps a client."""
+
+
+def start_shm_manager() -> None:
+    """Start torch's shared-memory manager now, with SIGINT and SIGTERM blocked in this thread; once a process.
+
+    hivemind sets torch's sharing strategy to "file_system", and its first `MPFuture` (inside
+    `hivemind.DHT.__init__`) allocates shared memory: torch then forks `torch_shm_manager` and reads
+    its handshake in libshm's `start_manager()`. A signal that interrupts that read leaves the thread
+    spinning inside `start_manager()` at full CPU, for good: a Ctrl+C or SIGTERM 2.6-2.9 s into
+    `swarm.peer`'s start-up hung it in 3 of 8 tries (torch 2.13; gdb shows the thread in
+    `start_manager`, the manager a zombie). With both signals blocked here nothing interrupts it; a
+    signal sent meanwhile goes to another thread or waits until the mask is restored, and the
+    process's handlers see it then. The manager inherits the mask, so a terminal's Ctrl+C does not kill
+    it under a process still shutting down; it exits by itself when its last client has gone.
+    """
+    global _shm_manager
+    if _shm_manager is not None and _shm_manager[0] == os.getpid():
+        return
+    import torch.multiprocessing
+
+    shared = None
+    if torch.multiprocessing.get_sharing_strategy() == "file_system":
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            shared = torch.empty(1, dtype=torch.uint8).share_memory_()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    _shm_manager = (os.getpid(), shared)
+
+
 def start_dht(
     initial_peers: Sequence[str] = (),
     *,
@@ -310,6 +344,7 @@ def start_dht(
     dht_kwargs.setdefault("startup_timeout", connect_timeout_s)  # hivemind's own p2pd start-up bound
 
     started = time.monotonic()
+    start_shm_manager()
     dht = hivemind.DHT(
         initial_peers=peers or None,
         start=True,

@@ -169,3 +169,57 @@ def test_stop_signal_second_signal_interrupts_only_if_asked(second_interrupts: b
             signal.raise_signal(signal.SIGTERM)
         assert called == [True] and stop.signal_name == "SIGINT"
     assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+# torch's libshm starts `torch_shm_manager` at a process's first shared tensor (hivemind's first MPFuture,
+# inside `hivemind.DHT.__init__`) and reads its handshake; a signal that interrupts that read leaves the thread
+# spinning in `start_manager()` at full CPU, for good (a Ctrl+C 2.6-2.9 s into `swarm.peer`'s start-up hung it
+# in 3 of 8 tries). The child starts its first shared tensor once SIGINTs, caught by a counting handler, are
+# already arriving, and the test keeps sending them every 0.5 ms while it allocates.
+_FIRST_SHARED_TENSOR = textwrap.dedent(
+    """
+    import signal, sys, time
+    caught = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    import hivemind, torch  # hivemind sets torch's "file_system" sharing strategy
+    from bootstrap.node import start_shm_manager
+
+    print("READY", flush=True)
+    deadline = time.monotonic() + 20
+    while not caught and time.monotonic() < deadline:
+        time.sleep(0.001)
+    if sys.argv[1] == "start_shm_manager":
+        start_shm_manager()
+    torch.empty(1, dtype=torch.uint8).share_memory_()
+    print(f"SHARED after {len(caught)} signals", flush=True)
+    """
+)
+
+
+def _cpu_s(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", ["start_shm_manager", "raw (negative control)"])
+def test_signals_during_the_first_shared_tensor_do_not_hang_start_up(path: str) -> None:
+    child = spawn(python_cmd("-c", _FIRST_SHARED_TENSOR, path.split()[0]))
+    try:
+        read_line_matching(child, r"^READY$", timeout_s=30)
+        bombard_until = time.monotonic() + 3.0
+        while child.popen.poll() is None and time.monotonic() < bombard_until and "SHARED" not in child.stdout():
+            child.popen.send_signal(signal.SIGINT)
+            time.sleep(0.0005)
+        if path == "start_shm_manager":
+            match = read_line_matching(child, r"^SHARED after (\d+) signals$", timeout_s=10)
+            assert int(match[1]) >= 1, child.describe()
+            assert terminate(child, timeout_s=10, sig=None) == 0, child.describe()
+        else:  # the hazard is real: signals landed (the fault fired) and the thread spins in start_manager
+            assert child.popen.poll() is None and "SHARED" not in child.stdout(), child.describe()
+            before = _cpu_s(child.pid)
+            time.sleep(1.0)  # a CPU-time sample, not a synchronisation
+            assert _cpu_s(child.pid) - before > 0.5, "the hung child should spin at full CPU"
+    finally:
+        if child.popen.poll() is None:
+            terminate(child, timeout_s=10, sig=signal.SIGKILL)
