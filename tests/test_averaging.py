@@ -634,7 +634,10 @@ def test_signed_sybils_that_never_join_cost_peers_with_history_one_attempt(dhts,
         if guard_s:
             for _out, record, group in results:
                 assert record.outcome == "ok" and set(group.members) == honest and not record.failures, record
-                assert record.phase_s["matchmaking"] < MM_CONFIG["join_timeout_s"], record.to_dict()
+                # A wait on a Sybil costs a join timeout after the window; on two busy cores the window
+                # and the flooded reads alone once took 1.57 s, so the bound is the window plus that.
+                bound = MM_CONFIG["matchmaking_time_s"] + MM_CONFIG["join_timeout_s"]
+                assert record.phase_s["matchmaking"] < bound, record.to_dict()
         else:  # every chunk of 26 candidates holds Sybils: the attempts wait on them (all but a rare lucky
             # read: a window that closed early on a read that held only the two honest peers)
             waited = [r for r in records if any(f["peer"] in sybil_ids for f in r.failures)]
