@@ -1,20 +1,22 @@
-"""Byzantine updates (TESTMATRIX row 9): one of N peers poisons every round; val loss against a clean run.
+"""Byzantine updates (TESTMATRIX row 9): K of N peers poison every round; val loss against a clean run.
 
-    python -m benchmarks.byzantine [--peers 4] [--rounds 6] [--sync-every 10] [--attack all] [--seed 0]
-                                   [--aggregators centered_clip trimmed_mean mean]
+    python -m benchmarks.byzantine [--peers 4] [--attackers 1] [--rounds 6] [--sync-every 10] [--attack all]
+                                   [--seed 0] [--aggregators centered_clip trimmed_mean mean]
                                    [--out benchmarks/results/byzantine.json]
 
 Every arm trains charlm/tiny with ``--peers`` in-process ``swarm.Trainer`` peers (the real DiLoCo
 trainer: ``--sync-every`` local AdamW steps, then the group averages its pseudo-gradients with the
 real ``GroupAverager`` over P2P streams -- the trainer's default int8 codec -- and applies the outer
 Nesterov step). Peer i trains on shard i of N; the model seed, the batches and the number of samples
-are the same in every arm. Each peer has its own loopback DHT node, shared by all arms; each arm is
-a run of its own. The peers wait for each other before every round (a barrier), so every round is a
-full group and the arms differ only in what is averaged.
+are the same in every arm. Each peer has its own loopback DHT node whose key is its identity's, shared
+by all arms; each arm is a run of its own. The peers wait for each other before every round (a
+barrier), so every round is a full group and the arms differ only in what is averaged.
 
-Arms: ``clean`` (no attacker, CenteredClip, the default aggregator), then for each attack and each of
-``--aggregators``, peer N-1 is byzantine. It trains honestly, but its averager puts on the wire, every
-round:
+Arms: ``clean`` (no attacker, CenteredClip, the default aggregator) and ``clean/mean`` (no attacker, the
+plain mean), then for each attack and each of ``--aggregators``, the last ``--attackers`` peers are
+byzantine. They train honestly, collude, and see every honest update of the round before they send
+(the omniscient threat model of the ALIE and history-aware attacks). Their averagers put on the wire,
+every round:
 
 * ``sign_flip_x10``: -10 x its pseudo-gradient, with its honest weight (its sample count);
 * ``nan``: a pseudo-gradient of NaN. Our own encoder refuses non-finite vectors, so the attacker runs
@@ -25,24 +27,36 @@ round:
   ``sync_every x batch`` samples of an honest peer). Weights beyond ``max_weight`` (and NaN,
   negative) are TESTMATRIX row 10 and are rejected outright. When the trainer caps each weight at a
   multiple of its group's median (``TrainerConfig.max_weight_ratio``), one more arm runs this attack
-  on the default aggregator with the cap off (``.../no-cap``).
+  on the default aggregator with the cap off (``.../no-cap``);
+* ``alie`` ("a little is enough", Baruch et al. 2019): the honest mean minus ``ALIE_Z`` honest standard
+  deviations, per coordinate, from every attacker: inside the honest spread, coordinate by coordinate;
+* ``history`` (after the relocated orthogonal perturbation of Ozfatura et al., arXiv 2208.09894, which
+  took up to 33% accuracy from CenteredClip): the honest mean plus ``scale`` median honest distances
+  along one fixed direction, half against the honest mean and half orthogonal to it, so that the
+  outer momentum adds it up round after round. It learns from every round's result: ``scale`` grows
+  1.5x after a round whose result moved with it as much as a plain mean would have (it was neither
+  clipped nor left out) and shrinks 0.6x otherwise (``HISTORY_START`` 1, floor ``HISTORY_FLOOR``), so it
+  settles at the edge of what the rule lets through. Its scales are in the JSON.
 
-Evidence, per arm: the parts the attacker sent with a poisoned contribution (counted at its averager's
+Evidence, per arm: the parts the attackers sent with a poisoned contribution (counted at their averagers'
 ``send`` fault-injection point, keyed by (peer, round, phase, action) like ``averaging.FaultInjector``),
-and for each round of the attacker's group what became of it, from the honest members' round records
+and for each round of the attackers' group what became of them, from the honest members' round records
 and contributions: ``dropped`` (not in ``included``: refused at decode or rejected by validation; the
-reducers' refusal counters are reported too), ``clipped`` (included, but it moved the result by less
-than half of what the plain weighted mean would have), or ``passed``. ``pull`` is that ratio,
-``|result - honest mean| / |plain mean - honest mean|``, averaged over the rounds it was included
-(0 for nothing, 1 for the mean; the int8 codec adds a little).
+reducers' refusal counters are reported too), ``clipped`` (included, but they moved the result by less
+than half of what the plain weighted mean would have; a rule that leaves an input out by itself, as
+the default CenteredClip does with gross outliers, counts here, with a pull near 0), or ``passed``.
+``pull`` is that ratio, ``|result - honest mean| / |plain mean - honest mean|``, averaged over the
+rounds they were included (0 for nothing, 1 for the mean; the int8 codec adds a little).
 
-Verdict (exit status 1 if any check fails): the clean run's loss falls by 10% or more; every attack
-fired; every robust aggregator ends within ``ROBUST_TOLERANCE`` (10%) of the clean run's loss; the plain
-mean (negative control) ends non-finite or at least ``CONTROL_FACTOR`` (1.5x) the clean loss -- except
-for ``nan``, which no aggregator ever sees (a non-finite part is refused at decode, before any rule),
-so there the mean must hold too and every poisoned part must have been dropped; and except for
-``huge_weight`` under a weight cap, which applies to every rule: there the no-cap arm is the negative
-control and the plain mean's figure is reported, not judged.
+Verdict (exit status 1 if any check fails): the clean run's loss falls by 10% or more; the default rule
+ends within ``HONEST_TOLERANCE`` (1%) of the plain mean with no attacker; every attack fired; every robust
+aggregator ends within ``ROBUST_TOLERANCE`` (10%) of the clean run's loss; the plain mean (negative
+control) ends non-finite or at least ``CONTROL_FACTOR`` (1.5x) the clean loss -- except for ``nan``, which
+no aggregator ever sees (a non-finite part is refused at decode, before any rule), so there the mean
+must hold too and every poisoned part must have been dropped; for ``huge_weight`` under a weight cap,
+which applies to every rule (the mean's figure and the no-cap arm's are reported, not judged); and for
+the attacks inside the honest spread (``alie``, ``history``), whose point is to pass as honest: the
+mean's figure under them is reported, not judged.
 
 The nan arms are the slow ones: a refused part is waited for until the sender deadline, and the
 attacker, left without a result, applies its own update alone; from then on its state differs, so
@@ -56,6 +70,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -80,7 +95,7 @@ from benchmarks._common import run_metadata, signals_unwind
 from bootstrap.cli import add_dataclass_arguments, dataclass_from_args
 
 RESULTS = Path(__file__).parent / "results" / "byzantine.json"
-ATTACKS = ("sign_flip_x10", "nan", "huge_weight")
+ATTACKS = ("sign_flip_x10", "nan", "huge_weight", "alie", "history")
 AGGREGATORS = ("centered_clip", "trimmed_mean", "mean")
 DEFAULT_AGGREGATOR = "centered_clip"
 PRESET = "tiny"
@@ -97,6 +112,17 @@ CLIPPED_PULL = 0.5
 """An included attacker counts as clipped when it moved the result less than this share of the mean's move."""
 MEAN_SURVIVES = frozenset({"nan"})
 """Attacks refused before any aggregator runs, so the plain mean must survive them too."""
+IN_SPREAD = frozenset({"alie", "history"})
+"""Attacks that stay inside the honest spread: the plain mean's figure under them is reported, not judged."""
+HONEST_TOLERANCE = 0.01
+"""With no attacker, the default aggregator must end within this much of the plain mean's val loss."""
+ALIE_Z = 1.0
+"""ALIE's shift in honest standard deviations. Baruch et al.'s own z_max, from the normal quantile of the share
+of peers the attackers must sway, is 0 for 1 attacker of 4 (a no-op) and 0.32 for 2 of 8: 1.0 is stronger."""
+HISTORY_START = 1.0
+"""The history-aware attack's first offset, in median honest distances from the honest mean."""
+HISTORY_FLOOR = 0.3
+"""The smallest offset it backs off to."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -104,13 +130,15 @@ class ByzantineConfig:
     """What the byzantine benchmark trains and which attacks it runs."""
 
     peers: int = 4
-    """Peers of every arm; the last one is the attacker in the attacked arms."""
+    """Peers of every arm; the last ``attackers`` of them are byzantine in the attacked arms."""
+    attackers: int = 1
+    """Byzantine peers of each attacked arm (they collude); fewer than half of ``peers``."""
     rounds: int = 6
     """Averaging rounds of every arm."""
     sync_every: int = 10
     """Local steps of each peer between averaging rounds."""
     attack: str = "all"
-    """sign_flip_x10, nan, huge_weight, or all."""
+    """sign_flip_x10, nan, huge_weight, alie, history, or all."""
     aggregators: tuple[str, ...] = AGGREGATORS
     """Aggregators run under each attack; mean is the negative control (the clean arm always uses centered_clip)."""
     seed: int = 0
@@ -121,6 +149,8 @@ class ByzantineConfig:
     def __post_init__(self) -> None:
         if self.peers < 3:
             raise ValueError(f"peers must be >= 3 (one attacker needs an honest majority), got {self.peers!r}")
+        if not 1 <= self.attackers < self.peers / 2:
+            raise ValueError(f"attackers must be >= 1 and fewer than half of peers, got {self.attackers!r}")
         if self.rounds < 1 or self.sync_every < 1:
             raise ValueError(f"rounds and sync_every must be >= 1, got {self.rounds!r} and {self.sync_every!r}")
         if self.attack not in (*ATTACKS, "all"):
@@ -158,6 +188,8 @@ def arms_of(config: ByzantineConfig) -> list[Arm]:
     """The clean arm, every (attack, aggregator) pair, and, when the trainer caps weights, huge_weight
     on the default aggregator with the cap off: the negative control of a defence that is not the rule."""
     arms = [Arm(name="clean", attack=None, aggregator=DEFAULT_AGGREGATOR)]
+    if "mean" in config.aggregators:  # honest-only, the default rule against the plain mean
+        arms.append(Arm(name="clean/mean", attack=None, aggregator="mean"))
     for attack in config.attacks:
         arms += [
             Arm(name=f"{attack}/{aggregator}", attack=attack, aggregator=aggregator)
@@ -178,15 +210,90 @@ def arms_of(config: ByzantineConfig) -> list[Arm]:
 # --- the attacker ---------------------------------------------------------------------------------
 
 
-def poison(attack: str, tensor: torch.Tensor, weight: float, *, max_weight: float) -> tuple[torch.Tensor, float]:
-    """What the byzantine peer sends instead of (``tensor``, ``weight``)."""
-    if attack == "sign_flip_x10":
-        return -10.0 * tensor, weight
-    if attack == "nan":
-        return torch.full_like(tensor, float("nan")), weight
-    if attack == "huge_weight":
-        return -tensor, float(max_weight)
-    raise ValueError(f"unknown attack {attack!r}")
+class Adversary:
+    """What the byzantine peers of one arm send, as one colluding party (the threat model of ALIE and of the
+    history-aware attack: the attackers see every honest update of the round before they send theirs).
+
+    Every peer puts the tensor it is about to send on a board (`publish`); an attacker's `poison` waits for the
+    honest peers' tensors of the same call (every peer calls its averager once per round, after a barrier).
+    """
+
+    def __init__(self, attack: str, *, honest: int, attackers: int, seed: int) -> None:
+        self.attack, self.honest, self.attackers = attack, honest, attackers
+        self._cond = threading.Condition()
+        self._making = threading.Lock()
+        self._judged: set[int] = set()
+        self._board: dict[int, dict[int, torch.Tensor]] = {}
+        self._made: dict[int, torch.Tensor] = {}
+        self._generator = torch.Generator().manual_seed(seed + 1)
+        self._direction: torch.Tensor | None = None
+        self.scale = HISTORY_START
+        """The history-aware attack's distance from the honest mean, in median honest distances (it adapts)."""
+        self.scales: list[float] = []
+
+    def publish(self, call: int, peer: int, tensor: torch.Tensor) -> None:
+        if peer < self.honest:
+            with self._cond:
+                self._board.setdefault(call, {})[peer] = tensor.detach().to(torch.float64, copy=True)
+                self._cond.notify_all()
+
+    def _honest(self, call: int) -> torch.Tensor:
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self._board.get(call, ())) == self.honest, timeout=120):
+                raise TimeoutError(f"the honest peers' updates of call {call} did not all arrive")
+            return torch.stack([self._board[call][peer] for peer in range(self.honest)])
+
+    def poison(
+        self, call: int, tensor: torch.Tensor, weight: float, *, max_weight: float
+    ) -> tuple[torch.Tensor, float]:
+        """What a byzantine peer sends instead of (``tensor``, ``weight``) at its ``call``-th round."""
+        if self.attack == "sign_flip_x10":
+            return -10.0 * tensor, weight
+        if self.attack == "nan":
+            return torch.full_like(tensor, float("nan")), weight
+        if self.attack == "huge_weight":
+            return -tensor, float(max_weight)
+        with self._making:  # the colluding attackers send one vector, made once
+            made = self._made.get(call)
+            if made is None:
+                made = self._made[call] = self._alie(call) if self.attack == "alie" else self._history(call)
+        return made.to(torch.float32), weight
+
+    def _alie(self, call: int) -> torch.Tensor:
+        """ALIE, "a little is enough" (Baruch et al., NeurIPS 2019): mean - z x std of the honest updates, per coordinate."""
+        honest = self._honest(call)
+        return honest.mean(0) - ALIE_Z * honest.std(0)
+
+    def _history(self, call: int) -> torch.Tensor:
+        """The honest mean plus ``scale`` median honest distances along a fixed direction, half against the honest
+        mean and half orthogonal to it (the same orthogonal part every round, so that the outer momentum adds it
+        up; the relocated orthogonal perturbation of Ozfatura et al., arXiv 2208.09894, in our setting)."""
+        honest = self._honest(call)
+        mean = honest.mean(0)
+        if self._direction is None:
+            self._direction = torch.randn(mean.numel(), generator=self._generator, dtype=torch.float64)
+        unit = mean / mean.norm()
+        orthogonal = self._direction - (self._direction @ unit) * unit
+        direction = orthogonal / orthogonal.norm() - unit
+        spread = float((honest - mean).norm(dim=1).median())
+        self.scales.append(self.scale)
+        return mean + self.scale * spread * direction / direction.norm()
+
+    def observe(self, call: int, result: torch.Tensor | None) -> None:
+        """The history-aware attack learns from the round's result: pushed further when the result moved with it
+        as a plain mean would have, drawn back inside the honest spread when it was clipped or dropped."""
+        if self.attack != "history":
+            return
+        with self._cond:
+            sent, honest = self._made.get(call), self._board.get(call)
+            if sent is None or honest is None or call in self._judged:
+                return
+            self._judged.add(call)
+        mean = torch.stack(list(honest.values())).mean(0)
+        offset = sent - mean
+        along = 0.0 if result is None else float((result.double() - mean) @ offset) / float(offset.norm())
+        plain = self.attackers * float(offset.norm()) / (self.honest + self.attackers)
+        self.scale = self.scale * 1.5 if along > 0.7 * plain else max(HISTORY_FLOOR, 0.6 * self.scale)
 
 
 def encode_as_is(codec: Any, t: torch.Tensor) -> bytes:
@@ -251,7 +358,7 @@ def attacker_codecs(attacker_loops: set) -> Iterator[None]:
 class Attacker:
     """Makes one trainer's averager byzantine and counts what fired, keyed by (peer, round, phase, action)."""
 
-    attack: str
+    adversary: Adversary
     name: str
     fired: Counter = field(default_factory=Counter)
     """(peer, round, "send", attack) -> parts sent to a reducer with a poisoned contribution."""
@@ -260,20 +367,23 @@ class Attacker:
     _armed: bool = False
 
     def attach(self, averager: Any) -> None:
-        original = averager.step
+        original, calls = averager.step, itertools.count()
 
         def step(tensor: torch.Tensor, *, weight: float, **round_args: Any) -> Any:
-            bad, bad_weight = poison(self.attack, tensor, weight, max_weight=averager.config.max_weight)
+            call = next(calls)
+            bad, bad_weight = self.adversary.poison(call, tensor, weight, max_weight=averager.config.max_weight)
             self.poisoned_rounds += 1
             self._armed = True
             try:
-                return original(bad, weight=bad_weight, **round_args)
+                outcome = original(bad, weight=bad_weight, **round_args)
             finally:
                 self._armed = False
+            self.adversary.observe(call, outcome[0])
+            return outcome
 
         async def hook(round_: int, phase: str, _peer: str) -> None:
             if phase == "send" and self._armed:
-                self.fired[(self.name, round_, phase, self.attack)] += 1
+                self.fired[(self.name, round_, phase, self.adversary.attack)] += 1
 
         averager.step = step
         averager.fault_hook = hook
@@ -297,11 +407,16 @@ class Observation:
     record: Any
 
 
-def observe(averager: Any, peer: int, log: list[Observation], lock: threading.Lock) -> None:
-    """Record every round of ``averager`` into ``log`` (what was sent on the wire, and the result)."""
-    original = averager.step
+def observe(
+    averager: Any, peer: int, log: list[Observation], lock: threading.Lock, adversary: Adversary | None = None
+) -> None:
+    """Record every round of ``averager`` into ``log`` (what was sent on the wire, and the result); an honest
+    peer's update also goes on ``adversary``'s board before it is sent."""
+    original, calls = averager.step, itertools.count()
 
     def step(tensor: torch.Tensor, *, weight: float, **round_args: Any) -> Any:
+        if adversary is not None:
+            adversary.publish(next(calls), peer, tensor)
         result, record, group = original(tensor, weight=weight, **round_args)
         with lock:
             log.append(
@@ -323,8 +438,8 @@ def _weighted_mean(observations: list[Observation]) -> torch.Tensor:
     return sum((o.weight / total) * o.sent.double() for o in observations)
 
 
-def judge_rounds(log: list[Observation], *, attacker_id: str | None, peer_ids: list[str]) -> dict[str, Any]:
-    """What became of the attacker's contribution in each round of its group (see the module docstring)."""
+def judge_rounds(log: list[Observation], *, attacker_ids: set[str], peer_ids: list[str]) -> dict[str, Any]:
+    """What became of the attackers' contributions in each round of their group (see the module docstring)."""
     by_group: dict[str, list[Observation]] = {}
     for obs in log:
         if obs.record.group_id:
@@ -332,17 +447,17 @@ def judge_rounds(log: list[Observation], *, attacker_id: str | None, peer_ids: l
     outcome: Counter = Counter()
     pulls, reasons = [], Counter()
     for observations in by_group.values():
-        honest = [o for o in observations if peer_ids[o.peer] != attacker_id and o.result is not None]
-        if attacker_id is None or not honest or attacker_id not in honest[0].record.members:
+        honest = [o for o in observations if peer_ids[o.peer] not in attacker_ids and o.result is not None]
+        if not attacker_ids or not honest or not attacker_ids & set(honest[0].record.members):
             continue
         record = honest[0].record
-        if attacker_id not in record.included:
+        if not attacker_ids & set(record.included):
             outcome["dropped"] += 1
-            reasons.update(r["reason"][:60] for r in record.failures if r["peer"] == attacker_id)
-            reasons.update(v[:60] for k, v in record.rejected.items() if k == attacker_id)
+            reasons.update(r["reason"][:60] for r in record.failures if r["peer"] in attacker_ids)
+            reasons.update(v[:60] for k, v in record.rejected.items() if k in attacker_ids)
             continue
         included = [o for o in observations if peer_ids[o.peer] in record.included]
-        honest_mean = _weighted_mean([o for o in included if peer_ids[o.peer] != attacker_id])
+        honest_mean = _weighted_mean([o for o in included if peer_ids[o.peer] not in attacker_ids])
         plain_mean = _weighted_mean(included)
         moved = float(torch.linalg.vector_norm(honest[0].result.double() - honest_mean))
         plain_move = float(torch.linalg.vector_norm(plain_mean - honest_mean))
@@ -380,9 +495,11 @@ def _train_peer(
             on_round(index, result)
 
 
-def run_arm(arm: Arm, *, config: ByzantineConfig, dhts: list, task: Any, advance: Callable[[], None]) -> dict[str, Any]:
-    """Train one arm to the end; its val-loss curve, the attack's counts and the rounds' fate."""
-    from bootstrap.identity import Identity
+def run_arm(
+    arm: Arm, *, config: ByzantineConfig, peers: list, task: Any, advance: Callable[[], None]
+) -> dict[str, Any]:
+    """Train one arm to the end; its val-loss curve, the attack's counts and the rounds' fate. ``peers``:
+    (identity, DHT started with that identity's key) of every peer, shared by the arms."""
     from swarm.trainer import Trainer, TrainerConfig
 
     started = time.monotonic()
@@ -406,29 +523,35 @@ def run_arm(arm: Arm, *, config: ByzantineConfig, dhts: list, task: Any, advance
     lock = threading.Lock()
     curve = [(0, task.evaluate(models[0]))]
     samples_per_round = config.peers * config.sync_every * task.config.batch_size
-    attacker = None
+    honest = config.peers - (config.attackers if arm.attack else 0)
+    adversary = None
+    if arm.attack is not None:
+        adversary = Adversary(arm.attack, honest=honest, attackers=config.attackers, seed=config.seed)
+    attackers: list[Attacker] = []
     try:
-        for i, (dht, model) in enumerate(zip(dhts, models)):
+        for i, ((identity, dht), model) in enumerate(zip(peers, models)):
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-            trainers.append(Trainer(model, optimizer, config=trainer_config, dht=dht, identity=Identity.generate()))
-            observe(trainers[-1].group_averager, i, log, lock)
+            trainers.append(Trainer(model, optimizer, config=trainer_config, dht=dht, identity=identity))
+            observe(trainers[-1].group_averager, i, log, lock, adversary)
         peer_ids = [t.peer_id for t in trainers]
         setup_s = time.monotonic() - started
-        if arm.attack is not None:
-            attacker = Attacker(attack=arm.attack, name=f"peer{config.peers - 1}")
-            attacker.attach(trainers[-1].group_averager)
+        if adversary is not None:
+            attackers = [Attacker(adversary=adversary, name=f"peer{i}") for i in range(honest, config.peers)]
+            for attacker, trainer in zip(attackers, trainers[honest:]):
+                attacker.attach(trainer.group_averager)
+        attacker_ids = set(peer_ids[honest:])
 
         def on_round(index: int, result: Any) -> None:
             if index == 0:  # after a round every member holds the same global parameters
                 curve.append((result.round * samples_per_round, task.evaluate(models[0])))
                 advance()
 
-        nan_on_the_wire = attacker_codecs({trainers[-1].group_averager._loop})
+        nan_on_the_wire = attacker_codecs({t.group_averager._loop for t in trainers[honest:]})
         with nan_on_the_wire if arm.attack == "nan" else contextlib.nullcontext():
             _run_threads(trainers, models, task=task, config=config, on_round=on_round)
-        honest_refusals = sum((t.group_averager.rejected for t in trainers[:-1]), Counter())
-        judged = judge_rounds(log, attacker_id=peer_ids[-1] if attacker else None, peer_ids=peer_ids)
-        outcomes = Counter(o.record.outcome for o in log if peer_ids[o.peer] != (peer_ids[-1] if attacker else None))
+        honest_refusals = sum((t.group_averager.rejected for t in trainers[:honest]), Counter())
+        judged = judge_rounds(log, attacker_ids=attacker_ids, peer_ids=peer_ids)
+        outcomes = Counter(o.record.outcome for o in log if peer_ids[o.peer] not in attacker_ids)
         round_s = [o.record.phase_s["total"] for o in log if "total" in o.record.phase_s]
     finally:
         for trainer in trainers:
@@ -446,8 +569,10 @@ def run_arm(arm: Arm, *, config: ByzantineConfig, dhts: list, task: Any, advance
         "curve": [[s, v if math.isfinite(v) else None] for s, v in curve],
         "samples": config.rounds * samples_per_round,
         "rounds_evaluated": len(curve) - 1,
-        "parts_sent_poisoned": attacker.parts_sent if attacker else 0,
-        "rounds_poisoned": attacker.poisoned_rounds if attacker else 0,
+        "attackers": len(attackers),
+        "parts_sent_poisoned": sum(a.parts_sent for a in attackers),
+        "rounds_poisoned": sum(a.poisoned_rounds for a in attackers),
+        **({"history_scales": adversary.scales} if adversary is not None and adversary.scales else {}),
         "honest_round_outcomes": dict(outcomes),
         "honest_refusals": dict(honest_refusals),
         **judged,
@@ -503,6 +628,12 @@ def verdict(arms: list[dict[str, Any]]) -> list[str]:
     if base is None or base > (1 - MIN_CLEAN_DROP) * clean["initial_val_loss"]:
         return problems + [f"clean: the run did not learn: val loss {clean['initial_val_loss']:.3f} -> {base}"]
     for arm in arms:
+        if arm["attack"] is None and arm is not clean:  # honest-only on the plain mean
+            ratio = base / arm["final_val_loss"] if arm["final_finite"] else math.inf
+            arm.update(ratio_to_clean=arm["final_val_loss"] / base if arm["final_finite"] else None)
+            arm["expected"] = f"the default rule within {HONEST_TOLERANCE:.0%} of it"
+            if abs(ratio - 1) > HONEST_TOLERANCE:
+                problems.append(f"{arm['arm']}: the default rule ends {ratio:.3f}x the plain mean with no attacker")
         if arm["attack"] is None:
             continue
         ratio = arm["final_val_loss"] / base if arm["final_finite"] else math.inf
@@ -523,19 +654,23 @@ def verdict(arms: list[dict[str, Any]]) -> list[str]:
 
 def _expected(arm: dict[str, Any]) -> str:
     """holds, fails (a negative control), or info (not judged), for an attacked arm."""
-    if arm["uncapped"]:
-        return "fails (negative control: no weight cap)"
+    if arm["uncapped"]:  # the default rule leaves a gross outlier out whatever its weight; the cap bounds the rest
+        return "info (no weight cap)"
     if arm["aggregator"] != "mean" or arm["attack"] in MEAN_SURVIVES:
         return "holds"
     if arm["attack"] == "huge_weight" and arm["weight_cap"] is not None:
         return "info (the weight cap, not the rule, answers it)"
+    if arm["attack"] in IN_SPREAD:
+        return "info (inside the honest spread)"
     return "fails (negative control)"
 
 
 def run(config: ByzantineConfig, console: Console) -> dict[str, Any]:
     """Every arm, one after the other, on one set of loopback DHT nodes."""
     from averaging import get_codec
-    from bootstrap import start_dht, stop_dht, visible_maddrs
+    from bootstrap import stop_dht, visible_maddrs
+    from bootstrap.identity import Identity
+    from bootstrap.network import start_swarm_dht
     from swarm.tasks import get_task
     from swarm.trainer import TrainerConfig
 
@@ -545,11 +680,12 @@ def run(config: ByzantineConfig, console: Console) -> dict[str, Any]:
     arms = arms_of(config)
     results = []
     loopback = ["/ip4/127.0.0.1/tcp/0"]
-    dhts = []
+    identities = [Identity.generate() for _ in range(config.peers)]
+    dhts = []  # each peer's DHT has its identity's key: members check that a peer's binding names it
     try:
-        dhts.append(start_dht(host_maddrs=loopback, nat_port_map=False))
+        dhts.append(start_swarm_dht(identities[0], host_maddrs=loopback))
         initial = visible_maddrs(dhts[0])
-        dhts += [start_dht(initial, host_maddrs=loopback, nat_port_map=False) for _ in range(config.peers - 1)]
+        dhts += [start_swarm_dht(identity, initial_peers=initial, host_maddrs=loopback) for identity in identities[1:]]
         # the int8 codec loads bitsandbytes on first use (seconds here): not inside the first arm's first round
         codec = get_codec(TrainerConfig(run="warm-up").averaging.codec)
         codec.decode(codec.encode(torch.zeros(16)), numel=16)
@@ -558,7 +694,13 @@ def run(config: ByzantineConfig, console: Console) -> dict[str, Any]:
             for arm in arms:
                 bar = progress.add_task(f"{arm.name:>28}", total=config.rounds)
                 results.append(
-                    run_arm(arm, config=config, dhts=dhts, task=task, advance=lambda bar=bar: progress.advance(bar))
+                    run_arm(
+                        arm,
+                        config=config,
+                        peers=list(zip(identities, dhts)),
+                        task=task,
+                        advance=lambda bar=bar: progress.advance(bar),
+                    )
                 )
     finally:
         for dht in dhts:
@@ -599,7 +741,7 @@ def table(result: dict[str, Any]) -> Table:
         out.add_row(
             arm["arm"],
             "non-finite" if loss is None else f"{loss:.3f}",
-            "-" if arm["attack"] is None else ("inf" if ratio is None else f"{ratio:.2f}x"),
+            "-" if arm["attack"] is None and ratio in (None, 1.0) else ("inf" if ratio is None else f"{ratio:.3f}x"),
             str(arm["parts_sent_poisoned"]) if arm["attack"] else "-",
             f"{arm['dropped']} / {arm['clipped']} / {arm['passed']}" if arm["attack"] else "-",
             "-" if arm["mean_pull"] is None else f"{arm['mean_pull']:.2f}",
@@ -623,7 +765,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     styles = {"centered_clip": "-", "trimmed_mean": "--", "mean": ":"}
-    colors = {None: "black", "sign_flip_x10": "tab:blue", "nan": "tab:green", "huge_weight": "tab:red"}
+    colors = {
+        None: "black",
+        "sign_flip_x10": "tab:blue",
+        "nan": "tab:green",
+        "huge_weight": "tab:red",
+        "alie": "tab:purple",
+        "history": "tab:orange",
+    }
     for arm in arms:
         points = [(s, v if v is not None else math.nan) for s, v in arm["curve"]]
         off = any(not math.isfinite(v) or v > top for _, v in points)
@@ -640,7 +789,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("samples seen by the swarm")
     ax.set_ylabel("validation loss (nats/char)")
     peers = result["config"]["peers"]
-    ax.set_title(f"charlm/{PRESET}: 1 byzantine peer of {peers} vs a clean run (seed {result['config']['seed']})")
+    attackers, seed = result["config"]["attackers"], result["config"]["seed"]
+    ax.set_title(f"charlm/{PRESET}: {attackers} byzantine of {peers} peers vs a clean run (seed {seed})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.savefig(path)
