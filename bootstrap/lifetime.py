@@ -18,8 +18,10 @@ it before it has done its job, and imports nothing but psutil (`bootstrap/__init
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import ctypes
+import gc
 import os
 import select
 import signal
@@ -37,7 +39,14 @@ import psutil
 
 from bootstrap._private import procs
 
-__all__ = ["LIFETIME_TOKENS_ENV", "StopSignal", "Stopped", "set_parent_death_signal", "start_reaper"]
+__all__ = [
+    "LIFETIME_TOKENS_ENV",
+    "StopSignal",
+    "Stopped",
+    "freeze_heap_at_exit",
+    "set_parent_death_signal",
+    "start_reaper",
+]
 
 LIFETIME_TOKENS_ENV = "SWARM_LIFETIME_TOKENS"
 """Environment variable holding a `:`-separated list of tokens, one per reaped ancestor.
@@ -51,6 +60,27 @@ _PR_SET_PDEATHSIG = 1
 
 _lock = threading.Lock()
 _reaper: tuple[int, subprocess.Popen] | None = None  # (pid of the process that started it, reaper)
+
+
+_freeze_registered = False
+
+
+def freeze_heap_at_exit() -> None:
+    """At interpreter exit, move every live object out of the garbage collector's reach (`gc.freeze`); once a
+    process.
+
+    A process with torch and hivemind loaded holds about a million objects, and CPython's last collections over
+    them (in ``finalize_modules``, after every ``atexit`` handler) took 1.5-2 s of each peer's exit on this
+    machine, and over 5 s under load: a user's script Ctrl+C'd on ``swarm.Trainer`` left the run in 0.2 s,
+    then took 1.8 s more to exit (0.4 s in all with this). Objects are still freed when their last reference
+    goes; what is skipped is collecting cycles at exit, whose ``__del__`` Python does not promise to run then.
+    Registered when a DHT starts, so the handler runs after the ones registered later (they run first).
+    """
+    global _freeze_registered
+    with _lock:
+        if not _freeze_registered:
+            atexit.register(gc.freeze)
+            _freeze_registered = True
 
 
 def start_reaper(*, poll_interval_s: float = 0.25, grace_s: float = 2.0) -> subprocess.Popen:

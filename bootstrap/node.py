@@ -38,7 +38,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from bootstrap._private import procs
 from bootstrap.errors import StartError, one_line
-from bootstrap.lifetime import StopSignal, start_reaper
+from bootstrap.lifetime import StopSignal, freeze_heap_at_exit, start_reaper
 from bootstrap.metrics import BootstrapMetrics
 from bootstrap.owned import OwnerBoundValidator, dht_owned_rejections
 from bootstrap.records import PeerRecordValidator, dht_record_rejections
@@ -345,6 +345,7 @@ def start_dht(
 
     started = time.monotonic()
     start_shm_manager()
+    freeze_heap_at_exit()
     dht = hivemind.DHT(
         initial_peers=peers or None,
         start=True,

@@ -223,3 +223,30 @@ def test_signals_during_the_first_shared_tensor_do_not_hang_start_up(path: str) 
     finally:
         if child.popen.poll() is None:
             terminate(child, timeout_s=10, sig=signal.SIGKILL)
+
+
+# Runs in a subprocess: the check is registered first, so it runs last (atexit is last in, first out), after
+# the freeze that start_dht registered (once, however many DHTs the process starts).
+_FROZEN_AT_EXIT = textwrap.dedent(
+    """
+    import atexit, gc
+    atexit.register(lambda: print(f"FROZEN {gc.get_freeze_count()}", flush=True))
+    from bootstrap import start_dht, stop_dht
+    from bootstrap.lifetime import freeze_heap_at_exit
+
+    for _ in range(2):
+        stop_dht(start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False))
+    freeze_heap_at_exit()
+    print(f"RUNNING {gc.get_freeze_count()}", flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_a_process_that_started_a_dht_freezes_its_heap_once_at_exit_only() -> None:
+    child = spawn(python_cmd("-c", _FROZEN_AT_EXIT))
+    assert terminate(child, timeout_s=45, sig=None) == 0, child.describe()
+    child.join_output()
+    lines = child.stdout().splitlines()
+    assert lines[0] == "RUNNING 0" and lines[1].startswith("FROZEN ") and len(lines) == 2, child.describe()
+    assert int(lines[1].split()[1]) > 100_000, child.describe()  # torch and hivemind's objects
