@@ -254,25 +254,28 @@ class CenteredClip(Aggregator):
     def _combine(self, tensors: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
         if len(tensors) < 3:  # no majority to speak of: every input is as credible as the other
             return _weighted_mean(tensors, weights)
-        estimate = _coordinate_median(tensors)
-        distances = _distances(tensors, estimate)
+        start = _coordinate_median(tensors)
+        # Every iterate is start + sum_j a_j (x_j - start), so the iteration runs on the coefficients a, with the
+        # distances from the Gram matrix of the centred inputs: two passes over the data, whatever the iterations.
+        gram = _centred_gram(tensors, start)
+        distances = gram.diagonal().clamp_min(0).sqrt()
         spread = _median_distance(distances)
+        kept = list(range(len(tensors)))
         if self.exclude_scale is not None:
             kept = [i for i, distance in enumerate(distances.tolist()) if distance <= self.exclude_scale * spread]
-            tensors, weights = [tensors[i] for i in kept], weights[kept]
+        gram, weights = gram[kept][:, kept], weights[kept] / weights[kept].sum()
         tau = float(self.tau) if self.tau is not None else self.tau_scale * spread
-        total_weight = float(weights.sum())
+        coefficients = torch.zeros(len(kept), dtype=torch.float64)
         for _ in range(self.max_iterations):
-            step = torch.zeros_like(estimate)
-            for tensor, weight in zip(tensors, weights.tolist()):
-                difference = tensor.double() - estimate
-                distance = float(torch.linalg.vector_norm(difference))
-                scale = 1.0 if distance <= tau else tau / distance
-                step.add_(difference, alpha=weight * scale / total_weight)
-            estimate += step
-            if float(torch.linalg.vector_norm(step)) <= self.tolerance * tau:
+            pulled = gram @ coefficients
+            squared = gram.diagonal() - 2 * pulled + coefficients @ pulled  # |x_i - estimate|^2
+            distance = squared.clamp_min(0).sqrt()
+            scale = torch.where(distance <= tau, torch.ones_like(distance), tau / distance.clamp_min(1e-300))
+            step = weights * scale - (weights * scale).sum() * coefficients  # sum_i w_i s_i (x_i - estimate)
+            coefficients += step
+            if float((step @ gram @ step).clamp_min(0).sqrt()) <= self.tolerance * tau:
                 break
-        return estimate
+        return _combination(start, [tensors[i] for i in kept], coefficients)
 
 
 _AGGREGATORS: dict[str, type[Aggregator]] = {
@@ -370,6 +373,24 @@ def _distances(tensors: list[torch.Tensor], start: torch.Tensor) -> torch.Tensor
 
 def _median_distance(distances: torch.Tensor) -> float:
     return float(_median(distances.unsqueeze(1)))
+
+
+def _centred_gram(tensors: list[torch.Tensor], start: torch.Tensor) -> torch.Tensor:
+    """``G[i, j] = (x_i - start) . (x_j - start)`` in float64, chunk by chunk."""
+    gram = torch.zeros(len(tensors), len(tensors), dtype=torch.float64)
+    for begin, block in _chunks(tensors):
+        centred = block.double() - start[begin : begin + block.shape[1]]
+        gram += centred @ centred.T
+    return gram
+
+
+def _combination(start: torch.Tensor, tensors: list[torch.Tensor], coefficients: torch.Tensor) -> torch.Tensor:
+    """``start + sum_j coefficients[j] (x_j - start)`` in float64, chunk by chunk."""
+    out = start.clone()
+    for begin, block in _chunks(tensors):
+        end = begin + block.shape[1]
+        out[begin:end] += coefficients @ (block.double() - start[begin:end])
+    return out
 
 
 def _coordinate_median(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -315,3 +315,48 @@ def test_poisoned_weights_are_rejected_and_counted(seed: int) -> None:
         assert set(result.rejected) == {f"liar-{k}" for k in claims}
         assert result.included == tuple(c.sender for c in honest)
         assert torch.equal(result.tensor, get_aggregator(name)(honest).tensor), f"seed={seed}"
+
+
+def _centered_clip_reference(contributions: list[Contribution], *, tau_scale: float, exclude_scale: float | None):
+    """The CenteredClip iteration as the paper writes it, on float64 vectors (no Gram matrix), for n >= 3."""
+    xs = [c.tensor.double() for c in contributions]
+    ws = [c.weight for c in contributions]
+    middle = torch.stack(xs).sort(dim=0).values[(len(xs) - 1) // 2 : len(xs) // 2 + 1]
+    estimate = middle.mean(0)  # the coordinate median (the mean of the two middle values for an even count)
+    distances = [float(torch.linalg.vector_norm(x - estimate)) for x in xs]
+    spread = (
+        sorted(distances)[len(xs) // 2]
+        if len(xs) % 2
+        else sum(sorted(distances)[len(xs) // 2 - 1 : len(xs) // 2 + 1]) / 2
+    )
+    if exclude_scale is not None:
+        xs, ws = zip(*[(x, w) for x, w, d in zip(xs, ws, distances) if d <= exclude_scale * spread])
+    tau, total = tau_scale * spread, sum(ws)
+    for _ in range(20):
+        step = (
+            sum(
+                w * min(1.0, tau / max(float(torch.linalg.vector_norm(x - estimate)), 1e-300)) * (x - estimate)
+                for x, w in zip(xs, ws)
+            )
+            / total
+        )
+        estimate = estimate + step
+        if float(torch.linalg.vector_norm(step)) <= 1e-6 * tau:
+            break
+    return estimate
+
+
+@pytest.mark.parametrize("num", [3, 4, 5, 8])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_centered_clip_equals_the_plain_iteration(num: int, seed: int) -> None:
+    """The rule iterates on coefficients over the inputs' Gram matrix; the plain iteration gives the same result,
+    with and without an outlier to leave out and with the radius of the earlier default."""
+    generator = _generator(300 + 10 * num + seed)
+    mu = torch.randn(5000, generator=generator, dtype=torch.float64)
+    tensors = [(mu + 0.7 * torch.randn(5000, generator=generator, dtype=torch.float64)).float() for _ in range(num)]
+    tensors[-1] = -10 * tensors[-1] if seed else tensors[-1]
+    contributions = [Contribution(sender=f"p{i}", tensor=t, weight=1.0 + i) for i, t in enumerate(tensors)]
+    for tau_scale, exclude_scale in ((1.0, 2.0), (3.0, None), (1.0, None)):
+        rule = CenteredClip(tau_scale=tau_scale, exclude_scale=exclude_scale)
+        reference = _centered_clip_reference(contributions, tau_scale=tau_scale, exclude_scale=exclude_scale)
+        assert _relative_error(rule(contributions).tensor, reference) < 1e-6, (num, seed, tau_scale, exclude_scale)
