@@ -226,7 +226,7 @@ class CenteredClip(Aggregator):
     exclude_scale: float | None = 2.0
     """Inputs farther than this many median distances from the start are left out; None keeps every input."""
     max_iterations: int = 20
-    """Most clipping steps; each costs one pass over every contribution."""
+    """Most clipping steps; they run on the inputs' Gram matrix (the data are read twice in all, whatever the steps)."""
     tolerance: float = 1e-6
     """Stop once a step moves the estimate by at most ``tolerance * τ``."""
 
