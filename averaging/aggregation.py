@@ -247,9 +247,11 @@ class CenteredClip(Aggregator):
 
     def radius(self, tensors: list[torch.Tensor], start: torch.Tensor) -> float:
         """τ for these inputs around ``start`` (the rule in the field docs)."""
-        if self.tau is not None:
-            return float(self.tau)
-        return self.tau_scale * _median_distance(_distances(tensors, start))
+        return self._tau(_median_distance(_distances(tensors, start)) if self.tau is None else 0.0)
+
+    def _tau(self, spread: float) -> float:
+        """τ given the median distance ``spread`` of the inputs from the start."""
+        return float(self.tau) if self.tau is not None else self.tau_scale * spread
 
     def _combine(self, tensors: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
         if len(tensors) < 3:  # no majority to speak of: every input is as credible as the other
@@ -264,7 +266,7 @@ class CenteredClip(Aggregator):
         if self.exclude_scale is not None:
             kept = [i for i, distance in enumerate(distances.tolist()) if distance <= self.exclude_scale * spread]
         gram, weights = gram[kept][:, kept], weights[kept] / weights[kept].sum()
-        tau = float(self.tau) if self.tau is not None else self.tau_scale * spread
+        tau = self._tau(spread)
         coefficients = torch.zeros(len(kept), dtype=torch.float64)
         for _ in range(self.max_iterations):
             pulled = gram @ coefficients
