@@ -4,7 +4,8 @@ Policy (see averaging.group for the protocol):
   * groups of min_group_size..target_group_size form through the DHT with no coordinator; peers are
     ordered by bandwidth class (peers of a similar class average together, so a slow peer does not
     drag a fast group down), then by a hash salted with the candidate list, so membership reshuffles
-    every round and updates mix across the swarm (Moshpit-style);
+    every round and updates mix across the swarm (Moshpit-style); a run of more than shard_size (64)
+    live members looks on several keys, drawn anew each minute, so no DHT node serves a whole run;
   * on an open network (with the peer's identity) matchmaking entries are owner-signed and only live
     members of the run are drawn; no-shows are suspects for a while (averaging.membership);
   * every part is validated (shape, codec, finite values, weight finite and within bounds) and each

@@ -89,6 +89,11 @@ class Codec(ABC):
     def error_bound(self, t: torch.Tensor) -> torch.Tensor:
         """Elementwise bound on ``|decode(encode(t)) - t|`` (float64, same shape as ``t``)."""
 
+    def warm(self) -> None:
+        """Load what the codec needs on its first use (bitsandbytes: 3.3 s here, idle), e.g. beside start-up,
+        so that a round's sender deadline does not pay for it."""
+        self.decode(self.encode(torch.zeros(1)), numel=1)
+
     def max_abs_error(self, t: torch.Tensor) -> float:
         """Bound on ``max |decode(encode(t)) - t|``; 0.0 for an empty vector."""
         bound = self.error_bound(t)

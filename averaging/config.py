@@ -41,6 +41,11 @@ class AveragingConfig:
     """Signed Sybils' defence: after a drawn peer this one never averaged with fails to show, draw only
     peers it has history with for this long (doubling while the flood lasts, up to 16x); see
     averaging.membership. 0: off."""
+    shard_size: int = 64
+    """Most live members of the run per matchmaking key: a larger run spreads over a power of two of keys
+    (each holding shard_size/2 to shard_size of them on average), a peer's key drawn anew every `SHARD_EPOCH_S` from
+    its peer ID, so the load on the DHT nodes that hold a key stays bounded as the run grows and groups
+    still mix across the run over epochs (averaging.group). 0: one key, whatever the size."""
     max_attempts: int = 3
     """All-reduce attempts per round (a failed slice re-forms the group from the survivors)."""
     codec: Literal["fp32", "fp16", "int8"] = "int8"
@@ -87,6 +92,12 @@ class AveragingConfig:
             isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and math.isfinite(ratio) and ratio >= 1
         ):
             raise ValueError(f"max_weight_ratio must be None or a finite number >= 1, got {ratio!r}")
+        if not isinstance(self.shard_size, int) or isinstance(self.shard_size, bool) or self.shard_size < 0:
+            raise ValueError(f"shard_size must be an int >= 0, got {self.shard_size!r}")
+        if 0 < self.shard_size < self.target_group_size:
+            raise ValueError(
+                f"shard_size ({self.shard_size!r}) must be 0 or >= target_group_size ({self.target_group_size!r})"
+            )
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts!r}")
         if self.codec not in ("fp32", "fp16", "int8"):

@@ -11,6 +11,16 @@ peer's identity, entries are owner-signed and the list is filtered first (averag
 signed entries of live members of the run, minus recent no-shows, are drawn. While a flood of no-shows
 lasts, the guard draws only peers this one has history with (averaging.membership).
 
+Sharded keys. Every looking peer reads its key every 0.1 s of the window, so one key for a whole run
+would put the run's every read on the few DHT nodes that hold that key. A run of more than
+``shard_size`` live members (64 by default) spreads over S keys, S the least power of two that leaves at
+most ``shard_size`` members a key; a peer's key for an epoch (`SHARD_EPOCH_S`, 60 s) is a hash of its
+peer ID and the epoch, so the split changes each epoch and updates still mix across the run (Moshpit's
+rotating grid, drawn at random). The run's size is the larger of the caller's live members and the
+members read from the DHT; the window closes early once every live member *of this key* is looking.
+The load on a key's nodes is then bounded by ``shard_size`` whatever the run's size
+(`benchmarks/scale_model.py`).
+
 All-reduce (butterfly). Member i reduces slice i: every member sends slice i of its vector to member
 i (encoded as fp32, fp16 or 8-bit), member i validates each part and aggregates the parts with a
 robust rule (CenteredClip by default), and sends the result back on the same stream. Each peer
@@ -74,6 +84,10 @@ _GONE_POLL_S = 0.25
 _PROBE_TIMEOUT_S = 2.0
 _PROBE_ABSENT_AFTER_S = 0.5  # a leader probes the followers that have not joined by then
 _POLLERS: set[asyncio.Task] = set()
+_MAX_SHARDS = 1 << 16
+SHARD_EPOCH_S = 60.0
+"""How long a peer keeps its matchmaking key when the run is sharded (AveragingConfig.shard_size): long
+beside a window (2 s), so few windows straddle a change, short beside a run, so groups mix across keys."""
 
 
 # --------------------------------------------------------------------------------------------- groups
@@ -111,6 +125,35 @@ def draw_groups(candidates: dict[str, Any], target_size: int, min_size: int) -> 
         num_groups -= 1
     bounds = slice_bounds(len(order), num_groups)
     return [order[a:b] for a, b in bounds]
+
+
+def shard_count(run_size: int, shard_size: int) -> int:
+    """Matchmaking keys for a run of ``run_size`` live members: the least power of two that puts at most
+    ``shard_size`` of them on a key on average (so each holds shard_size/2 to shard_size, give or take a
+    binomial spread: 1000 members on 16 keys, 49 to 72 a key); 1 (the plain key) for a
+    run of up to ``shard_size``, or with ``shard_size`` 0."""
+    shards = 1
+    while shard_size > 0 and shards * shard_size < run_size and shards < _MAX_SHARDS:
+        shards *= 2
+    return shards
+
+
+def shard_epoch(now: float) -> int:
+    """The epoch of a DHT time ``now``: every peer's key changes at the same moments."""
+    return int(now // SHARD_EPOCH_S)
+
+
+def shard_of(peer_id: str, epoch: int, shards: int) -> int:
+    """The key a peer looks on during ``epoch``: a hash of both, so that every peer computes every other's
+    and the split changes each epoch (groups mix across keys over time, as Moshpit's rotating grid does)."""
+    if shards <= 1:
+        return 0
+    return int.from_bytes(hashlib.sha256(f"{epoch}:{peer_id}".encode()).digest()[:8], "big") % shards
+
+
+def matchmaking_key(prefix: str, shards: int, shard: int) -> str:
+    """``prefix.mm`` for one key (every run of up to ``shard_size`` members); ``prefix.mm.S.i`` otherwise."""
+    return f"{prefix}.mm" if shards <= 1 else f"{prefix}.mm.{shards}.{shard}"
 
 
 def bandwidth_class(mbps: float | None) -> int:
@@ -237,6 +280,7 @@ class GroupAverager:
         self._state_added = asyncio.Event()
         self._activity = _Activity()
         self._lonely = False
+        self._mm_key = matchmaking_key(prefix, 1, 0)
         self._service = Handler(
             dht, handler_name=self._handler_name, handler=self._handle_stream, start_timeout_s=start_timeout_s
         )
@@ -244,6 +288,10 @@ class GroupAverager:
         if identity is not None and identity.peer_id != self.peer_id:
             self._service.close()
             raise ValueError(f"identity {identity.peer_id} is not the key of the DHT's peer {self.peer_id}")
+        # the codec's first use loads bitsandbytes (seconds): now, beside the first inner steps, not inside the
+        # first round's sender deadline (a loaded 2-core machine took more than 4 s and lost that round)
+        # (a daemon thread: a signal right after start-up must not wait for it to finish)
+        threading.Thread(target=_warm, args=(self.config.codec,), name="codec-warm", daemon=True).start()
 
     # ------------------------------------------------------------------------------------ lifetime
     @property
@@ -286,7 +334,7 @@ class GroupAverager:
 
     async def _say_gone(self) -> None:
         """A "gone" entry over this peer's matchmaking entry (a later expiry replaces it in the DHT)."""
-        cfg, key = self.config, f"{self.prefix}.mm"
+        cfg, key = self.config, self._mm_key  # the key of its last window: where its entry is read
         expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s + 1
         await self.dht.store(
             key, self._entry(key, expiration, gone=True), expiration, subkey=self.peer_id, return_future=True
@@ -479,7 +527,7 @@ class GroupAverager:
     # ------------------------------------------------------------------------------------ matchmaking
     async def _form_group(self, gather: Any, record: RoundRecord, deadline: float, suspects: set[str]) -> Group | None:
         cfg = self.config
-        key = f"{self.prefix}.mm"
+        key, in_my_shard = self._shard()
         my_class = (self.region, bandwidth_class(self._bandwidth_mbps()))
         expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s
         entry = self._entry(key, expiration)
@@ -495,7 +543,8 @@ class GroupAverager:
             await asyncio.sleep(min(poll_s, max(0.0, window_end - time.monotonic())))
             poll_s = 0.1
             candidates = await self._read_candidates(key, my_class, suspects)
-            live = self._admission.live_expected() | {self.peer_id}  # one that said it left is not waited for
+            # one that said it left is not waited for, nor one that looks on another key this epoch
+            live = {p for p in self._admission.live_expected() if in_my_shard(p)} | {self.peer_id}
             expected = live if len(live) >= cfg.min_group_size else None
             everyone = len(candidates) == cfg.target_group_size or (
                 expected is not None and expected <= set(candidates)
@@ -519,6 +568,18 @@ class GroupAverager:
             newcomers = guard.knocked(set(candidates) - set(drawn), min(slots, cfg.target_group_size - len(chunk)))
             return await self._lead(frozenset(chunk) - {self.peer_id}, gather, record, join_deadline, newcomers)
         return await self._follow(leader, gather, record, join_deadline)
+
+    def _shard(self) -> tuple[str, Callable[[str], bool]]:
+        """This window's matchmaking key, and who else looks on it. The run's size is the larger of the
+        caller's view of its live members (``expected``) and the members read from the DHT; peers that see
+        sizes on either side of a power of two use different keys for a while (each set still groups)."""
+        members = self._admission.members
+        size = max(len(self._admission.live_expected() | {self.peer_id}), len(members.known) if members else 0)
+        shards = shard_count(size, self.config.shard_size)
+        epoch = shard_epoch(get_dht_time())
+        shard = shard_of(self.peer_id, epoch, shards)
+        self._mm_key = matchmaking_key(self.prefix, shards, shard)
+        return self._mm_key, lambda peer: shard_of(peer, epoch, shards) == shard
 
     async def _read_candidates(self, key: str, my_class: tuple[str, int], suspects: set[str]) -> dict:
         found = await self.dht.get(key, latest=True, return_future=True)
@@ -641,7 +702,7 @@ class GroupAverager:
                     with contextlib.suppress(Exception):
                         await probe_the_absent()
                 with contextlib.suppress(Exception):  # a failed read: the next one, or the join deadline
-                    await self._read_candidates(f"{self.prefix}.mm", (self.region, 0), set())  # notes who is gone
+                    await self._read_candidates(self._mm_key, (self.region, 0), set())  # notes who is gone
                 gone = lobby.expected & (self._admission.departed.keys() | lobby.dead)
                 if gone:
                     lobby.expected -= gone
@@ -1075,6 +1136,11 @@ class GroupAverager:
         # whose local end vanished): linger until the sender, having read it all, hangs up
         with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
             await asyncio.wait_for(reader.read(1), self.config.reducer_timeout_s)
+
+
+def _warm(codec: str) -> None:
+    with contextlib.suppress(Exception):  # a codec that cannot load fails the round that uses it, with the reason
+        get_codec(codec).warm()
 
 
 async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, status: str) -> None:

@@ -133,6 +133,11 @@ class RunMembers:
             await self._read(dht)
         return self._members
 
+    @property
+    def known(self) -> frozenset[str]:
+        """The members as last read (no DHT call)."""
+        return self._members
+
     async def _read(self, dht: Any) -> None:
         self._read_at = time.monotonic()
         try:

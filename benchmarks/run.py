@@ -160,6 +160,8 @@ PLAN: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
         [["--peers", "30", "--refresh-s", "2", "--expiry-s", "6"]],
         [["--peers", "50"]],
     ),
+    # the model alone takes about a minute; the full set also measures 50 and 100 real DHT nodes (6 minutes)
+    "scale_model": ("benchmarks.scale_model", [["--measure"]], [[]]),
     "dht_churn": ("benchmarks.dht_churn", [], [["--peers", "30", "--kill-fraction", "0.1", "--lookups", "300"]]),
     # about 17 minutes: grouped rounds per minute beside an outsider and signed Sybils, defaults and hardened
     "adversary": (

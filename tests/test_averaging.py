@@ -21,7 +21,7 @@ from averaging.aggregation import Contribution, aggregate
 from averaging.compression import get_codec
 from averaging.config import AveragingConfig
 from averaging.faults import Crashed, FaultInjector
-from averaging.group import GroupAverager, draw_groups, slice_bounds
+from averaging.group import GroupAverager, draw_groups, matchmaking_key, shard_count, shard_of, slice_bounds
 from averaging.membership import EntryRejected, parse_entry, sign_entry
 from bootstrap import start_dht, stop_dht, visible_maddrs
 from bootstrap.identity import Identity
@@ -64,6 +64,7 @@ def make_group(dhts):
                 **config,
             }
         )
+        get_codec(cfg.codec).warm()  # a first int8 use loads bitsandbytes (seconds): not inside a round's deadline
         prefix = f"test{next(_prefixes)}"
         averagers = [GroupAverager(dht, prefix=prefix, config=cfg) for dht in dhts]
         made.extend(averagers)
@@ -459,6 +460,56 @@ def test_the_window_closes_early_once_every_live_member_is_looking(make_group, t
         assert (out - reference).abs().max().item() < 1e-5
         matchmaking = record.phase_s["matchmaking"]
         assert matchmaking < 3.0 if told else matchmaking >= 6.0, record.to_dict()
+
+
+def test_matchmaking_keys_shard_a_large_run_and_bound_each_key():
+    """The number of keys grows with the run so that a key holds at most shard_size members on average;
+    every peer computes every other's key; the split changes from epoch to epoch."""
+    assert [shard_count(n, 64) for n in (0, 1, 64, 65, 128, 129, 1000, 10_000)] == [1, 1, 1, 2, 2, 4, 16, 256]
+    assert shard_count(10_000, 0) == 1  # sharding off
+    for size in (65, 200, 1000, 10_000):
+        shards = shard_count(size, 64)
+        assert 32 < size / shards <= 64, (size, shards)
+        per_key = [0] * shards
+        for i in range(size):
+            per_key[shard_of(f"peer{i}", 7, shards)] += 1
+        assert max(per_key) <= 64 * 1.5 and min(per_key) >= 8, (size, per_key)  # a binomial spread around size/S
+    peers = [f"peer{i}" for i in range(64)]
+    split = [shard_of(p, 1, 4) for p in peers]
+    assert split != [shard_of(p, 2, 4) for p in peers]  # a new epoch, a new split
+    assert {shard_of(p, 1, 1) for p in peers} == {0}
+    assert matchmaking_key("run", 1, 0) == "run.mm" and matchmaking_key("run", 4, 3) == "run.mm.4.3"
+    with pytest.raises(ValueError, match="shard_size"):
+        AveragingConfig(shard_size=4)  # below target_group_size (8)
+
+
+@pytest.mark.timeout(120)
+def test_a_sharded_run_groups_within_each_key_and_closes_each_window_early(make_group, monkeypatch):
+    """4 live members, at most 3 a key: two keys, 2 members each (an epoch is picked that splits them so); each
+    pair writes and reads only its own key, averages exactly with its pair, and stops gathering (6 s window)
+    once the live members *of its key* are looking (groups of 3 would not be full): the other key's members
+    are not waited for."""
+    averagers = make_group(aggregator="mean", matchmaking_time_s=6.0, target_group_size=3, shard_size=3)
+    ids = [a.peer_id for a in averagers]
+    epoch = next(e for e in range(1000) if sorted(shard_of(p, e, 2) for p in ids) == [0, 0, 1, 1])
+    monkeypatch.setattr("averaging.group.shard_epoch", lambda _now: epoch)
+    tensors, weights = _inputs()
+
+    def one(i):
+        return averagers[i].step(tensors[i], weight=weights[i], timeout_s=40.0, expected=set(ids))
+
+    with ThreadPoolExecutor(NUM_PEERS) as pool:
+        results = list(pool.map(one, range(NUM_PEERS)))
+    prefix = averagers[0].prefix
+    for i, (out, record, group) in enumerate(results):
+        shard = shard_of(ids[i], epoch, 2)
+        pair = sorted(j for j in range(NUM_PEERS) if shard_of(ids[j], epoch, 2) == shard)
+        assert averagers[i]._mm_key == matchmaking_key(prefix, 2, shard) == f"{prefix}.mm.2.{shard}"
+        assert record.outcome == "ok" and sorted(group.members) == sorted(ids[j] for j in pair), record.to_dict()
+        assert (out - _weighted_mean(tensors, weights, pair)).abs().max().item() < 1e-5
+        assert record.phase_s["matchmaking"] < 3.0, record.to_dict()  # not the whole 6 s window
+    unsharded = averagers[0].dht.get(f"{prefix}.mm", latest=True, return_future=True).result(timeout=30)
+    assert unsharded is None, "a sharded run wrote to the one-key matchmaking key"
 
 
 @pytest.mark.timeout(120)

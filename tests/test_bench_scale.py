@@ -134,3 +134,25 @@ def test_state_sync_on_shaped_test_hosts(tmp_path: Path) -> None:
     for row in block["rows"]:
         assert row["x_floor"] >= 0.95  # nothing beats the link: the shaping works
         assert row["rx_bytes"][0] >= 0.95 * result["size_bytes"]  # the joiner's interface saw the state
+
+
+def test_scale_model_visits_each_keys_beam_and_sharding_bounds_the_hottest_node() -> None:
+    """The model's DHT does what hivemind's latest=True read does (it visits the key's 20 nearest nodes),
+    so one key's nearest node serves every read of the run, while sharded keys cap what any node serves;
+    push gossip reaches everyone. No processes: the model alone (the real-DHT check is the benchmark's)."""
+    from benchmarks import scale_model
+
+    dht = scale_model.Kademlia(300, seed=3)
+    key = scale_model._dht_id("run.mm")
+    visited, hops = dht.traverse(dht.ids[0], key)
+    nearest = sorted(dht.ids, key=lambda x: x ^ key)[: scale_model.BUCKET]
+    assert set(nearest) <= set(visited) and 1 <= hops <= 10, (len(visited), hops)
+    gets = 4
+    one_key = {n: scale_model.matchmaking_load(n, gets, 0) for n in (100, 400)}
+    for n, load in one_key.items():
+        assert load.max >= n * (gets + 1), (n, load)  # the key's nearest node serves every read
+    sharded = scale_model.matchmaking_load(400, gets, 64)  # 8 keys
+    assert sharded.max < one_key[400].max / 2 and sharded.max <= 6 * 64 * (gets + 1), sharded
+    assert abs(sharded.mean - one_key[400].mean) < 0.2 * one_key[400].mean  # the same work, spread out
+    spread = scale_model.gossip_spread(100, 8, 0.1, repeats=20)
+    assert 2 <= spread["rounds_to_all"] <= 5 and spread["to_half_s"] < spread["to_all_s"], spread
