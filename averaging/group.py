@@ -289,8 +289,8 @@ class GroupAverager:
             self._service.close()
             raise ValueError(f"identity {identity.peer_id} is not the key of the DHT's peer {self.peer_id}")
         # the codec's first use loads bitsandbytes (seconds): now, beside the first inner steps, not inside the
-        # first round's sender deadline (a loaded 2-core machine took more than 4 s and lost that round)
-        # (a daemon thread: a signal right after start-up must not wait for it to finish)
+        # first round's sender deadline (a loaded 2-core machine took more than 4 s and lost that round); a
+        # daemon thread, so that a signal right after start-up does not wait for it
         threading.Thread(target=_warm, args=(self.config.codec,), name="codec-warm", daemon=True).start()
 
     # ------------------------------------------------------------------------------------ lifetime
@@ -334,11 +334,14 @@ class GroupAverager:
 
     async def _say_gone(self) -> None:
         """A "gone" entry over this peer's matchmaking entry (a later expiry replaces it in the DHT)."""
-        cfg, key = self.config, self._mm_key  # the key of its last window: where its entry is read
+        cfg = self.config
         expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s + 1
-        await self.dht.store(
-            key, self._entry(key, expiration, gone=True), expiration, subkey=self.peer_id, return_future=True
-        )
+        # the key of its last window (where its entry is read) and, in a sharded run, the one of this epoch (where
+        # the peers that expect it look)
+        for key in dict.fromkeys((self._mm_key, self._shard()[0])):
+            await self.dht.store(
+                key, self._entry(key, expiration, gone=True), expiration, subkey=self.peer_id, return_future=True
+            )
 
     def _entry(self, key: str, expiration: float, *, gone: bool = False) -> dict:
         bandwidth = bandwidth_class(self._bandwidth_mbps())
@@ -528,6 +531,7 @@ class GroupAverager:
     async def _form_group(self, gather: Any, record: RoundRecord, deadline: float, suspects: set[str]) -> Group | None:
         cfg = self.config
         key, in_my_shard = self._shard()
+        self._mm_key = key
         my_class = (self.region, bandwidth_class(self._bandwidth_mbps()))
         expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s
         entry = self._entry(key, expiration)
@@ -578,8 +582,7 @@ class GroupAverager:
         shards = shard_count(size, self.config.shard_size)
         epoch = shard_epoch(get_dht_time())
         shard = shard_of(self.peer_id, epoch, shards)
-        self._mm_key = matchmaking_key(self.prefix, shards, shard)
-        return self._mm_key, lambda peer: shard_of(peer, epoch, shards) == shard
+        return matchmaking_key(self.prefix, shards, shard), lambda peer: shard_of(peer, epoch, shards) == shard
 
     async def _read_candidates(self, key: str, my_class: tuple[str, int], suspects: set[str]) -> dict:
         found = await self.dht.get(key, latest=True, return_future=True)

@@ -100,6 +100,8 @@ class ManifestGossip:
         self.rejected: Counter = Counter()
         self.received = 0
         self.forwarded = 0
+        self.duplicates = 0
+        """Copies of the newest manifest received again (byte for byte): dropped without verifying."""
         self._forwarding: set[asyncio.Task] = set()
         self.newest: tuple[int, str, bytes] | None = None
         self.pulls = 0
@@ -138,6 +140,13 @@ class ManifestGossip:
         return self.verify(data)
 
     async def _accept(self, data: bytes, *, source: str | None) -> bool:
+        with self._lock:
+            newest = self.newest
+        if newest is not None and data == newest[2]:  # the very bytes this peer verified: old news, unverified
+            self.duplicates += 1
+            if source != _FROM_INDEX:
+                self._last_push = time.monotonic()
+            return False
         try:
             digest, step = self._check(data)
         except ValueError as e:
