@@ -223,6 +223,16 @@ class _Activity:
         return self.rounds > 0 or time.monotonic() - self.last_round_end < grace_s
 
 
+@dataclass(slots=True)
+class _Window:
+    """This peer's last matchmaking window."""
+
+    key: str
+    """The matchmaking key it looked on (its entry is there; a "gone" entry goes there too)."""
+    lonely: bool = False
+    """Nobody else was looking."""
+
+
 @dataclass
 class _Lobby:
     """A leader's open invitation: followers join until the chunk is complete or time is up."""
@@ -279,8 +289,7 @@ class GroupAverager:
         self._step_lock = threading.Lock()
         self._state_added = asyncio.Event()
         self._activity = _Activity()
-        self._lonely = False
-        self._mm_key = matchmaking_key(prefix, 1, 0)
+        self._window = _Window(key=matchmaking_key(prefix, 1, 0))
         self._service = Handler(
             dht, handler_name=self._handler_name, handler=self._handle_stream, start_timeout_s=start_timeout_s
         )
@@ -338,7 +347,7 @@ class GroupAverager:
         expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s + 1
         # the key of its last window (where its entry is read) and, in a sharded run, the one of this epoch (where
         # the peers that expect it look)
-        for key in dict.fromkeys((self._mm_key, self._shard()[0])):
+        for key in dict.fromkeys((self._window.key, self._shard()[0])):
             await self.dht.store(
                 key, self._entry(key, expiration, gone=True), expiration, subkey=self.peer_id, return_future=True
             )
@@ -476,7 +485,7 @@ class GroupAverager:
                 # a peer that failed us this round is not drawn again, nor one that failed to join lately
                 suspects = {f["peer"] for f in record.failures} | self._admission.suspects.active()
                 group = await self._form_group(gather, record, deadline, suspects)
-                lonely_windows = lonely_windows + 1 if group is None and self._lonely else 0
+                lonely_windows = lonely_windows + 1 if group is None and self._window.lonely else 0
                 if lonely_windows >= 2:  # nobody else has been looking for two whole windows: stop waiting
                     record.fail(self.peer_id, "matchmaking", "no other peer looking for a group")
                     break
@@ -531,7 +540,7 @@ class GroupAverager:
     async def _form_group(self, gather: Any, record: RoundRecord, deadline: float, suspects: set[str]) -> Group | None:
         cfg = self.config
         key, in_my_shard = self._shard()
-        self._mm_key = key
+        self._window.key = key
         my_class = (self.region, bandwidth_class(self._bandwidth_mbps()))
         expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s
         entry = self._entry(key, expiration)
@@ -557,7 +566,7 @@ class GroupAverager:
             if full_and_stable or time.monotonic() >= window_end:
                 break
             previous = set(candidates)
-        self._lonely = len(candidates) <= 1
+        self._window.lonely = len(candidates) <= 1
         guard = self._admission.guard
         drawn = guard.core(candidates, self.peer_id)
         chunk = next(c for c in draw_groups(drawn, cfg.target_group_size, cfg.min_group_size) if self.peer_id in c)
@@ -705,7 +714,7 @@ class GroupAverager:
                     with contextlib.suppress(Exception):
                         await probe_the_absent()
                 with contextlib.suppress(Exception):  # a failed read: the next one, or the join deadline
-                    await self._read_candidates(self._mm_key, (self.region, 0), set())  # notes who is gone
+                    await self._read_candidates(self._window.key, (self.region, 0), set())  # notes who is gone
                 gone = lobby.expected & (self._admission.departed.keys() | lobby.dead)
                 if gone:
                     lobby.expected -= gone

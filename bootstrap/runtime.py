@@ -19,7 +19,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Generic, Protocol, TypeVar
 
 import hivemind
-from hivemind.p2p import P2P, PeerID
+from google.protobuf.wrappers_pb2 import BytesValue
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from bootstrap.errors import Rejected, one_line
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 StreamHandler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+UnaryHandler = Callable[[bytes, str], Awaitable[bytes]]
 
 _RPC_TIMEOUT_S = 30.0
 
@@ -189,7 +191,12 @@ class NetworkRuntime:
 
 class Handler:
     """Serves `handler` under `handler_name` on the DHT's runtime until `close()`; `background(stop)`,
-    if given, runs beside it and is cancelled at close. ``loop`` and ``p2p`` are the runtime's."""
+    if given, runs beside it and is cancelled at close. ``loop`` and ``p2p`` are the runtime's.
+
+    With `unary` (``unary(request bytes, caller's peer ID) -> reply bytes``) it also serves one-message
+    calls under `unary_name`, which `call_unary` makes: they ride the replica's one multiplexed connection
+    to the daemon (hivemind's unary protobuf handlers, a `BytesValue` each way), where a stream call opens
+    a connection to the daemon and negotiates a stream per call."""
 
     def __init__(
         self,
@@ -198,12 +205,15 @@ class Handler:
         handler_name: str,
         handler: StreamHandler,
         background: Callable[[asyncio.Event], Awaitable[None]] | None = None,
+        unary: UnaryHandler | None = None,
         start_timeout_s: float = 30.0,
     ):
         self.handler_name = handler_name
+        self.unary_name = f"{handler_name}.unary"
         self.runtime = NetworkRuntime.acquire(dht, start_timeout_s=start_timeout_s)
         self.loop, self.p2p = self.runtime.loop, self.runtime.p2p
         self._closed = False
+        self._unary = unary
         try:
             self._stop, self._task = self.runtime.call(self._start(handler, background), timeout_s=start_timeout_s)
         except BaseException:
@@ -212,8 +222,20 @@ class Handler:
 
     async def _start(self, handler: StreamHandler, background: Any) -> tuple[asyncio.Event, asyncio.Task | None]:
         await self.p2p.add_binary_stream_handler(self.handler_name, handler)
+        if self._unary is not None:
+            await self.p2p.add_protobuf_handler(self.unary_name, self._serve_unary, BytesValue)
         stop = asyncio.Event()
         return stop, (asyncio.create_task(background(stop)) if background is not None else None)
+
+    async def _serve_unary(self, request: BytesValue, context: P2PContext) -> BytesValue:
+        return BytesValue(value=await self._unary(request.value, str(context.remote_id)))
+
+    async def call_unary(self, peer: PeerID | str, data: bytes) -> bytes:
+        """One message to `peer`'s `unary` handler of the same name; its reply. Bound it with a timeout."""
+        reply = await self.p2p.call_protobuf_handler(
+            peer_id_of(peer), self.unary_name, BytesValue(value=data), BytesValue
+        )
+        return reply.value
 
     async def _stop_serving(self) -> None:
         self._stop.set()
@@ -223,6 +245,9 @@ class Handler:
                 await self._task
         with contextlib.suppress(Exception):
             await self.p2p.remove_binary_stream_handler(self.handler_name)
+        if self._unary is not None:
+            with contextlib.suppress(Exception):
+                await self.p2p.remove_protobuf_handler(self.unary_name)
 
     def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run `coroutine` on the runtime's loop; returns a concurrent future."""

@@ -504,7 +504,7 @@ def test_a_sharded_run_groups_within_each_key_and_closes_each_window_early(make_
     for i, (out, record, group) in enumerate(results):
         shard = shard_of(ids[i], epoch, 2)
         pair = sorted(j for j in range(NUM_PEERS) if shard_of(ids[j], epoch, 2) == shard)
-        assert averagers[i]._mm_key == matchmaking_key(prefix, 2, shard) == f"{prefix}.mm.2.{shard}"
+        assert averagers[i]._window.key == matchmaking_key(prefix, 2, shard) == f"{prefix}.mm.2.{shard}"
         assert record.outcome == "ok" and sorted(group.members) == sorted(ids[j] for j in pair), record.to_dict()
         assert (out - _weighted_mean(tensors, weights, pair)).abs().max().item() < 1e-5
         assert record.phase_s["matchmaking"] < 3.0, record.to_dict()  # not the whole 6 s window

@@ -23,7 +23,7 @@ Every property asserts the same three things:
 | averaging codecs | ``Codec.decode`` on mutated messages | - |
 | averaging handler | ``bootstrap.framing.read_frame``, ``GroupAverager._handle_stream`` (in memory) | yes |
 | group metadata | ``swarm.rounds`` (gathered_problem, base_agreement_group, next_round, seal_fields) | - |
-| manifest gossip | ``ManifestGossip._serve`` (in memory) | yes |
+| manifest gossip | ``ManifestGossip._serve``, ``ManifestGossip._serve_unary`` (in memory) | yes |
 | shard exchange | ``ShardServer._handle``, client ``_Session.request`` (in memory) | yes |
 | bandwidth probe | ``ProbeServer._handle``, client ``_probe`` (in memory) | test_bandwidth |
 
@@ -1051,7 +1051,7 @@ def _bare_gossip() -> ManifestGossip:
     gossip.on_new, gossip.config = (lambda data, digest, step: None), GossipConfig(push_timeout_s=0.5)
     gossip.rejected, gossip.received, gossip.forwarded, gossip.newest = Counter(), 0, 0, None
     gossip._lock, gossip.peer_id = threading.Lock(), OWNER.peer_id
-    gossip._forwarding = set()
+    gossip._forwarding, gossip.duplicates = set(), 0
     gossip.announce, gossip.holders = (lambda data, digest: True), (lambda data: ())  # __init__'s defaults
     return gossip
 
@@ -1071,6 +1071,31 @@ def test_gossip_handler_counts_every_refusal(data):
 
     async def serve_and_forward() -> None:  # the handler hands an accepted manifest to a forwarding task
         await gossip._serve(PEER, reader_of(data), FakeWriter())
+        await asyncio.gather(*list(gossip._forwarding))
+
+    run_bounded(serve_and_forward, 0.5 + HANG_MARGIN_S)
+    accepted = int(gossip.newest is not None)
+    assert sum(gossip.rejected.values()) + accepted == 1, gossip.rejected
+    if accepted:
+        assert gossip.newest[0] == _MANIFEST.step
+
+
+@fuzz(
+    150,
+    data=st.one_of(
+        st.binary(max_size=64),
+        mutated_bytes(MANIFEST_BYTES),
+        mutated_json(json.loads(MANIFEST_BYTES)),
+        st.just(MANIFEST_BYTES + b" " * (MAX_MANIFEST_BYTES + 1 - len(MANIFEST_BYTES))),
+    ),
+)
+@example(data=MANIFEST_BYTES)
+def test_gossip_unary_handler_counts_every_refusal(data):
+    """The push as one unary message (what peers send now): the same checks, one count per refusal."""
+    gossip = _bare_gossip()
+
+    async def serve_and_forward() -> None:
+        assert await gossip._serve_unary(data, str(PEER.peer_id)) == b""
         await asyncio.gather(*list(gossip._forwarding))
 
     run_bounded(serve_and_forward, 0.5 + HANG_MARGIN_S)

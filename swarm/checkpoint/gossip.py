@@ -1,4 +1,5 @@
-"""Epidemic push of sealed manifests over libp2p streams, plus a DHT index for peers that were away.
+"""Epidemic push of sealed manifests over libp2p (a unary call per push), plus a DHT index for peers that
+were away.
 
 A peer that learns a new sealed manifest (one that verifies and is newer than what it has) stores it
 and pushes it to ``fanout`` random peers of the run; each receiver verifies *before* forwarding, so
@@ -24,10 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import hivemind
-from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
-from bootstrap.framing import ProtocolError, read_blob, write_blob
+from bootstrap.framing import ProtocolError, read_blob
 from bootstrap.runtime import Handler
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,7 @@ class ManifestGossip:
             handler_name=f"swarm.gossip.v1.{run_id}",
             handler=self._serve,
             background=self._pull_periodically,
+            unary=self._serve_unary,
             start_timeout_s=start_timeout_s,
         )
         self._p2p = self._service.p2p
@@ -190,21 +191,31 @@ class ManifestGossip:
         await asyncio.gather(*(self._push_one(peer, data) for peer in targets))
 
     async def _push_one(self, peer: str, data: bytes) -> None:
+        """One unary call (the replica's multiplexed connection to the daemon): at 100 peers in one process,
+        a stream per push (a daemon connection and a stream negotiation each) cost the spread most of its time."""
         try:
             async with asyncio.timeout(self.config.push_timeout_s):
-                _, reader, writer = await self._p2p.call_binary_stream_handler(
-                    PeerID.from_base58(peer), self._service.handler_name
-                )
-                try:
-                    await write_blob(writer, data)
-                    await reader.read(1)  # the receiver hangs up once it has read everything
-                finally:
-                    writer.close()
+                await self._service.call_unary(peer, data)
             self.forwarded += 1
         except Exception as e:  # an unreachable peer only slows the epidemic down
             logger.debug("push to %s failed: %r", peer, e)
 
+    async def _serve_unary(self, data: bytes, source: str) -> bytes:
+        if not 0 < len(data) <= MAX_MANIFEST_BYTES:
+            self.rejected["oversized or empty manifest"] += 1
+            return b""
+        self.received += 1
+        self._forward_later(data, source)
+        return b""
+
+    def _forward_later(self, data: bytes, source: str) -> None:
+        # forwarding outlives the handler: keep a strong reference, or the task can be collected mid-push
+        task = asyncio.create_task(self._accept(data, source=source))
+        self._forwarding.add(task)
+        task.add_done_callback(self._forwarding.discard)
+
     async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A push over a stream (how peers before the unary push sent it)."""
         source = str(info.peer_id)
         try:
             async with asyncio.timeout(self.config.push_timeout_s):
@@ -220,10 +231,7 @@ class ManifestGossip:
             return
         finally:
             writer.close()
-        # forwarding outlives this handler: keep a strong reference, or the task can be collected mid-push
-        task = asyncio.create_task(self._accept(data, source=source))
-        self._forwarding.add(task)
-        task.add_done_callback(self._forwarding.discard)
+        self._forward_later(data, source)
 
     async def _pull_periodically(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
