@@ -82,7 +82,8 @@ _MAX_MEMBERS = 64
 _MAX_ENTRIES_READ = 16 * _MAX_MEMBERS
 _GONE_POLL_S = 0.25
 _PROBE_TIMEOUT_S = 2.0
-_PROBE_ABSENT_AFTER_S = 0.5  # a leader probes the followers that have not joined by then
+_PROBE_ABSENT_AFTER_S = 0.5  # a leader probes the followers that have not joined by then; a window, the absent
+_MAX_PROBED_ABSENT = 2  # a window probes its absent expected members only when this few are missing
 _POLLERS: set[asyncio.Task] = set()
 _MAX_SHARDS = 1 << 16
 SHARD_EPOCH_S = 60.0
@@ -549,8 +550,10 @@ class GroupAverager:
         # of the run this peer knows of, and that view is stable (what hivemind's leader does when its
         # group fills up); otherwise peers wait the whole window, so that everyone draws the groups from
         # the same list
-        window_end = time.monotonic() + cfg.matchmaking_time_s
+        window_start = time.monotonic()
+        window_end = window_start + cfg.matchmaking_time_s
         previous: set[str] | None = None
+        unreachable: asyncio.Task | None = None
         poll_s = 0.0  # read at once (the others may all be looking already), then every 0.1 s
         while True:
             await asyncio.sleep(min(poll_s, max(0.0, window_end - time.monotonic())))
@@ -558,6 +561,14 @@ class GroupAverager:
             candidates = await self._read_candidates(key, my_class, suspects)
             # one that said it left is not waited for, nor one that looks on another key this epoch
             live = {p for p in self._admission.live_expected() if in_my_shard(p)} | {self.peer_id}
+            # nor, once a probe says so, an expected member that does not answer at all (killed, or restarting
+            # and not averaging yet: its record outlives it); only a few absent are probed, once a window
+            absent = live - set(candidates)
+            if unreachable is None and time.monotonic() - window_start >= _PROBE_ABSENT_AFTER_S:
+                if 0 < len(absent) <= _MAX_PROBED_ABSENT:
+                    unreachable = asyncio.create_task(self._unreachable(sorted(absent)))
+            if unreachable is not None and unreachable.done():
+                live -= unreachable.result()
             expected = live if len(live) >= cfg.min_group_size else None
             everyone = len(candidates) == cfg.target_group_size or (
                 expected is not None and expected <= set(candidates)
@@ -566,6 +577,8 @@ class GroupAverager:
             if full_and_stable or time.monotonic() >= window_end:
                 break
             previous = set(candidates)
+        if unreachable is not None and not unreachable.done():
+            unreachable.cancel()
         self._window.lonely = len(candidates) <= 1
         guard = self._admission.guard
         drawn = guard.core(candidates, self.peer_id)
@@ -1015,18 +1028,26 @@ class GroupAverager:
         """Whether ``peer`` still takes part in a round (``group_id``'s attempt, or any while a group forms),
         asked on a fresh stream. False for a killed peer (the dial fails) and a restarted one (it is in no
         round), and for one that does not answer within ``timeout_s``."""
+        reply = await self._probe_reply(peer, group_id, timeout_s)
+        return reply is not None and reply.get("status") == "ok"
+
+    async def _unreachable(self, peers: list[str]) -> set[str]:
+        """Those of ``peers`` that do not answer a probe at all (a peer between rounds answers)."""
+        replies = await asyncio.gather(*(self._probe_reply(p, "", _PROBE_TIMEOUT_S) for p in peers))
+        return {peer for peer, reply in zip(peers, replies) if reply is None}
+
+    async def _probe_reply(self, peer: str, group_id: str, timeout_s: float) -> dict | None:
         try:
             async with asyncio.timeout(max(0.05, timeout_s)):
                 _, reader, writer = await self._open(peer)
                 try:
                     await write_frame(writer, {"op": "probe", "group_id": group_id})
-                    reply = await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)
+                    return await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)
                 finally:
                     writer.close()
         except Exception as e:  # a dial that fails, a reset, a timeout: gone
             logger.debug("probe of %s failed: %r", peer[-6:], e)
-            return False
-        return reply.get("status") == "ok"
+            return None
 
     async def _open(self, peer: str) -> Any:
         if self._dead:

@@ -39,6 +39,7 @@ PEER_FLAGS = [
     "--members-only",
     "--suspect-s",
     "--guard-s",
+    "--shard-size",
     "--max-attempts",
     "--codec",
     "--aggregator",
