@@ -446,8 +446,15 @@ def test_the_window_closes_early_once_every_live_member_is_looking(make_group, t
     """4 peers, groups of up to 8, a 6 s window: told who the run's live members are, they stop gathering
     once all 4 are looking; not told, they wait the whole window (a fifth peer might still come)."""
     averagers = make_group(aggregator="mean", matchmaking_time_s=6.0)
-    tensors, weights = _inputs()
     members = {a.peer_id for a in averagers} if told else set()
+    for matchmaking, record in _all_step_expecting(averagers, members):
+        assert matchmaking < 3.0 if told else matchmaking >= 6.0, record.to_dict()
+
+
+def _all_step_expecting(averagers, members):
+    """Every peer steps at once, told ``members``; each must average exactly with all the others. Returns
+    (seconds of matchmaking, record) of each."""
+    tensors, weights = _inputs()
 
     def one(i):
         return averagers[i].step(tensors[i], weight=weights[i], timeout_s=40.0, expected=members)
@@ -458,8 +465,7 @@ def test_the_window_closes_early_once_every_live_member_is_looking(make_group, t
     for out, record, group in results:
         assert record.outcome == "ok" and len(group.members) == NUM_PEERS, record.to_dict()
         assert (out - reference).abs().max().item() < 1e-5
-        matchmaking = record.phase_s["matchmaking"]
-        assert matchmaking < 3.0 if told else matchmaking >= 6.0, record.to_dict()
+    return [(record.phase_s["matchmaking"], record) for _, record, _ in results]
 
 
 def test_matchmaking_keys_shard_a_large_run_and_bound_each_key():
@@ -521,20 +527,8 @@ def test_an_expected_member_that_does_not_answer_is_not_waited_for(make_group, m
     if not probe:
         monkeypatch.setattr("averaging.group._MAX_PROBED_ABSENT", 0)
     averagers = make_group(aggregator="mean", matchmaking_time_s=6.0)
-    tensors, weights = _inputs()
     dead = Identity.generate().peer_id  # a valid peer ID nobody runs
-    members = {a.peer_id for a in averagers} | {dead}
-
-    def one(i):
-        return averagers[i].step(tensors[i], weight=weights[i], timeout_s=40.0, expected=members)
-
-    with ThreadPoolExecutor(NUM_PEERS) as pool:
-        results = list(pool.map(one, range(NUM_PEERS)))
-    reference = _weighted_mean(tensors, weights, range(NUM_PEERS))
-    for out, record, group in results:
-        assert record.outcome == "ok" and len(group.members) == NUM_PEERS, record.to_dict()
-        assert (out - reference).abs().max().item() < 1e-5
-        matchmaking = record.phase_s["matchmaking"]
+    for matchmaking, record in _all_step_expecting(averagers, {a.peer_id for a in averagers} | {dead}):
         assert matchmaking < 4.5 if probe else matchmaking >= 6.0, record.to_dict()
 
 
