@@ -82,8 +82,7 @@ _MAX_MEMBERS = 64
 _MAX_ENTRIES_READ = 16 * _MAX_MEMBERS
 _GONE_POLL_S = 0.25
 _PROBE_TIMEOUT_S = 2.0
-_PROBE_ABSENT_AFTER_S = 0.5  # a leader probes the followers that have not joined by then; a window, the absent
-_MAX_PROBED_ABSENT = 2  # a window probes its absent expected members only when this few are missing
+_PROBE_ABSENT_AFTER_S = 0.5  # a leader probes the followers that have not joined by then
 _POLLERS: set[asyncio.Task] = set()
 _MAX_SHARDS = 1 << 16
 SHARD_EPOCH_S = 60.0
@@ -298,10 +297,6 @@ class GroupAverager:
         if identity is not None and identity.peer_id != self.peer_id:
             self._service.close()
             raise ValueError(f"identity {identity.peer_id} is not the key of the DHT's peer {self.peer_id}")
-        # the codec's first use loads bitsandbytes (seconds): now, beside the first inner steps, not inside the
-        # first round's sender deadline (a loaded 2-core machine took more than 4 s and lost that round); a
-        # daemon thread, so that a signal right after start-up does not wait for it
-        threading.Thread(target=_warm, args=(self.config.codec,), name="codec-warm", daemon=True).start()
 
     # ------------------------------------------------------------------------------------ lifetime
     @property
@@ -550,10 +545,8 @@ class GroupAverager:
         # of the run this peer knows of, and that view is stable (what hivemind's leader does when its
         # group fills up); otherwise peers wait the whole window, so that everyone draws the groups from
         # the same list
-        window_start = time.monotonic()
-        window_end = window_start + cfg.matchmaking_time_s
+        window_end = time.monotonic() + cfg.matchmaking_time_s
         previous: set[str] | None = None
-        unreachable: asyncio.Task | None = None
         poll_s = 0.0  # read at once (the others may all be looking already), then every 0.1 s
         while True:
             await asyncio.sleep(min(poll_s, max(0.0, window_end - time.monotonic())))
@@ -561,14 +554,6 @@ class GroupAverager:
             candidates = await self._read_candidates(key, my_class, suspects)
             # one that said it left is not waited for, nor one that looks on another key this epoch
             live = {p for p in self._admission.live_expected() if in_my_shard(p)} | {self.peer_id}
-            # nor, once a probe says so, an expected member that does not answer at all (killed, or restarting
-            # and not averaging yet: its record outlives it); only a few absent are probed, once a window
-            absent = live - set(candidates)
-            if unreachable is None and time.monotonic() - window_start >= _PROBE_ABSENT_AFTER_S:
-                if 0 < len(absent) <= _MAX_PROBED_ABSENT:
-                    unreachable = asyncio.create_task(self._unreachable(sorted(absent)))
-            if unreachable is not None and unreachable.done():
-                live -= unreachable.result()
             expected = live if len(live) >= cfg.min_group_size else None
             everyone = len(candidates) == cfg.target_group_size or (
                 expected is not None and expected <= set(candidates)
@@ -577,8 +562,6 @@ class GroupAverager:
             if full_and_stable or time.monotonic() >= window_end:
                 break
             previous = set(candidates)
-        if unreachable is not None and not unreachable.done():
-            unreachable.cancel()
         self._window.lonely = len(candidates) <= 1
         guard = self._admission.guard
         drawn = guard.core(candidates, self.peer_id)
@@ -1031,11 +1014,6 @@ class GroupAverager:
         reply = await self._probe_reply(peer, group_id, timeout_s)
         return reply is not None and reply.get("status") == "ok"
 
-    async def _unreachable(self, peers: list[str]) -> set[str]:
-        """Those of ``peers`` that do not answer a probe at all (a peer between rounds answers)."""
-        replies = await asyncio.gather(*(self._probe_reply(p, "", _PROBE_TIMEOUT_S) for p in peers))
-        return {peer for peer, reply in zip(peers, replies) if reply is None}
-
     async def _probe_reply(self, peer: str, group_id: str, timeout_s: float) -> dict | None:
         try:
             async with asyncio.timeout(max(0.05, timeout_s)):
@@ -1169,11 +1147,6 @@ class GroupAverager:
         # whose local end vanished): linger until the sender, having read it all, hangs up
         with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
             await asyncio.wait_for(reader.read(1), self.config.reducer_timeout_s)
-
-
-def _warm(codec: str) -> None:
-    with contextlib.suppress(Exception):  # a codec that cannot load fails the round that uses it, with the reason
-        get_codec(codec).warm()
 
 
 async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, status: str) -> None:
