@@ -1011,21 +1011,18 @@ class GroupAverager:
         """Whether ``peer`` still takes part in a round (``group_id``'s attempt, or any while a group forms),
         asked on a fresh stream. False for a killed peer (the dial fails) and a restarted one (it is in no
         round), and for one that does not answer within ``timeout_s``."""
-        reply = await self._probe_reply(peer, group_id, timeout_s)
-        return reply is not None and reply.get("status") == "ok"
-
-    async def _probe_reply(self, peer: str, group_id: str, timeout_s: float) -> dict | None:
         try:
             async with asyncio.timeout(max(0.05, timeout_s)):
                 _, reader, writer = await self._open(peer)
                 try:
                     await write_frame(writer, {"op": "probe", "group_id": group_id})
-                    return await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)
+                    reply = await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)
                 finally:
                     writer.close()
         except Exception as e:  # a dial that fails, a reset, a timeout: gone
             logger.debug("probe of %s failed: %r", peer[-6:], e)
-            return None
+            return False
+        return reply.get("status") == "ok"
 
     async def _open(self, peer: str) -> Any:
         if self._dead:
