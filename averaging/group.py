@@ -433,6 +433,15 @@ class GroupAverager:
         guard is up (see averaging.membership), so a newcomer finds the run's core during a flood."""
         self._admission.prove(peers, own_round=False)
 
+    def exclude(self, peer: str, reason: str) -> None:
+        """Never draw, admit or wait for ``peer`` again (its work failed a check: swarm.work)."""
+        self._admission.excluded.setdefault(peer, reason)
+
+    @property
+    def excluded(self) -> dict[str, str]:
+        """The peers excluded so far, with the reason (a copy)."""
+        return dict(self._admission.excluded)
+
     @property
     def guard(self) -> Guard:
         """The Sybil guard's state (read-only use: ``active()``, ``raised``, ``proven``)."""
@@ -613,7 +622,10 @@ class GroupAverager:
                 self.rejected["candidate not a run member"] += 1
                 del entries[peer]
         candidates: dict[str, tuple[str, int]] = {self.peer_id: my_class}
-        candidates.update((peer, entry) for peer, entry in entries.items() if peer not in suspects)
+        excluded = self._admission.excluded
+        candidates.update(
+            (peer, entry) for peer, entry in entries.items() if peer not in suspects and peer not in excluded
+        )
         return candidates
 
     async def _supersede_own_gone(self, key: str, item: Any, now: float) -> None:
@@ -755,9 +767,18 @@ class GroupAverager:
             self.rejected[e.reason] += 1
             record.fail(leader, "matchmaking", str(e))
             return None
+        excluded = [m for m in members if m in self._admission.excluded]
+        if excluded:  # the leader has not excluded it (yet): this peer does not average with it
+            self.rejected["group with an excluded peer"] += 1
+            record.fail(excluded[0], "matchmaking", "an excluded peer is in the group")
+            return None
         return Group(group_id=group_id, members=members, gathered=gathered)
 
     async def _serve_join(self, peer: str, header: dict, writer: asyncio.StreamWriter) -> None:
+        if peer in self._admission.excluded:
+            self.rejected["join from an excluded peer"] += 1
+            await write_frame(writer, {"status": "excluded"})
+            return
         if self._admission.members is not None and peer not in await self._admission.members.get(
             self.dht, {peer}, min_age_s=JOIN_MIN_REFRESH_S
         ):

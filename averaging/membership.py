@@ -271,6 +271,8 @@ class Admission:
         """Who the caller believes the run's live members are (this round's ``step(expected=...)``)."""
         self.departed: dict[str, float] = {}
         """Peers whose "gone" entry was read (monotonic time): not waited for until they look again."""
+        self.excluded: dict[str, str] = {}
+        """Peers shown to cheat (swarm.work), with the reason: never drawn, admitted or waited for."""
 
     def gone(self, peer: str) -> None:
         """``peer`` said it left the run (a signed "gone" entry)."""
@@ -284,7 +286,7 @@ class Admission:
 
     def live_expected(self) -> frozenset[str]:
         """The expected members, minus those that said they left."""
-        return self.expected - self.departed.keys()
+        return self.expected - self.departed.keys() - self.excluded.keys()
 
     def prove(self, peers: Iterable[str], *, own_round: bool = True) -> None:
         """``peers`` averaged with this one (or, ``own_round=False``, signed the state it loaded): they

@@ -165,6 +165,29 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class WorkConfig:
+    """Verified work (swarm.work): commitments to each phase, spot-check replays, exclusion of cheats."""
+
+    verify_work: bool = False
+    """Commit to each phase's inner steps and check the others' by replay (needs a registry task; blocking
+    rounds only). swarm.peer turns it on for its registry tasks with --verify-work."""
+    check_rate: float = 0.6
+    """Chance that each contribution of a round is checked (one segment of it, by another member): a peer
+    that never trains is caught within 5 rounds with probability 1 - 0.4^5 = 0.99 (benchmarks/README.md)."""
+    segment_steps: int = 5
+    """Inner steps per checked segment: a check replays this many steps; a phase keeps a boundary state
+    every this many steps (memory: phase steps / segment_steps + 1 copies of parameters and optimizer state)."""
+    require_verified: bool = False
+    """Exclude members that send no commitment (a custom data loop, an overlapped trainer)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.check_rate <= 1.0:
+            raise ValueError(f"check_rate must be in [0, 1], got {self.check_rate!r}")
+        if self.segment_steps < 1:
+            raise ValueError(f"segment_steps must be >= 1, got {self.segment_steps!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TrainerConfig:
     """How a trainer joins a run and averages with its peers."""
 
@@ -205,6 +228,7 @@ class TrainerConfig:
     presence: PresenceConfig = field(default_factory=PresenceConfig)
     requirements: RequirementsConfig = field(default_factory=RequirementsConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    work: WorkConfig = field(default_factory=WorkConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.run, str) or not _RUN_NAME.match(self.run):

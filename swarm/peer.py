@@ -37,7 +37,7 @@ from swarm.events import EventLog
 from swarm.node import Node, launched_size
 from swarm.recipe import inner_step
 from swarm.tasks import get_task
-from swarm.trainer import TaskInfo, Trainer, TrainerConfig
+from swarm.trainer import TaskInfo, Trainer, TrainerConfig, WorkSpec
 
 logger = logging.getLogger("swarm.peer")
 EXIT_BAD_INPUT = 2
@@ -190,6 +190,11 @@ class PeerRunner:
             device=str(self.device),
         )
         task_info = TaskInfo.of(self.task, self.config.task_preset)
+        cfg = self.config  # verified work (--verify-work) replays this peer's shard of the task's stream
+        work = WorkSpec(
+            task=self.task, task_digest=task_info.config_digest, shard_index=self.shard_index,
+            num_shards=cfg.num_shards, seed=cfg.seed,
+        ) if self.node is None else None  # fmt: skip
         self.trainer = Trainer(
             self.model,
             self.optimizer,
@@ -198,6 +203,7 @@ class PeerRunner:
             dht=self.dht,
             task_info=task_info,
             evaluate=self.evaluate_or_nan,
+            work=work,
         )
         self.stop.on_stop.append(self.trainer.interrupt)
         self.trainer.evidence.listeners.append(self._on_evidence)
@@ -276,7 +282,8 @@ class PeerRunner:
         val = self.evaluate()
         self.events.emit("val", round=trainer.round, step=trainer.local_step, val_loss=val)
         trainer.evidence.record("val", {"round": trainer.round, "step": trainer.local_step, "val_loss": val})
-        batches, params, writes = self._batches(), _trainable(self.model), None
+        batches = trainer.work.batches() if trainer.work is not None else self._batches()
+        params, writes = _trainable(self.model), None
         started, window_start, window_samples = time.monotonic(), time.monotonic(), 0
         while True:
             stop = self._should_stop(started)

@@ -58,10 +58,32 @@ class RoundRunner:
         """Overlapped rounds (`swarm.overlap`): the round runs in the background and leaves the model alone."""
         self.last: RoundResult | None = None
         """The result of the last round that ended."""
+        self.work: Any = None
+        """Verified work (`swarm.work.WorkChecks`), or None."""
+        self.commitment: dict | None = None
+        """This phase's signed work commitment: sent with the next round's metadata (then cleared)."""
+
+    def load_state(self, *, timeout_s: float, reason: str, newer_than: int | None) -> bool:
+        """`swarm.Trainer.load_state`: the run's newest sealed state, verified end to end, into the outer optimizer
+        (and the model); True if one was loaded."""
+        if self.checkpoints is None:
+            return False
+        manifest, problem = self.checkpoints.resume(
+            self.outer, timeout_s=timeout_s, newer_than=newer_than, reason=reason
+        )
+        if problem is not None:
+            self.counters.rejected[problem] += 1
+        if manifest is not None:
+            self.counters.state_loaded += 1
+            self.counters.state_verified += 1
+            self.group_averager.vouch(manifest.participants)  # its signers: the run's core in a Sybil flood
+        return manifest is not None
 
     def run(self, pseudo: Any, samples: int, step: int, started: float) -> RoundResult:
         """Average ``pseudo`` with a group, step the global state and keep the round's evidence (blocking, or in
         the background when overlapped: then the model is left to the training thread)."""
+        if self.work is not None:  # verified work: this phase's commitment goes with the round's metadata
+            self.commitment = self.work.commit(pseudo, samples, self.outer.round)
         return self._finish(pseudo, samples, step, started, self._average(pseudo.delta, samples, pseudo.digest))
 
     def run_prelaunched(self, pending: Future, samples: int, digest: str) -> RoundResult | None:
@@ -94,6 +116,8 @@ class RoundRunner:
         newest = self.checkpoints.newest_digest() if self.checkpoints is not None else None
         fresh = self.counters.rounds_ok + self.counters.rounds_solo == 0
         gather = rounds.gather_metadata(self.outer.round, samples, self.binding, digest, newest, fresh=fresh)
+        if self.commitment is not None:
+            gather["work"], self.commitment = self.commitment, None
         expected: set[str] = set()
         try:
             expected = self.presence.run_peers()  # all of them looking: the window closes early
@@ -132,6 +156,8 @@ class RoundRunner:
                 if new_state is None:
                     logger.info("round %s: diverged bases not averaged: %s", self.outer.round, agreement.failures[:3])
             next_round = rounds.next_round(self.outer.round, group.gathered)
+            if self.work is not None:
+                self.work.after_round(group, pseudo.state[: pseudo.delta.numel()], self.outer.round)
             self.counters.rounds_ok += 1
             book.solo_streak = 0
             self.presence.recent.add(group.members)
@@ -141,6 +167,9 @@ class RoundRunner:
             book.solo_streak += 1
             self.presence.reconnect()
         self.outer.step(averaged, next_round=next_round, new_state=new_state, to_model=self.overlap is None)
+        if self.work is not None:  # the next phase starts from the new global state; accusations are re-checked
+            self.work.begin(first_step=step + 1)
+            self.work.poll()
         size, duration = len(group.members) if grouped else 1, time.perf_counter() - started
         self.last = RoundResult(
             round=self.outer.round,

@@ -53,6 +53,7 @@ from swarm.presence import PeerView, Presence, RunFacts, check_run
 from swarm.recipe import inner_step, warmup_factor
 from swarm.round_runner import RoundRunner
 from swarm.rounds import RoundResult, TrainerCounters
+from swarm.work import WorkChecks, WorkSpec
 
 __all__ = ["RoundResult", "RunMismatch", "TaskInfo", "Trainer", "TrainerConfig", "TrainerCounters"]
 
@@ -68,7 +69,8 @@ class Trainer:
     its shutdown). ``evaluate`` (optional) returns the validation loss of the current model; its
     value is sealed into each checkpoint and shown on the status board. ``identity_key``: this peer's key
     file, by default ``~/.swarm/identity.key`` as swarm.peer's ``--identity-key`` (created 0600, refused
-    if others can read it, held by one live peer at a time): a restarted script is the same peer.
+    if others can read it, held by one live peer at a time): a restarted script is the same peer. With ``work``
+    (`swarm.work.WorkSpec`) and ``verify_work``, train on ``trainer.work.batches()``: each phase is checked by replay.
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class Trainer:
         identity_key: str | os.PathLike[str] | None = None,
         task_info: TaskInfo | None = None,
         evaluate: Callable[[], float] | None = None,
+        work: WorkSpec | None = None,
         **overrides: Any,
     ):
         if config is None:
@@ -119,12 +122,12 @@ class Trainer:
         net = config.network.dht_kwargs()
         self.dht = dht if dht is not None else start_swarm_dht(self.identity, initial_peers=config.initial_peers, **net)
         try:
-            self._wire()
+            self._wire(work)
         except BaseException:
             self.shutdown()
             raise
 
-    def _wire(self) -> None:
+    def _wire(self, work: WorkSpec | None) -> None:
         cfg, task, own = self.config, self.task_info, self.identity.peer_id == self.peer_id
         if not own:
             logger.warning(
@@ -157,6 +160,7 @@ class Trainer:
         self._runner.evaluate, self._runner.overlap = self.evaluate, Overlap(2 * rt + 30) if cfg.overlap else None
         if cfg.load_state:
             self.load_state(timeout_s=cfg.load_state_timeout_s)
+        self._runner.work = WorkChecks.for_trainer(self, work)  # its first phase starts from this state
         self._set_state("training")
         newest = self.checkpoints.newest_digest() if self.checkpoints is not None else None
         join_s = time.time() - self._book.started_at
@@ -188,6 +192,7 @@ class Trainer:
     def device(self) -> torch.device:
         return self.outer.params[0].device
 
+    work = property(lambda self: getattr(self._runner, "work", None), doc="Verified work (`swarm.work`), or None.")
     samples_per_s = property(lambda self: self._book.samples_per_s, doc="Samples/s over the last round's steps.")
     last_loss = property(lambda self: self._book.last_loss, doc="The last training loss passed to :meth:`step`.")
     last_val_loss = property(
@@ -218,6 +223,8 @@ class Trainer:
             raise Stopped(self._stop.signal_name)
         inner_step(self.inner_optimizer, self.local_step + 1, self.config.inner_warmup_steps)
         self.local_step += 1
+        if self._runner.work is not None:
+            self._runner.work.stepped()
         book.samples_since_sync += num_samples
         if loss is not None:
             book.last_loss = float(loss)
@@ -281,18 +288,7 @@ class Trainer:
         """Resume from the run's newest sealed checkpoint, verified end to end; True if one was loaded. With
         ``newer_than`` only one sealed after that round is taken (never an older state than this peer's).
         Nothing unverified is loaded (before the first seal all start from the seeded genesis model)."""
-        if self.checkpoints is None:
-            return False
-        manifest, problem = self.checkpoints.resume(
-            self.outer, timeout_s=timeout_s, newer_than=newer_than, reason=reason
-        )
-        if problem is not None:
-            self.counters.rejected[problem] += 1
-        if manifest is not None:
-            self.counters.state_loaded += 1
-            self.counters.state_verified += 1
-            self.group_averager.vouch(manifest.participants)  # its signers: the run's core in a Sybil flood
-        return manifest is not None
+        return self._runner.load_state(timeout_s=timeout_s, reason=reason, newer_than=newer_than)
 
     def finish(self) -> RoundResult | None:
         """End training: overlapped, wait for the round in flight (its result is returned) and put the global
@@ -318,7 +314,7 @@ class Trainer:
             self._runner.overlap.abandon(self.interrupt)
         if getattr(self, "group_averager", None) is not None:
             self.group_averager.leave()  # first: the others stop waiting for this peer at once
-        for part in ("presence", "checkpoints", "group_averager"):
+        for part in ("work", "presence", "checkpoints", "group_averager"):
             if getattr(self, part, None) is not None:
                 getattr(self, part).close()
         if getattr(self, "evidence", None) is not None:

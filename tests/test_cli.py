@@ -65,6 +65,10 @@ PEER_FLAGS = [
     "--metrics-port",
     "--metrics-host",
     "--progress",
+    "--verify-work",
+    "--check-rate",
+    "--segment-steps",
+    "--require-verified",
     "--task",
     "--task-preset",
     "--device",
@@ -97,6 +101,8 @@ def test_peer_flags_are_frozen_and_map_onto_config_fields():
         "--no-progress",
         "--no-advertise",
         "--no-members-only",
+        "--no-verify-work",
+        "--no-require-verified",
         "--averaging-timeout-s",
     }  # the last: renamed, kept
 

@@ -1,0 +1,141 @@
+"""What verified work costs: recording a phase's commitment, and replaying one segment of it.
+
+    python -m benchmarks.verify_cost [--task charlm --preset small] [--steps 50] [--segments 2 5 10] [--phases 4]
+
+One process, the task's model and AdamW as `swarm.peer` builds them, phases of ``--steps`` inner steps.
+Side by side in one run (interleaved, so the machine's load hits both arms alike): a plain phase, and
+the same phase under a `swarm.verify.WorkRecorder` (a boundary every ``segment_steps`` steps: hashes
+and copies of the parameters and the optimizer state, then the signed commitment). Then a verifier's
+check of each segment: the inputs through safetensors bytes, the digests, the replay.
+
+Per segment length: the recording overhead (recorded / plain phase - 1), a check's time as a fraction
+of a phase, the compute the swarm spends at check rate r (overhead + r x check), the memory the
+boundaries hold, and the chance a peer that never trains is caught within 5 rounds, 1 - (1 - r)^5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks._common import run_metadata, save_result
+from bootstrap.identity import Identity
+from swarm import verify
+from swarm.config import TaskInfo
+from swarm.recipe import inner_step
+from swarm.tasks import get_task
+
+RESULTS = Path(__file__).parent / "results" / "verify_cost.json"
+
+
+def _phase(task, model, optimizer, batches, steps: int, step: int, recorder=None, params=None) -> int:
+    for _ in range(steps):
+        task.loss(model, next(batches)).backward()
+        step += 1
+        inner_step(optimizer, step, 0)
+        if recorder is not None:
+            recorder.stepped(params, optimizer)
+    return step
+
+
+def measure(task, info: TaskInfo, *, steps: int, segment_steps: int, phases: int) -> dict:
+    identity = Identity.generate()
+    model = task.build_model(seed=0)
+    params = verify.trainable(model)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    recorder = verify.WorkRecorder(
+        task, peer=identity.peer_id, shard_index=0, num_shards=4, segment_steps=segment_steps
+    )
+    batches, step = recorder.batches(), 0
+    step = _phase(task, model, optimizer, batches, steps, step)  # warm-up: allocator, optimizer state
+    plain, recorded, checks, signed = [], [], [], []
+    for round_ in range(phases):
+        started = time.perf_counter()
+        step = _phase(task, model, optimizer, batches, steps, step)
+        plain.append(time.perf_counter() - started)
+        base = verify.flat_params(params)
+        started = time.perf_counter()
+        recorder.begin(params, optimizer, first_step=step + 1)
+        step = _phase(task, model, optimizer, batches, steps, step, recorder, params)
+        commitment = recorder.commit(
+            params, optimizer, base=base, identity=identity, run="bench", round_=round_,
+            task_digest=info.config_digest, samples=steps, warmup_steps=0,
+        )  # fmt: skip
+        recorded.append(time.perf_counter() - started)
+        signed.append((round_, base, commitment.commitment))
+    for round_, base, commitment in signed:
+        for segment in range(commitment.segments):
+            started = time.perf_counter()
+            inputs = verify.ReplayInputs.from_bytes(recorder.inputs(round_, segment).to_bytes())
+            ok, reason, _ = verify.check(task, info.config_digest, commitment, segment, inputs, base=base)
+            checks.append(time.perf_counter() - started)
+            if not ok:
+                raise SystemExit(f"an honest segment failed its check: {reason}")
+    phase_s, recorded_s, check_s = statistics.median(plain), statistics.median(recorded), statistics.median(checks)
+    state_bytes = sum(p.numel() for p in params) * 4 * 3  # parameters + AdamW's two moments, fp32
+    return {
+        "segment_steps": segment_steps,
+        "phase_s": phase_s,
+        "recorded_phase_s": recorded_s,
+        "record_overhead": recorded_s / phase_s - 1,
+        "check_s": check_s,
+        "check_fraction": check_s / phase_s,
+        "checks": len(checks),
+        "boundary_memory_mb": (-(-steps // segment_steps) + 1) * state_bytes / 1e6,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.verify_cost", description=__doc__.splitlines()[0])
+    parser.add_argument("--task", default="charlm")
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--steps", type=int, default=50, help="inner steps per phase (sync_every)")
+    parser.add_argument("--segments", type=int, nargs="+", default=[2, 5, 10], help="segment lengths to measure")
+    parser.add_argument("--phases", type=int, default=4, help="phases per arm")
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 0.75])
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # one core per peer, as on this 2-core machine's swarm runs
+    task = get_task(args.task, preset=args.preset)
+    info = TaskInfo.of(task, args.preset)
+    rows = [measure(task, info, steps=args.steps, segment_steps=m, phases=args.phases) for m in args.segments]
+    table = Table(title=f"verified work: {args.task} {args.preset}, {args.steps} steps a phase")
+    for name in ("segment", "phase s", "recorded s", "record overhead", "check s", "check / phase"):
+        table.add_column(name, justify="right")
+    for r in args.rates:
+        table.add_column(f"cost at r={r}", justify="right")
+    table.add_column("boundaries MB", justify="right")
+    for row in rows:
+        costs = {str(r): row["record_overhead"] + r * row["check_fraction"] for r in args.rates}
+        row["cost_at_rate"] = costs
+        table.add_row(
+            str(row["segment_steps"]),
+            f"{row['phase_s']:.2f}",
+            f"{row['recorded_phase_s']:.2f}",
+            f"{row['record_overhead']:+.1%}",
+            f"{row['check_s']:.3f}",
+            f"{row['check_fraction']:.1%}",
+            *[f"{costs[str(r)]:.1%}" for r in args.rates],
+            f"{row['boundary_memory_mb']:.0f}",
+        )
+    console = Console(width=max(Console().width, 160))
+    console.print(table)
+    caught = {str(r): 1 - (1 - r) ** 5 for r in args.rates}
+    console.print(
+        "a peer that never trains, caught within 5 rounds: " + ", ".join(f"r={r}: {p:.3f}" for r, p in caught.items())
+    )
+    result = run_metadata("verify_cost", argv if argv is not None else sys.argv[1:], task=args.task, preset=args.preset)
+    result.update(steps=args.steps, rows=rows, caught_within_5_rounds=caught)
+    console.print(f"wrote {save_result(args.out, result)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

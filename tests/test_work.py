@@ -1,0 +1,304 @@
+"""Verified work (swarm.verify, swarm.work): commitments, spot-check replays, verdicts, exclusion.
+
+The pure tests run peers' phases in one process and check them against a single-process replay;
+the end-to-end test runs honest peers and cheaters as separate processes of a user's script on
+`swarm.Trainer` and requires every cheater, and a lying verifier, to be excluded by the honest peers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bootstrap.identity import Identity
+from swarm import verify
+from swarm.config import TaskInfo
+from swarm.recipe import inner_step
+from swarm.tasks import get_task
+from tests.helpers import Child, python_cmd, spawn, terminate_all, wait_until
+
+RUN = "verified-work"
+TASK = get_task("teacher", preset="tiny")
+DIGEST = TaskInfo.of(TASK, "tiny").config_digest
+STEPS, SEGMENT, WARMUP = 10, 5, 4
+
+
+class SimPeer:
+    """One peer of an in-process run: its own model, AdamW, shard and recorder; ``cheat`` as in the script."""
+
+    def __init__(self, shard: int, cheat: str = "") -> None:
+        self.identity, self.cheat, self.shard = Identity.generate(), cheat, shard
+        self.model = TASK.build_model(seed=0)
+        self.params = verify.trainable(self.model)
+        self.optimizer = torch.optim.AdamW(self.params, lr=3e-3, weight_decay=0.01)
+        self.recorder = verify.WorkRecorder(
+            TASK, peer=self.identity.peer_id, shard_index=shard, num_shards=8, segment_steps=SEGMENT
+        )
+        self.batches, self.other = (
+            self.recorder.batches(),
+            TASK.train_batches(shard_index=(shard + 1) % 8, num_shards=8),
+        )
+        self.step = 0
+        self.last: verify.SignedCommitment | None = None
+
+    def phase(self, base: torch.Tensor, round_: int) -> tuple[verify.SignedCommitment, torch.Tensor]:
+        """Train one phase from ``base`` (the model holds it) and commit; (commitment, end parameters)."""
+        self.recorder.begin(self.params, self.optimizer, first_step=self.step + 1)
+        for _ in range(STEPS):
+            batch = next(self.batches)
+            if self.cheat == "shard":
+                batch = next(self.other)
+            if self.cheat not in ("free", "stale"):
+                TASK.loss(self.model, batch).backward()
+            self.step += 1
+            inner_step(self.optimizer, self.step, WARMUP)
+            self.recorder.stepped(self.params, self.optimizer)
+        signed = self.recorder.commit(
+            self.params, self.optimizer, base=base, identity=self.identity, run=RUN, round_=round_,
+            task_digest=DIGEST, samples=STEPS * 32, warmup_steps=WARMUP,
+        )  # fmt: skip
+        if self.cheat == "stale" and self.last is not None:  # last round's work, signed for this round
+            old = self.last.commitment
+            signed = verify.sign_commitment(_replace(old, round=round_), self.identity)
+            self.recorder.kept[round_] = self.recorder.kept[old.round]
+        self.last = signed
+        return signed, verify.flat_params(self.params)
+
+    def load(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            offset = 0
+            for p in self.params:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+
+def _replace(commitment: verify.Commitment, **fields) -> verify.Commitment:
+    return verify.Commitment(
+        **{**commitment.to_dict(), "params": commitment.params, "inner": commitment.inner, **fields}
+    )
+
+
+def _run(peers: list[SimPeer], rounds: int, *, rate: float) -> list[tuple[SimPeer, SimPeer, tuple]]:
+    """Rounds of plain averaging over ``peers``; every drawn check: (prover, verifier, (ok, reason, digest))."""
+    base, results = verify.flat_params(peers[0].params), []
+    for round_ in range(rounds):
+        done = {}
+        for peer in peers:
+            peer.load(base)
+            done[peer.identity.peer_id] = (peer, *peer.phase(base, round_))
+        commitments = {
+            pid: verify.verify_commitment(signed.to_dict(), run=RUN).commitment for pid, (_, signed, _) in done.items()
+        }
+        seed = hashlib.sha256(f"round {round_}".encode()).hexdigest()
+        for a in verify.draw_checks(seed, commitments, rate=rate):
+            prover, verifier = done[a.prover][0], done[a.verifier][0]
+            inputs = prover.recorder.inputs(round_, a.segment)
+            wire = verify.ReplayInputs.from_bytes(inputs.to_bytes()) if inputs is not None else None
+            outcome = verify.check(TASK, DIGEST, commitments[a.prover], a.segment, wire, base=base)
+            results.append((prover, verifier, outcome, a.segment))
+        base = torch.stack([end for _, _, end in done.values()]).mean(0)
+    return results
+
+
+def test_honest_work_replays_exactly_over_200_checked_contributions() -> None:
+    peers = [SimPeer(shard) for shard in range(4)]
+    results = _run(peers, 50, rate=1.0)
+    assert len(results) >= 200
+    failures = [(outcome, segment) for _, _, outcome, segment in results if not outcome[0]]
+    assert failures == []  # 0 false accusations
+    assert {segment for *_, segment in results} == {0, 1}  # both segments of a phase were drawn
+
+
+@pytest.mark.parametrize(
+    ("cheat", "reason"),
+    [("free", "replay differs"), ("shard", "replay differs"), ("stale", "not from the round's base")],
+)
+def test_a_cheater_fails_every_check_and_honest_peers_pass(cheat: str, reason: str) -> None:
+    peers = [SimPeer(0), SimPeer(1), SimPeer(2, cheat)]
+    results = _run(peers, 3, rate=1.0)
+    by_prover = {}
+    for prover, verifier, outcome, _ in results:
+        assert prover is not verifier
+        by_prover.setdefault(prover.cheat, []).append(outcome)
+    assert all(ok for ok, *_ in by_prover[""])
+    cheated = by_prover[cheat][1:] if cheat == "stale" else by_prover[cheat]  # stale: from its second round on
+    assert cheated and all(not ok and why == reason for ok, why, _ in cheated), cheated
+
+
+def test_a_lying_verifier_is_shown_wrong_by_a_third_replay() -> None:
+    honest, liar = SimPeer(0), SimPeer(1)
+    base = verify.flat_params(honest.params)
+    signed, _ = honest.phase(base, 0)
+    inputs = honest.recorder.inputs(0, 1)
+    lie = verify.verify_verdict(verify.verdict_of(liar.identity, signed.commitment, 1, (False, "replay differs", "")))
+    assert verify.arbitrate(TASK, DIGEST, signed, lie, inputs, base=base) == "verifier"
+    truth = verify.check(TASK, DIGEST, signed.commitment, 1, inputs, base=base)
+    fair = verify.verify_verdict(verify.verdict_of(liar.identity, signed.commitment, 1, truth))
+    assert truth[0] and verify.arbitrate(TASK, DIGEST, signed, fair, inputs, base=base) == "agree"
+    cheat = SimPeer(2, "free")
+    cheat.load(base)
+    bad, _ = cheat.phase(base, 0)
+    accusation = verify.check(TASK, DIGEST, bad.commitment, 0, cheat.recorder.inputs(0, 0), base=base)
+    verdict = verify.verify_verdict(verify.verdict_of(honest.identity, bad.commitment, 0, accusation))
+    assert not accusation[0]
+    assert verify.arbitrate(TASK, DIGEST, bad, verdict, cheat.recorder.inputs(0, 0), base=base) == "prover"
+
+
+def test_untrusted_commitments_verdicts_and_inputs_are_refused_with_a_reason() -> None:
+    peer = SimPeer(0)
+    base = verify.flat_params(peer.params)
+    signed, _ = peer.phase(base, 0)
+    data = signed.to_dict()
+    assert verify.verify_commitment(json.dumps(data).encode(), run=RUN).commitment == signed.commitment
+    forged = {**data, "commitment": {**data["commitment"], "samples": 10**6}}
+    cases = {
+        "bad signature": forged,
+        "another run": data,
+        "malformed": {**data, "commitment": {**data["commitment"], "params": data["commitment"]["params"][:1]}},
+    }
+    for reason, value in cases.items():
+        with pytest.raises(verify.WorkRejected) as caught:
+            verify.verify_commitment(value, run="other" if reason == "another run" else RUN)
+        assert caught.value.reason == reason
+    for garbage in (b"", b"\x00" * 16, b"{}" * 10, json.dumps({"verdict": {}}).encode()):
+        with pytest.raises(verify.WorkRejected):
+            verify.verify_verdict(garbage)
+        with pytest.raises(verify.WorkRejected):
+            verify.ReplayInputs.from_bytes(garbage)
+    inputs = peer.recorder.inputs(0, 0)
+    bent = verify.ReplayInputs(
+        verify.Boundary(inputs.start.params, verify.InnerState(inputs.start.inner.tensors, "[{}]")), inputs.end_params
+    )
+    assert (
+        verify.check(TASK, DIGEST, signed.commitment, 0, bent, base=base)[1]
+        == "served start differs from the commitment"
+    )
+    assert verify.check(TASK, DIGEST, signed.commitment, 0, None, base=base)[1] == "inputs refused"
+    assert verify.check(TASK, "0" * 64, signed.commitment, 0, inputs, base=base)[1] == "another task"
+
+
+def test_the_draw_is_the_same_everywhere_and_never_self_verifies() -> None:
+    peers = [SimPeer(i) for i in range(5)]
+    base = verify.flat_params(peers[0].params)
+    commitments = {p.identity.peer_id: p.phase(base, 0)[0].commitment for p in peers}
+    draws = [verify.draw_checks(f"seed {i}", commitments, rate=0.6) for i in range(200)]
+    assert draws[7] == verify.draw_checks("seed 7", dict(reversed(list(commitments.items()))), rate=0.6)
+    checked = sum(len(d) for d in draws) / (200 * len(peers))
+    assert 0.5 < checked < 0.7
+    assert all(a.prover != a.verifier and 0 <= a.segment < 2 for d in draws for a in d)
+    assert verify.draw_checks("x", dict(list(commitments.items())[:1]), rate=1.0) == []
+
+
+SCRIPT = """
+import json, sys, torch, swarm
+from swarm import verify
+from swarm.config import TaskInfo
+from swarm.tasks import get_task
+from swarm.work import WorkSpec
+
+mode, key, shard, ledgers, *initial_peers = sys.argv[1:]
+task = get_task("teacher", preset="tiny")
+info = TaskInfo.of(task, "tiny")
+model = task.build_model(seed=0)
+spec = WorkSpec(task=task, task_digest=info.config_digest, shard_index=int(shard), num_shards=8)
+other = task.train_batches(shard_index=(int(shard) + 1) % 8, num_shards=8)
+with swarm.Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), run="verified", identity_key=key,
+                   initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], ledger_dir=ledgers,
+                   checkpoint_every=0, sync_every=10, target_group_size=8, round_timeout_s=10.0, load_state=False,
+                   verify_work=True, check_rate=1.0, task_info=info, work=spec) as trainer:
+    work = trainer.work
+    print("PEER", trainer.peer_id, flush=True)
+    if mode == "liar":  # trains honestly, and accuses every other member of every round
+        honest_after_round = work.after_round
+        def lying(group, base, round_):
+            honest_after_round(group, base, round_)
+            for peer, gathered in group.gathered.items():
+                if str(peer) != trainer.peer_id and isinstance(gathered, dict) and gathered.get("work"):
+                    c = verify.verify_commitment(gathered["work"]).commitment
+                    work._publish({**verify.verdict_of(work.identity, c, 0, (False, "replay differs", "")),
+                                   "work": gathered["work"]})
+        work.after_round = lying
+    stale = None
+    for batch in work.batches():
+        if mode == "shard":
+            task.loss(model, next(other)).backward()
+        elif mode == "stale" and stale is not None:
+            if trainer.local_step % 10 == 9:  # the last step of the phase: last round's update, again
+                with torch.no_grad():
+                    for p, g, d in zip(trainer.outer.params, trainer.outer.global_params(), stale):
+                        p.copy_(g - d)
+        elif mode != "free":
+            task.loss(model, batch).backward()
+        if mode == "stale" and stale is None and trainer.local_step % 10 == 9:
+            stale = [g - p.detach() for p, g in zip(trainer.outer.params, trainer.outer.global_params())]
+        result = trainer.step(num_samples=len(batch[1]))
+        if result is not None:
+            phases = {k: round(v, 2) for k, v in (result.record.phase_s if result.record else {}).items()}
+            included = list(result.record.included) if result.record and result.group_size > 1 else []
+            line = {"round": result.round, "group": result.group_size, "excluded": work.excluded, "included": included,
+                    "phases": phases, "counts": dict(work.counts)}
+            print("ROUND", json.dumps(line), flush=True)
+"""
+
+CHEATS = ("honest", "honest", "free", "shard", "stale")
+LIAR = ("honest", "honest", "liar")
+
+
+def _rounds(child: Child) -> list[dict]:
+    return [json.loads(line.split(" ", 1)[1]) for line in child.stdout_lines if line.startswith("ROUND ")]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.heavy(seconds=45, timed=True)
+@pytest.mark.parametrize("modes", [CHEATS, LIAR], ids=["cheaters", "liar"])
+def test_cheaters_and_a_lying_verifier_are_excluded_within_5_rounds(bootstrap_node, tmp_path: Path, modes) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    children = []
+    try:
+        for index, mode in enumerate(modes):
+            args = [
+                mode,
+                str(tmp_path / f"{index}.key"),
+                str(index),
+                str(tmp_path / f"ledgers{index}"),
+                *bootstrap_node,
+            ]
+            children.append(spawn(python_cmd(str(script), *args)))
+        ids = {}
+        for child, mode in zip(children, modes):
+            line = wait_until(
+                lambda c=child: next((x for x in c.stdout_lines if x.startswith("PEER ")), None),
+                60,
+                message=child.describe,
+            )
+            ids[line.split()[1]] = mode
+        cheaters = {pid for pid, mode in ids.items() if mode != "honest"}
+        honest = [c for c, mode in zip(children, modes) if mode == "honest"]
+
+        def all_excluded() -> bool:
+            return all(cheaters <= set((_rounds(c) or [{}])[-1].get("excluded", {})) for c in honest)
+
+        wait_until(all_excluded, 200, interval_s=0.5, message=lambda: str([_rounds(c)[-3:] for c in honest]))
+    finally:
+        terminate_all(children, timeout_s=20)
+    for child in honest:
+        rounds = _rounds(child)
+        excluded = rounds[-1]["excluded"]
+        assert not set(excluded) & {pid for pid, mode in ids.items() if mode == "honest"}
+        # a cheater's updates went into this honest peer's rounds at most 5 times before it was excluded here
+        mixed = {pid: sum(pid in r["included"] for r in rounds) for pid in cheaters}
+        assert max(mixed.values()) <= 5, {ids[p]: n for p, n in mixed.items()}
+        for pid in cheaters:  # once excluded here, never in this peer's groups again
+            since = next(i for i, r in enumerate(rounds) if pid in r["excluded"])
+            assert all(pid not in r["included"] for r in rounds[since + 1 :]), ids[pid]
+        reasons = {ids[pid]: why for pid, why in excluded.items()}
+        assert "falsely" in reasons.get("liar", "falsely"), reasons
+        assert all("replay" in why or "base" in why for mode, why in reasons.items() if mode != "liar"), reasons
+        counts = rounds[-1]["counts"]
+        fired = counts.get("failed", 0) + counts.get("confirmed", 0) + counts.get("liars", 0)
+        assert fired >= 1, counts  # the faults fired and were seen here
