@@ -434,8 +434,9 @@ class GroupAverager:
         self._admission.prove(peers, own_round=False)
 
     def exclude(self, peer: str, reason: str) -> None:
-        """Never draw, admit or wait for ``peer`` again (its work failed a check: swarm.work)."""
-        self._admission.excluded.setdefault(peer, reason)
+        """Never draw, admit or wait for ``peer`` again (its work failed a check: swarm.work). Thread-safe: the
+        set changes on the averager's own loop, where matchmaking reads it."""
+        self._loop.call_soon_threadsafe(self._admission.excluded.setdefault, peer, reason)
 
     @property
     def excluded(self) -> dict[str, str]:

@@ -57,6 +57,7 @@ _VERDICTS_KEPT = 8
 """Failing verdicts a verifier keeps published (newest first)."""
 _VERDICT_EXPIRY_S = 600.0
 KEEP_ROUNDS = 3
+_MAX_SETTLED = 10_000
 """Committed phases a prover keeps to serve (and bases a verifier keeps for re-checks)."""
 TIMEOUT_S = 30.0
 """Bound on one fetch of replay inputs, one DHT read or store of verdicts, the handler's start."""
@@ -167,7 +168,7 @@ class WorkChecks:
         return signed.to_dict() if signed is not None else None
 
     # ------------------------------------------------------------------------------------ after a round
-    def after_round(self, group: Any, base: torch.Tensor, round_: int) -> None:
+    def after_round(self, group: Any, base: torch.Tensor) -> None:
         """A grouped round ended: keep its base, draw its checks, run this peer's on the worker (returns at once)."""
         base_digest = verify.params_digest(base)
         self.bases[base_digest] = base
@@ -202,7 +203,8 @@ class WorkChecks:
         """After every round, grouped or not: re-check the run's published accusations (on the worker, once at a time)."""
         if not self._polling.is_set():
             self._polling.set()
-            self._submit(self._arbitrate_published)
+            if not self._submit(self._arbitrate_published):
+                self._polling.clear()
 
     def _accepted(self, peer: str, work: Any, gathered: Mapping) -> Commitment | None:
         try:
@@ -218,11 +220,13 @@ class WorkChecks:
         return commitment
 
     # ------------------------------------------------------------------------------------ worker thread
-    def _submit(self, job: Callable, *args: Any) -> None:
+    def _submit(self, job: Callable, *args: Any) -> bool:
         try:
             self._jobs.put_nowait((job, args))
         except queue.Full:  # checks pile up faster than they run: this one is skipped
             self.counts["skipped"] += 1
+            return False
+        return True
 
     def _work(self) -> None:
         """The worker (a daemon thread: a check or a DHT read in progress never holds up the process's exit)."""
@@ -356,6 +360,8 @@ class WorkChecks:
         if prover in self.excluded:  # a verdict signed by an excluded verifier may still be true: it is replayed
             return
         commitment = signed.commitment
+        if len(self._settled) >= _MAX_SETTLED:  # bounded: a verdict seen long ago may be replayed once more
+            self._settled.clear()
         self._settled.add(key)
         inputs = self._inputs(prover, commitment.round, verdict.segment)
         base = self.bases.get(commitment.params[0])

@@ -214,8 +214,8 @@ with swarm.Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), run="v
     print("PEER", trainer.peer_id, flush=True)
     if mode == "liar":  # trains honestly, and accuses every other member of every round
         honest_after_round = work.after_round
-        def lying(group, base, round_):
-            honest_after_round(group, base, round_)
+        def lying(group, base):
+            honest_after_round(group, base)
             for peer, gathered in group.gathered.items():
                 if str(peer) != trainer.peer_id and isinstance(gathered, dict) and gathered.get("work"):
                     c = verify.verify_commitment(gathered["work"]).commitment
