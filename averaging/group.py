@@ -439,11 +439,6 @@ class GroupAverager:
         self._loop.call_soon_threadsafe(self._admission.excluded.setdefault, peer, reason)
 
     @property
-    def excluded(self) -> dict[str, str]:
-        """The peers excluded so far, with the reason (a copy)."""
-        return dict(self._admission.excluded)
-
-    @property
     def guard(self) -> Guard:
         """The Sybil guard's state (read-only use: ``active()``, ``raised``, ``proven``)."""
         return self._admission.guard

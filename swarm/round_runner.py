@@ -60,8 +60,6 @@ class RoundRunner:
         """The result of the last round that ended."""
         self.work: Any = None
         """Verified work (`swarm.work.WorkChecks`), or None."""
-        self.commitment: dict | None = None
-        """This phase's signed work commitment: sent with the next round's metadata (then cleared)."""
 
     def load_state(self, *, timeout_s: float, reason: str, newer_than: int | None) -> bool:
         """`swarm.Trainer.load_state`: the run's newest sealed state, verified end to end, into the outer optimizer
@@ -82,9 +80,9 @@ class RoundRunner:
     def run(self, pseudo: Any, samples: int, step: int, started: float) -> RoundResult:
         """Average ``pseudo`` with a group, step the global state and keep the round's evidence (blocking, or in
         the background when overlapped: then the model is left to the training thread)."""
-        if self.work is not None:  # verified work: this phase's commitment goes with the round's metadata
-            self.commitment = self.work.commit(pseudo, samples, self.outer.round)
-        return self._finish(pseudo, samples, step, started, self._average(pseudo.delta, samples, pseudo.digest))
+        # verified work: this phase's signed commitment goes with the round's metadata
+        work = self.work.commit(pseudo, samples, self.outer.round) if self.work is not None else None
+        return self._finish(pseudo, samples, step, started, self._average(pseudo.delta, samples, pseudo.digest, work))
 
     def run_prelaunched(self, pending: Future, samples: int, digest: str) -> RoundResult | None:
         """`run`, started before the sync point (`swarm.overlap`): the group forms now, on ``samples`` (the
@@ -111,13 +109,16 @@ class RoundRunner:
             return None
         return self._finish(pseudo, samples, step, started, outcome)
 
-    def _average(self, tensor: torch.Tensor | Future, samples: int, digest: str) -> tuple[Any, Any, Any, set[str]]:
-        """The group's all-reduce: (averaged, record, group, the run's peers this one expected)."""
+    def _average(
+        self, tensor: torch.Tensor | Future, samples: int, digest: str, work: dict | None = None
+    ) -> tuple[Any, Any, Any, set[str]]:
+        """The group's all-reduce: (averaged, record, group, the run's peers this one expected); ``work``: the
+        phase's signed work commitment, sent in the gathered metadata."""
         newest = self.checkpoints.newest_digest() if self.checkpoints is not None else None
         fresh = self.counters.rounds_ok + self.counters.rounds_solo == 0
         gather = rounds.gather_metadata(self.outer.round, samples, self.binding, digest, newest, fresh=fresh)
-        if self.commitment is not None:
-            gather["work"], self.commitment = self.commitment, None
+        if work is not None:
+            gather["work"] = work
         expected: set[str] = set()
         try:
             expected = self.presence.run_peers()  # all of them looking: the window closes early
