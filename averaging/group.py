@@ -438,6 +438,12 @@ class GroupAverager:
         set changes on the averager's own loop, where matchmaking reads it."""
         self._loop.call_soon_threadsafe(self._admission.excluded.setdefault, peer, reason)
 
+    def require(self, policy: Callable[[str, Any], str | None]) -> None:
+        """Admit to a group only members whose gathered metadata ``policy(peer, gathered)`` accepts (returns
+        None), round by round. Checked by a leader on each join and by a follower on the final group, so no
+        member averages with a refused one (swarm.work's ``require_verified``). Runs on the averager's loop."""
+        self._loop.call_soon_threadsafe(setattr, self._admission, "policy", policy)
+
     @property
     def guard(self) -> Guard:
         """The Sybil guard's state (read-only use: ``active()``, ``raised``, ``proven``)."""
@@ -763,17 +769,19 @@ class GroupAverager:
             self.rejected[e.reason] += 1
             record.fail(leader, "matchmaking", str(e))
             return None
-        excluded = [m for m in members if m in self._admission.excluded]
+        excluded = [m for m in members if m != self.peer_id and self._admission.refuses(m, gathered.get(m))]
         if excluded:  # the leader has not excluded it (yet): this peer does not average with it
             self.rejected["group with an excluded peer"] += 1
             record.fail(excluded[0], "matchmaking", "an excluded peer is in the group")
+            self._activity.left_groups.append(group_id)  # the others' parts and probes hear so at once: no waiting
             return None
         return Group(group_id=group_id, members=members, gathered=gathered)
 
     async def _serve_join(self, peer: str, header: dict, writer: asyncio.StreamWriter) -> None:
-        if peer in self._admission.excluded:
-            self.rejected["join from an excluded peer"] += 1
-            await write_frame(writer, {"status": "excluded"})
+        refused = self._admission.refuses(peer, header.get("gather"))
+        if refused is not None:
+            self.rejected["join from an excluded peer" if refused == "excluded" else "join refused by policy"] += 1
+            await write_frame(writer, {"status": refused})
             return
         if self._admission.members is not None and peer not in await self._admission.members.get(
             self.dht, {peer}, min_age_s=JOIN_MIN_REFRESH_S

@@ -47,7 +47,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from bootstrap.envelope import check_int, check_str, unwrap_signed
@@ -273,6 +273,18 @@ class Admission:
         """Peers whose "gone" entry was read (monotonic time): not waited for until they look again."""
         self.excluded: dict[str, str] = {}
         """Peers shown to cheat (swarm.work), with the reason: never drawn, admitted or waited for."""
+        self.policy: Callable[[str, Any], str | None] | None = None
+        """The caller's rule on a member's gathered metadata for this round: a reason to refuse it, or None
+        (swarm.work's ``require_verified``: no commitment). Unlike exclusion it holds for the one round."""
+
+    def refuses(self, peer: str, gathered: Any) -> str | None:
+        """Why ``peer`` may not be in this peer's group this round (``"excluded"``, or ``"refused"`` by the
+        policy), or None."""
+        if peer in self.excluded:
+            return "excluded"
+        if self.policy is not None and self.policy(peer, gathered) is not None:
+            return "refused"
+        return None
 
     def gone(self, peer: str) -> None:
         """``peer`` said it left the run (a signed "gone" entry)."""

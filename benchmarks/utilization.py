@@ -7,7 +7,7 @@ For each preset and number of peers, in one run:
   if the swarm cost nothing. Sharing the cores cancels out; the swarm's daemons, codecs and DHT work
   count against it.
 * for each link (netns test hosts shaped to ``--links`` Mbit/s, 0 unshaped) and each mode (``blocking``,
-  ``overlapped``): a bootstrap node and the peers (``swarm.peer``, their defaults otherwise) train
+  ``overlapped``, ``verified``: blocking with ``--verify-work``): a bootstrap node and the peers (``swarm.peer``, their defaults otherwise) train
   ``--steps`` steps each. A peer's rate is its steps from its first grouped round to its last step, over
   that time; utilization is the mean peer rate over the mean plain rate. Also: each round's time by
   phase (median), the share of rounds that grouped, and the validation loss once training has ended
@@ -40,6 +40,8 @@ from swarm.events import read_events
 RESULTS = Path(__file__).parent / "results" / "utilization.json"
 RUN = "utilization"
 _WARMUP_STEPS = 10
+KEEP_LOGS = False
+"""Keep each arm's peer logs, events and ledgers (``--keep-logs``)."""
 PEER_FLAGS: list[str] = []
 """Extra swarm.peer flags for every peer (``--peer-flags``)."""
 
@@ -80,8 +82,12 @@ def _plain(preset: str, peers: int, steps: int, work: Path, timeout_s: float) ->
     return statistics.mean(json.loads(out.read_text())["steps_per_s"] for out in outs)
 
 
-def _peer_argv(slot: int, peers: int, preset: str, steps: int, maddrs: list[str], host: Any, work: Path, overlap: bool):
-    return [*_base_argv(slot, peers, preset, steps, maddrs, host, work), *(["--overlap"] if overlap else [])]
+MODE_FLAGS = {"blocking": [], "overlapped": ["--overlap"], "verified": ["--verify-work"]}
+"""swarm.peer flags of each mode: ``verified`` is blocking rounds with verified work (its default check rate)."""
+
+
+def _peer_argv(slot: int, peers: int, preset: str, steps: int, maddrs: list[str], host: Any, work: Path, mode: str):
+    return [*_base_argv(slot, peers, preset, steps, maddrs, host, work), *MODE_FLAGS[mode]]
 
 
 def _base_argv(slot: int, peers: int, preset: str, steps: int, maddrs: list[str], host: Any, work: Path) -> list[str]:
@@ -137,10 +143,14 @@ def _peer_figures(events: list[dict]) -> dict[str, Any]:
     for e in rounds:
         for phase, seconds in ((e.get("record") or {}).get("phase_s") or {}).items():
             phases.setdefault(phase, []).append(seconds)
+    checks = [e for e in events if e["event"] == "work_check"]
     return {
         "steps_per_s": rate,
         "rounds": len(rounds),
         "grouped": len(grouped),
+        "grouped_per_min": 60 * len(grouped) / max(last["t"] - first["t"], 1e-9),
+        "work_checks": len(checks),
+        "work_checks_passed": sum(bool(e.get("ok")) for e in checks),
         "round_s": statistics.median(e["duration_s"] for e in rounds),
         "phase_s": {phase: statistics.median(values) for phase, values in phases.items()},
         "val_loss": final[-1]["val_loss"] if final else None,
@@ -148,7 +158,7 @@ def _peer_figures(events: list[dict]) -> dict[str, Any]:
 
 
 def _swarm(
-    *, preset: str, peers: int, steps: int, link: float, overlap: bool, lab_kind: str, console: Console
+    *, preset: str, peers: int, steps: int, link: float, mode: str, lab_kind: str, console: Console
 ) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="swarm-utilization-"))
     lab, fallback = make_lab(lab_kind, rate_mbit=link, num_hosts=peers + 1, console=console)
@@ -159,7 +169,7 @@ def _swarm(
         procs = [
             lab.spawn(
                 slot,
-                _peer_argv(slot, peers, preset, steps, maddrs, lab.hosts[slot], work, overlap),
+                _peer_argv(slot, peers, preset, steps, maddrs, lab.hosts[slot], work, mode),
                 log=work / f"peer{slot}.log",
             )
             for slot in range(peers)
@@ -173,7 +183,10 @@ def _swarm(
             if proc.returncode != 0:
                 raise RuntimeError(f"a peer exited {proc.returncode}; see the logs in {work}")
     figures = [_peer_figures(read_events(work / f"peer{slot}.jsonl")) for slot in range(peers)]
-    shutil.rmtree(work, ignore_errors=True)
+    if KEEP_LOGS:
+        console.print(f"  logs kept in {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     rates = [f["steps_per_s"] for f in figures]
     losses = [f["val_loss"] for f in figures if f.get("val_loss") is not None]
     return {
@@ -181,6 +194,9 @@ def _swarm(
         "lab_fallback": fallback,
         "steps_per_s": statistics.mean(rates) if None not in rates else None,
         "grouped_share": sum(f["grouped"] for f in figures) / max(1, sum(f["rounds"] for f in figures)),
+        "grouped_per_min": statistics.mean(f.get("grouped_per_min", 0.0) for f in figures),
+        "work_checks": sum(f.get("work_checks", 0) for f in figures),
+        "work_checks_passed": sum(f.get("work_checks_passed", 0) for f in figures),
         "round_s": statistics.median(f["round_s"] for f in figures if "round_s" in f),
         "phase_s": {
             phase: statistics.median(f["phase_s"][phase] for f in figures if phase in f.get("phase_s", {}))
@@ -205,13 +221,7 @@ def run(
             for link in links:
                 for mode in modes:
                     arm = _swarm(
-                        preset=preset,
-                        peers=peers,
-                        steps=steps,
-                        link=link,
-                        overlap=mode == "overlapped",
-                        lab_kind=lab,
-                        console=console,
+                        preset=preset, peers=peers, steps=steps, link=link, mode=mode, lab_kind=lab, console=console
                     )
                     rate = arm["steps_per_s"]
                     row = {
@@ -234,7 +244,7 @@ def run(
 def print_table(result: dict[str, Any], console: Console) -> None:
     table = Table(title=f"compute utilization: steps/s of a peer over a plain loop's ({result['steps']} steps each)")
     columns = ("preset", "peers", "link", "mode", "steps/s", "plain", "utilization", "round s", "matchmaking s")
-    for column in (*columns, "grouped", "val loss"):
+    for column in (*columns, "grouped", "grouped/min", "checks ok", "val loss"):
         table.add_column(column, justify="right")
     for r in result["rows"]:
         table.add_row(
@@ -248,6 +258,8 @@ def print_table(result: dict[str, Any], console: Console) -> None:
             f"{r['round_s']:.2f}",
             f"{r['phase_s'].get('matchmaking', 0):.2f}",
             f"{r['grouped_share']:.2f}",
+            f"{r.get('grouped_per_min', 0):.2f}",
+            f"{r.get('work_checks_passed', 0)}/{r.get('work_checks', 0)}",
             "-" if r["val_loss"] is None else f"{r['val_loss']:.4f}",
         )
     console.print(table)
@@ -268,11 +280,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lab", choices=("auto", "netns", "loopback"), default="auto", help="(default: %(default)s)")
     parser.add_argument("--peer-flags", default="", help="extra swarm.peer flags, e.g. '--checkpoint-every 0'")
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON result (default: %(default)s)")
+    parser.add_argument("--keep-logs", action="store_true", help="keep each arm's logs, events and ledgers")
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not set(modes) <= {"blocking", "overlapped"} or args.steps < 20:
-        parser.error("--modes: blocking and/or overlapped; --steps: at least 20")
+    if not set(modes) <= set(MODE_FLAGS) or args.steps < 20:
+        parser.error(f"--modes: some of {', '.join(MODE_FLAGS)}; --steps: at least 20")
     PEER_FLAGS[:] = shlex.split(args.peer_flags)
+    global KEEP_LOGS
+    KEEP_LOGS = args.keep_logs
     console = Console()
     try:
         with signals_unwind():

@@ -8,9 +8,11 @@ the same phase under a `swarm.verify.WorkRecorder` (a boundary every ``segment_s
 and copies of the parameters and the optimizer state, then the signed commitment). Then a verifier's
 check of each segment: the inputs through safetensors bytes, the digests, the replay.
 
-Per segment length: the recording overhead (recorded / plain phase - 1), a check's time as a fraction
-of a phase, the compute the swarm spends at check rate r (overhead + r x check), the memory the
-boundaries hold, and the chance a peer that never trains is caught within 5 rounds, 1 - (1 - r)^5.
+Per segment length: the recording overhead, measured twice: as the difference of the two arms (recorded /
+plain phase - 1, noisy on a shared machine) and directly, as the time spent inside the recorder (begin,
+each step's boundary work, the commitment) over a plain phase; a check's time as a fraction of a phase;
+the compute the swarm spends at check rate r (time in the recorder + r x check); the memory the
+boundaries hold; and the chance a peer that never trains is caught within 5 rounds, 1 - (1 - r)^5.
 """
 
 from __future__ import annotations
@@ -35,14 +37,18 @@ from swarm.tasks import get_task
 RESULTS = Path(__file__).parent / "results" / "verify_cost.json"
 
 
-def _phase(task, model, optimizer, batches, steps: int, step: int, recorder=None, params=None) -> int:
+def _phase(task, model, optimizer, batches, steps: int, step: int, recorder=None, params=None) -> tuple[int, float]:
+    """``steps`` inner steps; returns the step reached and the seconds spent inside the recorder."""
+    in_recorder = 0.0
     for _ in range(steps):
         task.loss(model, next(batches)).backward()
         step += 1
         inner_step(optimizer, step, 0)
         if recorder is not None:
+            started = time.perf_counter()
             recorder.stepped(params, optimizer)
-    return step
+            in_recorder += time.perf_counter() - started
+    return step, in_recorder
 
 
 def measure(task, info: TaskInfo, *, steps: int, segment_steps: int, phases: int) -> dict:
@@ -54,21 +60,24 @@ def measure(task, info: TaskInfo, *, steps: int, segment_steps: int, phases: int
         task, peer=identity.peer_id, shard_index=0, num_shards=4, segment_steps=segment_steps
     )
     batches, step = recorder.batches(), 0
-    step = _phase(task, model, optimizer, batches, steps, step)  # warm-up: allocator, optimizer state
-    plain, recorded, checks, signed = [], [], [], []
+    step, _ = _phase(task, model, optimizer, batches, steps, step)  # warm-up: allocator, optimizer state
+    plain, recorded, in_recorder, checks, signed = [], [], [], [], []
     for round_ in range(phases):
         started = time.perf_counter()
-        step = _phase(task, model, optimizer, batches, steps, step)
+        step, _ = _phase(task, model, optimizer, batches, steps, step)
         plain.append(time.perf_counter() - started)
         base = verify.flat_params(params)
         started = time.perf_counter()
         recorder.begin(params, optimizer, first_step=step + 1)
-        step = _phase(task, model, optimizer, batches, steps, step, recorder, params)
+        begun = time.perf_counter()
+        step, stepped_s = _phase(task, model, optimizer, batches, steps, step, recorder, params)
+        committing = time.perf_counter()
         commitment = recorder.commit(
             params, optimizer, base=base, identity=identity, run="bench", round_=round_,
             task_digest=info.config_digest, samples=steps, warmup_steps=0,
         )  # fmt: skip
         recorded.append(time.perf_counter() - started)
+        in_recorder.append(begun - started + stepped_s + time.perf_counter() - committing)
         signed.append((round_, base, commitment.commitment))
     for round_, base, commitment in signed:
         for segment in range(commitment.segments):
@@ -79,12 +88,15 @@ def measure(task, info: TaskInfo, *, steps: int, segment_steps: int, phases: int
             if not ok:
                 raise SystemExit(f"an honest segment failed its check: {reason}")
     phase_s, recorded_s, check_s = statistics.median(plain), statistics.median(recorded), statistics.median(checks)
+    record_s = statistics.median(in_recorder)
     state_bytes = sum(p.numel() for p in params) * 4 * 3  # parameters + AdamW's two moments, fp32
     return {
         "segment_steps": segment_steps,
         "phase_s": phase_s,
         "recorded_phase_s": recorded_s,
         "record_overhead": recorded_s / phase_s - 1,
+        "record_s": record_s,
+        "record_fraction": record_s / phase_s,
         "check_s": check_s,
         "check_fraction": check_s / phase_s,
         "checks": len(checks),
@@ -107,19 +119,21 @@ def main(argv: list[str] | None = None) -> int:
     info = TaskInfo.of(task, args.preset)
     rows = [measure(task, info, steps=args.steps, segment_steps=m, phases=args.phases) for m in args.segments]
     table = Table(title=f"verified work: {args.task} {args.preset}, {args.steps} steps a phase")
-    for name in ("segment", "phase s", "recorded s", "record overhead", "check s", "check / phase"):
+    names = ("segment", "phase s", "recorded s", "recorded / plain - 1", "in recorder", "check s", "check / phase")
+    for name in names:
         table.add_column(name, justify="right")
     for r in args.rates:
         table.add_column(f"cost at r={r}", justify="right")
     table.add_column("boundaries MB", justify="right")
     for row in rows:
-        costs = {str(r): row["record_overhead"] + r * row["check_fraction"] for r in args.rates}
+        costs = {str(r): row["record_fraction"] + r * row["check_fraction"] for r in args.rates}
         row["cost_at_rate"] = costs
         table.add_row(
             str(row["segment_steps"]),
             f"{row['phase_s']:.2f}",
             f"{row['recorded_phase_s']:.2f}",
             f"{row['record_overhead']:+.1%}",
+            f"{row['record_fraction']:.1%}",
             f"{row['check_s']:.3f}",
             f"{row['check_fraction']:.1%}",
             *[f"{costs[str(r)]:.1%}" for r in args.rates],

@@ -171,12 +171,14 @@ class WorkConfig:
     verify_work: bool = False
     """Commit to each phase's inner steps and check the others' by replay (needs a registry task; blocking
     rounds only). swarm.peer turns it on for its registry tasks with --verify-work."""
-    check_rate: float = 0.6
+    check_rate: float = 0.9
     """Chance that each contribution of a round is checked (one segment of it, by another member): a peer
-    that never trains is caught within 5 rounds with probability 1 - 0.4^5 = 0.99 (benchmarks/README.md)."""
-    segment_steps: int = 5
-    """Inner steps per checked segment: a check replays this many steps; a phase keeps a boundary state
-    every this many steps (memory: phase steps / segment_steps + 1 copies of parameters and optimizer state)."""
+    that never trains escapes 5 rounds with probability 0.1^5 = 1e-5. Cost: about 0.17 of the swarm's compute
+    at --sync-every 10, 0.07 at 50 (benchmarks/README.md, section 13)."""
+    segment_steps: int = 1
+    """Inner steps per checked segment (longer when a phase would have more than 32 segments): a check
+    replays this many steps; a phase keeps a boundary state every this many steps (memory: phase steps /
+    segment_steps + 1 copies of parameters and optimizer state)."""
     require_verified: bool = False
     """Exclude members that send no commitment (a custom data loop, an overlapped trainer)."""
 

@@ -175,9 +175,14 @@ class PeerRunner:
         self.rounds_done = 0
 
     def _on_evidence(self, kind: str, body: dict) -> None:
-        """Our own verified receipt of a sealed round becomes a "receipt" event (the demo waits for it)."""
+        """Our own verified receipt of a sealed round becomes a "receipt" event (the demo waits for it); verified
+        work's checks and exclusions become events too (benchmarks count them)."""
         if kind == "receipt" and body["receipt"]["peer"] == self.trainer.peer_id:
             self.events.emit("receipt", round=body["receipt"]["round"], samples=body["receipt"]["samples"])
+        elif kind == "work_check":
+            self.events.emit(kind, round=body["round"], prover=body["prover"], ok=body["ok"], reason=body["reason"])
+        elif kind == "work_excluded":
+            self.events.emit(kind, peer=body["peer"], reason=body["reason"])
 
     def start(self) -> None:
         started = time.time()

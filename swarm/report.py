@@ -55,6 +55,7 @@ TIMELINE_KINDS = (
     "checkpoint_sealed",
     "record_rejected",
     "diverging",
+    "work_excluded",
     "stop",
 )
 """Entry kinds drawn on the failure and recovery timeline and listed in the events table."""
@@ -185,6 +186,14 @@ class PeerLedger:
     """Entries by kind (kinds truncated to a bounded length)."""
     skipped: Counter[str]
     """Skipped entries by reason."""
+    work: dict[str, Any]
+    """Verified work (``work_check``, ``work_dispute``, ``work_excluded`` entries): counts by outcome
+    (:data:`WORK_COUNTS`) and ``"excluded"``, peer -> reason."""
+
+
+WORK_COUNTS = ("checks", "passed", "failed", "refused", "disputes", "confirmed", "liars")
+"""Verified-work figures per ledger: checks this peer replayed and how they ended; re-checks of published
+accusations (disputes) that confirmed the prover failed, or showed the accuser lied."""
 
 
 @dataclass(kw_only=True)
@@ -202,6 +211,8 @@ class _Collector:
     receipt_rejections: Counter[str] = field(default_factory=Counter)
     kinds: Counter[str] = field(default_factory=Counter)
     skipped: Counter[str] = field(default_factory=Counter)
+    work: Counter[str] = field(default_factory=Counter)
+    excluded: dict[str, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- typed access to untrusted bodies
@@ -334,13 +345,44 @@ def _on_event(c: _Collector, entry: LedgerEntry) -> None:
     c.events.append(Event(t=entry.t, kind=entry.kind, detail=_details(entry.body)))
 
 
+def _on_work_check(c: _Collector, entry: LedgerEntry) -> None:
+    ok, reason = entry.body.get("ok"), entry.body.get("reason")
+    if not isinstance(ok, bool) or not isinstance(reason, str):
+        raise _Malformed("work_check: ok/reason mistyped")
+    c.work["checks"] += 1
+    c.work["passed" if ok else ("refused" if reason == "inputs refused" else "failed")] += 1
+
+
+def _on_work_dispute(c: _Collector, entry: LedgerEntry) -> None:
+    outcome = entry.body.get("outcome")
+    if outcome not in ("prover", "verifier", "agree"):
+        raise _Malformed("work_dispute: outcome")
+    c.work["disputes"] += 1
+    c.work["confirmed"] += outcome == "prover"
+    c.work["liars"] += outcome == "verifier"
+
+
+def _on_work_excluded(c: _Collector, entry: LedgerEntry) -> None:
+    peer, reason = entry.body.get("peer"), entry.body.get("reason")
+    if not isinstance(peer, str) or not isinstance(reason, str):
+        raise _Malformed("work_excluded: peer/reason mistyped")
+    if len(c.excluded) < _MAX_EVENT_ROWS:  # a refused member (require_verified) is kept out round by round
+        prefix = "refused each round: " if entry.kind == "work_refused" else ""
+        c.excluded[_text(peer, limit=128)] = prefix + _text(reason, limit=_MAX_DETAIL_CHARS)
+    _on_event(c, entry)
+
+
 _HANDLERS: dict[str, Callable[[_Collector, LedgerEntry], None]] = {
     "val": _on_val,
     "train": _on_train,
     "round": _on_round,
     "receipt": _on_receipt,
     "checkpoint_sealed": _on_sealed,
-    **{kind: _on_event for kind in TIMELINE_KINDS if kind != "checkpoint_sealed"},
+    **{kind: _on_event for kind in TIMELINE_KINDS if kind not in ("checkpoint_sealed", "work_excluded")},
+    "work_check": _on_work_check,
+    "work_dispute": _on_work_dispute,
+    "work_excluded": _on_work_excluded,
+    "work_refused": _on_work_excluded,
 }
 
 
@@ -464,6 +506,7 @@ def _freeze(c: _Collector, *, path: Path, peer: str, ok: bool, problem: str | No
         receipt_rejections=c.receipt_rejections,
         kinds=c.kinds,
         skipped=c.skipped,
+        work={**{name: c.work[name] for name in WORK_COUNTS}, "excluded": dict(c.excluded)},
     )
 
 
@@ -527,6 +570,15 @@ def _peer_summary(ledger: PeerLedger, label: str) -> dict[str, Any]:
         "skipped_entries": sum(ledger.skipped.values()),
         "skipped_by_reason": dict(ledger.skipped),
     }
+
+
+def _work(ledgers: list[PeerLedger], labels: list[str]) -> list[dict[str, Any]]:
+    """Verified work, one row per ledger that checked, disputed or excluded anything."""
+    return [
+        {"run": x.run, "peer": x.peer, "label": label, **x.work}
+        for x, label in zip(ledgers, labels)
+        if x.work["checks"] or x.work["disputes"] or x.work["excluded"]
+    ]
 
 
 def _contributions(ledgers: list[PeerLedger]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -605,6 +657,7 @@ def summarize(ledgers: list[PeerLedger], *, cross_check_problems: list[str] | No
         "receipts_rejected": dict(rejections),
         "checkpoints": checkpoints,
         "events": _events(ledgers, labels, _run_t0(ledgers)),
+        "work": _work(ledgers, labels),
         "entry_kinds": dict(kinds.most_common()),
         "skipped_entries": sum(sum(x.skipped.values()) for x in ledgers),
         "cross_check_problems": list(cross_check_problems or []),
@@ -923,6 +976,18 @@ def _contributions_html(summary: dict[str, Any]) -> str:
     return note + _table(headers, rows)
 
 
+def _work_html(summary: dict[str, Any]) -> str:
+    if not summary["work"]:
+        return '<p class="note">No verified-work checks recorded (runs without <code>--verify-work</code>).</p>'
+    headers = ["label", "run", *WORK_COUNTS, "excluded by this peer (reason)"]
+    rows, classes = [], []
+    for w in summary["work"]:
+        excluded = "<br>".join(f"<code>{_e(p[-12:])}</code>: {_e(why)}" for p, why in w["excluded"].items()) or "-"
+        rows.append([_e(w["label"]), _e(w["run"]), *(_fmt(w[name]) for name in WORK_COUNTS), excluded])
+        classes.append("warn" if w["failed"] or w["liars"] or w["excluded"] else "")
+    return _table(headers, rows, row_classes=classes)
+
+
 def _checkpoints_html(summary: dict[str, Any]) -> str:
     headers = ["run", "step", "digest", "signers", "metrics", "recorded by (ledgers)"]
     rows, classes = [], []
@@ -992,6 +1057,7 @@ def render_html(summary: dict[str, Any], *, title: str, pngs: dict[str, Path], h
         ("Peers (one row per ledger)", _peers_html(summary)),
         ("Contributions backed by verified receipts", _contributions_html(summary)),
         ("Sealed checkpoints", _checkpoints_html(summary)),
+        ("Verified work (spot-check replays)", _work_html(summary)),
         ("Failure and recovery events", _events_html(summary)),
         ("Entries by kind", _kinds_html(summary)),
     ]

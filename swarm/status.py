@@ -8,8 +8,10 @@ Publication. Every peer of run ``RUN`` keeps one entry under the DHT key ``swarm
      "samples_per_s_milli": int, "loss_milli": int | null, "val_loss_milli": int | null,
      "last_group": {"group_id": str, "members": [PEER_ID, ...], "outcome": str, "duration_ms": int,
                     "bytes_sent": int, "bytes_received": int} | null,
-     "events": [{"t": unix_s, "kind": str, "detail": str}, ...]}        # at most 16, detail <= 200 chars
+     "events": [{"t": unix_s, "kind": str, "detail": str}, ...],       # at most 16, detail <= 200 chars
+     "work": {"checks": int, "passed": int, "failed": int, "refused": int, "excluded": [PEER_ID, ...]} | null}
 
+(``work``: the peer's verified-work checks, `swarm.work`; null when it does not verify work)
 and ``signature`` is the peer's Ed25519 signature of it (kind ``swarm/status``, run id ``RUN``).
 :class:`StatusPublisher` refreshes the entry every ``refresh_s`` and soon after every noted event;
 the entry expires ``expiry_s`` after it was stored, so a dead peer's status vanishes by itself.
@@ -23,12 +25,14 @@ Snapshot. :func:`snapshot` joins the capability records (:class:`peers.ResourceG
 entries and the newest sealed checkpoint of the run's manifest index into one JSON-able dict
 (``schema_version`` :data:`SCHEMA_VERSION`; times are unix seconds, ``null`` means unknown)::
 
-    {"schema_version": 1, "run": str, "t": float, "heartbeat_s": float,
+    {"schema_version": 2, "run": str, "t": float, "heartbeat_s": float,
      "peers": [{"peer": str, "state": str, "round": int|null, "step": int|null,
                 "samples_per_s": float|null, "loss": float|null, "val_loss": float|null,
                 "device": {"accelerator": str, "name": str, "count": int, "memory_total_bytes": int}|null,
                 "region": str|null, "record_age_s": float|null, "status_age_s": float|null,
-                "heartbeat_missed": bool}, ...],                                  # sorted by peer
+                "heartbeat_missed": bool,
+                "work": {"checks": int, "passed": int, "failed": int, "refused": int, "excluded": [str]}|null},
+               ...],                                                             # sorted by peer
      "groups": [{"group_id": str, "round": int, "members": [str], "outcome": str, "duration_s": float,
                  "bytes_sent": int, "bytes_received": int, "reported_by": [str]}, ...],  # newest first
      "progress": {"round": int|null, "step": int|null, "loss": float|null, "val_loss": float|null,
@@ -85,8 +89,10 @@ from swarm.checkpoint.manifest import ManifestRejected, SignedManifest, public_k
 logger = logging.getLogger("swarm.status")  # the same name when run as __main__
 
 STATUS_KIND = "swarm/status"
-STATUS_VERSION = 1
-SCHEMA_VERSION = 1
+STATUS_VERSION = 2
+"""2: the ``work`` field (verified-work checks) joined the payload."""
+SCHEMA_VERSION = 2
+"""2: each peer's ``work`` (its verified-work checks)."""
 MAX_STATUS_BYTES = 16384
 """Payload plus signature; a status above this is refused by readers (and never published)."""
 MAX_EVENTS = 16
@@ -103,7 +109,7 @@ DEFAULT_HEARTBEAT_S = 15.0
 MAX_TIMELINE_EVENTS = 30
 MAX_GROUPS = 32
 SNAPSHOT_FIELDS = frozenset(
-    {"state", "round", "step", "samples_per_s_milli", "loss_milli", "val_loss_milli", "last_group"}
+    {"state", "round", "step", "samples_per_s_milli", "loss_milli", "val_loss_milli", "last_group", "work"}
 )
 """The keys a publisher's ``snapshot()`` callback returns (the payload less v, peer, run, t, events)."""
 
@@ -113,6 +119,7 @@ _MAX_STATE_CHARS = 32
 _PAYLOAD_KEYS = frozenset({"v", "peer", "run", "t", "events"}) | SNAPSHOT_FIELDS
 _GROUP_KEYS = frozenset({"group_id", "members", "outcome", "duration_ms", "bytes_sent", "bytes_received"})
 _EVENT_KEYS = frozenset({"t", "kind", "detail"})
+_WORK_KEYS = frozenset({"checks", "passed", "failed", "refused", "excluded"})
 
 
 def status_key(run: str) -> str:
@@ -178,6 +185,27 @@ class LastGroup(JsonFields):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class WorkTally(JsonFields):
+    """A peer's verified-work checks so far (``swarm.work``): what it replayed and whom it excluded."""
+
+    checks: int
+    passed: int
+    failed: int
+    refused: int
+    """Checks whose prover did not serve its replay inputs."""
+    excluded: tuple[str, ...] = ()
+    """Peers this peer excluded from its groups (failed checks, confirmed accusations, false accusers)."""
+
+    def __post_init__(self) -> None:
+        for name in ("checks", "passed", "failed", "refused"):
+            check_int(f"work.{name}", getattr(self, name))
+        if not isinstance(self.excluded, tuple) or len(self.excluded) > MAX_EVENTS:
+            raise ValueError(f"work.excluded must be a tuple of at most {MAX_EVENTS} peer IDs")
+        for peer in self.excluded:
+            check_str("work.excluded[]", peer, max_chars=_MAX_ID_CHARS, allow_empty=False, printable=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class PeerStatus(JsonFields):
     """One peer's status, exactly as signed (see the module docstring)."""
 
@@ -205,6 +233,8 @@ class PeerStatus(JsonFields):
     """The group of the last round (None: no round yet)."""
     events: tuple[StatusEvent, ...] = ()
     """The last :data:`MAX_EVENTS` events the peer noted, oldest first."""
+    work: WorkTally | None = None
+    """Its verified-work checks (None: the peer does not verify work)."""
 
     def __post_init__(self) -> None:
         check_int("v", self.v)
@@ -222,6 +252,8 @@ class PeerStatus(JsonFields):
             raise ValueError(f"events must be a tuple of at most {MAX_EVENTS} events, got {len(self.events)!r}")
         if not all(isinstance(e, StatusEvent) for e in self.events):
             raise ValueError("events must hold StatusEvent items")
+        if self.work is not None and not isinstance(self.work, WorkTally):
+            raise ValueError(f"work must be a WorkTally or None, got {self.work!r:.80}")
 
     def payload(self) -> bytes:
         """Canonical JSON bytes: what is signed."""
@@ -291,8 +323,10 @@ def _parse(subkey: Any, value: Any, *, run: str, now: float) -> PeerStatus:
 def _status_from_payload(payload: bytes) -> PeerStatus:
     try:
         obj = json.loads(payload)
+        if isinstance(obj, dict) and obj.get("v") != STATUS_VERSION:
+            raise StatusRejected("version", f"v={str(obj.get('v'))[:20]}")
         expect_keys(obj, set(_PAYLOAD_KEYS), "status", StatusRejected)
-        group, events = obj["last_group"], obj["events"]
+        group, events, work = obj["last_group"], obj["events"], obj["work"]
         if not isinstance(events, list) or len(events) > MAX_EVENTS:
             raise ValueError(f"events must be a list of at most {MAX_EVENTS}")
         return PeerStatus(
@@ -300,8 +334,11 @@ def _status_from_payload(payload: bytes) -> PeerStatus:
                 **obj,
                 "last_group": None if group is None else _group_from_obj(group),
                 "events": tuple(_event_from_obj(e) for e in events),
+                "work": None if work is None else _work_from_obj(work),
             }
         )
+    except StatusRejected:
+        raise
     except (ValueError, TypeError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise StatusRejected("malformed", str(e)[:200]) from None
 
@@ -311,6 +348,13 @@ def _group_from_obj(obj: Any) -> LastGroup:
     if not isinstance(obj["members"], list):
         raise ValueError("last_group.members must be a list")
     return LastGroup(**{**obj, "members": tuple(obj["members"])})
+
+
+def _work_from_obj(obj: Any) -> WorkTally:
+    expect_keys(obj, set(_WORK_KEYS), "work", StatusRejected)
+    if not isinstance(obj["excluded"], list):
+        raise ValueError("work.excluded must be a list")
+    return WorkTally(**{**obj, "excluded": tuple(obj["excluded"])})
 
 
 def _event_from_obj(obj: Any) -> StatusEvent:
@@ -424,15 +468,17 @@ class StatusPublisher:
         if not isinstance(fields, dict) or set(fields) != SNAPSHOT_FIELDS:
             found = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
             raise ValueError(f"snapshot() must return the fields {sorted(SNAPSHOT_FIELDS)}, got {found}")
-        group = fields["last_group"]
+        group, work = fields["last_group"], fields["work"]
         if isinstance(group, dict):
             group = LastGroup(**{**group, "members": tuple(group.get("members", ()))})
+        if isinstance(work, dict):
+            work = WorkTally(**{**work, "excluded": tuple(work.get("excluded", ()))})
         return PeerStatus(
             peer=self.identity.peer_id,
             run=self.run,
             t=int(time.time()),
             events=self.events(),
-            **{**fields, "last_group": group},
+            **{**fields, "last_group": group, "work": work},
         )
 
     def _failed(self, why: str) -> None:
@@ -573,6 +619,7 @@ def _peer_row(
         "record_age_s": None if record is None else round(now - record.issued_at, 1),
         "status_age_s": status_age_s,
         "heartbeat_missed": status_age_s is not None and status_age_s > 2 * heartbeat_s,
+        "work": status.work.to_dict() if status is not None and status.work is not None else None,
     }
 
 

@@ -202,7 +202,7 @@ class Trainer:
     )
 
     def _status(self) -> dict:
-        return status_snapshot(self.state, self.round, self.local_step, self.evidence.last_group, self._book)
+        return status_snapshot(self.state, self.round, self.local_step, self.evidence.last_group, self._book, self.work)
 
     def _view(self) -> PeerView:
         sealed = self.checkpoints.sealed if self.checkpoints is not None else 0

@@ -26,9 +26,8 @@ peer whose segment replays to its commitment is shown wrong.
 Cost: recording hashes ``3 x params`` fp32 bytes (AdamW) per boundary and keeps ``boundaries``
 copies of it; a check replays ``segment_steps`` inner steps (``segment_steps / steps`` of a phase).
 
-Not yet here (the rest of issue 18): that the tensors a peer sends in the all-reduce are the ones it
-committed to (reducers would hash the parts they receive), serving `ReplayInputs` over the runtime,
-the exclusion of caught peers from groups and seals, and the trainer/``swarm.peer`` wiring.
+The network side (serving `ReplayInputs`, running the drawn checks, spreading verdicts, exclusion) is
+`swarm.work`.
 """
 
 from __future__ import annotations
@@ -297,6 +296,8 @@ class Phase:
     stream_start: int
     first_step: int
     boundaries: list[Boundary]
+    segment_steps: int
+    """This phase's segment length (`WorkRecorder.begin`)."""
     steps: int = 0
     replayable: bool = True
     """False once the phase did something a replay would not (a batch drawn off the step count)."""
@@ -310,7 +311,7 @@ class WorkRecorder:
     torch's RNG seed at each boundary (`segment_seed`)."""
 
     def __init__(
-        self, task: Any, *, peer: str, shard_index: int, num_shards: int, seed: int = 0, segment_steps: int = 5
+        self, task: Any, *, peer: str, shard_index: int, num_shards: int, seed: int = 0, segment_steps: int = 1
     ) -> None:
         check_int("segment_steps", segment_steps, minimum=1)
         self.task, self.peer, self.segment_steps = task, peer, segment_steps
@@ -325,8 +326,21 @@ class WorkRecorder:
             self.drawn += 1
             yield batch
 
-    def begin(self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, *, first_step: int) -> None:
-        self.phase = Phase(self.drawn, first_step, [Boundary(flat_params(params), InnerState.of(optimizer))])
+    def begin(
+        self,
+        params: Sequence[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        *,
+        first_step: int,
+        expected_steps: int | None = None,
+    ) -> None:
+        """A phase starts; ``expected_steps`` (the sync interval) lengthens its segments if it would otherwise
+        have more than ``MAX_BOUNDARIES - 1`` of them (memory and the commitment's size stay bounded)."""
+        segment_steps = self.segment_steps
+        if expected_steps is not None and expected_steps > 0:
+            segment_steps = max(segment_steps, math.ceil(expected_steps / (MAX_BOUNDARIES - 1)))
+        first = Boundary(flat_params(params), InnerState.of(optimizer))
+        self.phase = Phase(self.drawn, first_step, [first], segment_steps=segment_steps)
         torch.manual_seed(segment_seed(self.peer, self.drawn, 0))
 
     def stepped(self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
@@ -335,9 +349,11 @@ class WorkRecorder:
             return
         phase.steps += 1
         phase.replayable &= self.drawn == phase.stream_start + phase.steps
-        if phase.steps % self.segment_steps == 0:
-            phase.boundaries.append(Boundary(flat_params(params), InnerState.of(optimizer)))
-            torch.manual_seed(segment_seed(self.peer, phase.stream_start, phase.steps // self.segment_steps))
+        if phase.steps % phase.segment_steps == 0:
+            phase.replayable &= len(phase.boundaries) < MAX_BOUNDARIES  # longer than expected: not committed
+            if phase.replayable:
+                phase.boundaries.append(Boundary(flat_params(params), InnerState.of(optimizer)))
+            torch.manual_seed(segment_seed(self.peer, phase.stream_start, phase.steps // phase.segment_steps))
 
     def commit(
         self,
@@ -358,13 +374,13 @@ class WorkRecorder:
             return None
         if (
             type(optimizer).__name__ not in REPLAYABLE_OPTIMIZERS
-            or math.ceil(phase.steps / self.segment_steps) >= MAX_BOUNDARIES
+            or math.ceil(phase.steps / phase.segment_steps) >= MAX_BOUNDARIES
         ):
             return None
         optimized = [p for group in optimizer.param_groups for p in group["params"]]
         if len(optimized) != len(params) or any(a is not b for a, b in zip(optimized, params)):
             return None  # the replay maps the optimizer's state indices onto the trainable parameters, in order
-        if phase.steps % self.segment_steps:
+        if phase.steps % phase.segment_steps:
             phase.boundaries.append(Boundary(flat_params(params), InnerState.of(optimizer)))
         end = phase.boundaries[-1].params
         if params_digest(phase.boundaries[0].params) != params_digest(base):
@@ -381,7 +397,7 @@ class WorkRecorder:
             first_step=phase.first_step,
             warmup_steps=warmup_steps,
             steps=phase.steps,
-            segment_steps=self.segment_steps,
+            segment_steps=phase.segment_steps,
             samples=samples,
             optimizer=type(optimizer).__name__,
             params=tuple(params_digest(b.params) for b in phase.boundaries),

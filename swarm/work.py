@@ -11,16 +11,23 @@ the verdicts, re-check every accusation, exclude whoever a replay shows wrong.
 * **Verifier.** After a grouped round, every member draws the same checks from the group's id and its
   commitments (`swarm.verify.draw_checks`: fixed only once every commitment was sent). The checks
   drawn to this peer run on one worker thread: fetch the prover's inputs, replay, sign a verdict,
-  write it to the ledger (``work_check``). A failed check excludes the prover here at once and is
-  published under the run's verdicts key (owner-bound: subkey = the verifier), with the commitment.
+  write it to the ledger (``work_check``). A failed check excludes the prover here at once (ledger:
+  ``work_excluded``, with the reason) and is published under the run's verdicts key (owner-bound:
+  subkey = the verifier), with the commitment.
 * **Arbiter.** Each round the worker reads the verdicts key. A failing verdict this peer can re-check
   (it holds that round's base) is replayed a third time: if the prover's work fails again the prover
   is excluded; if it checks out the *verifier* lied, and is excluded (ledger: ``work_dispute``).
   Nobody is excluded on hearsay: only on this peer's own replay.
+* **Evidence.** The ledger entries above feed ``swarm.report`` (a "Verified work" table: checks done,
+  passed, failed, refused, disputes, who was excluded and why) and the status board (`tally`: each
+  peer's counts and the peers it excluded; exclusions and failed checks also on its event timeline).
 
 Excluded peers are never drawn into a group, admitted to a lobby or waited for (`averaging.GroupAverager.exclude`),
 so they sign no seal with the others. Members that send no commitment (a custom data loop, an
-overlapped trainer) are counted as unverified; with ``require_verified`` they are excluded.
+overlapped trainer) are counted as unverified and averaged with; with ``require_verified`` matchmaking
+refuses them, round by round (`averaging.GroupAverager.require`; ledger: ``work_refused``, once per peer):
+a leader refuses their join, a follower declines a group that holds one. An honest peer's phase that
+cannot be committed (its first after loading a sealed state mid-phase) is refused that one round.
 
 Known limit: the replay runs on a worker thread and reseeds torch's global RNG for the segment; a task
 whose training step draws random numbers (dropout > 0) can then differ from its replay. The built-in
@@ -36,7 +43,7 @@ import queue
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -75,6 +82,67 @@ class WorkSpec:
     seed: int = 0
 
 
+class _Worker:
+    """One daemon thread that runs jobs in order. `close` stops it between jobs and waits for the job in
+    progress (a replay in torch on a thread the interpreter is tearing down aborts the process)."""
+
+    def __init__(self, name: str, counts: Counter[str]) -> None:
+        self.jobs: queue.Queue = queue.Queue(maxsize=64)
+        self.stopping, self.counts = threading.Event(), counts
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Callable, *args: Any) -> bool:
+        try:
+            self.jobs.put_nowait((job, args))
+        except queue.Full:  # checks pile up faster than they run: this one is skipped
+            self.counts["skipped"] += 1
+            return False
+        return True
+
+    def _run(self) -> None:
+        while (item := self.jobs.get()) is not None and not self.stopping.is_set():
+            job, args = item
+            try:
+                job(*args)
+            except Exception as e:  # a check must never stop the others
+                self.counts["internal error"] += 1
+                logger.warning("verified work: %s failed: %r", job.__name__, e)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        with contextlib.suppress(queue.Full):
+            self.jobs.put_nowait(None)
+
+    def join(self, timeout_s: float) -> None:
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            logger.warning("verified work: a check still runs after %.0f s at shutdown", timeout_s)
+
+
+@dataclass
+class _Lag:
+    """How far behind this peer's checks are (the worker's state; see `WorkChecks._late`)."""
+
+    newest_round: int = -1
+    """The newest round of a commitment this peer saw in a group."""
+    unreachable: set[str] = field(default_factory=set)
+    """Provers the last fetch could not reach."""
+    owed: dict[str, tuple] = field(default_factory=dict)
+    """Checks whose prover was unreachable, by prover: run again if it is in a later group of this peer."""
+
+
+@dataclass
+class _Disputes:
+    """The verdicts this peer published, and those of others it settled (the arbiter's state)."""
+
+    dht: Any
+    """Where verdicts are published and read (the run's verdicts key)."""
+    published: list[dict] = field(default_factory=list)
+    settled: set[str] = field(default_factory=set)
+    polling: threading.Event = field(default_factory=threading.Event)
+
+
 class WorkChecks:
     """One trainer's verified work (see the module docstring). ``exclude(peer, reason)`` keeps a peer out of
     this peer's groups; ``record(kind, body)`` writes evidence (the ledger)."""
@@ -89,14 +157,16 @@ class WorkChecks:
         run: str,
         warmup_steps: int,
         exclude: Callable[[str, str], None],
+        require: Callable[[Callable[[str, Any], str | None]], None],
         record: Callable[[str, dict], None],
         params: list[torch.Tensor],
         optimizer: torch.optim.Optimizer,
         first_step: int,
+        sync_every: int | None = None,
     ) -> None:
         self.spec, self.identity, self.config, self.run, self.warmup_steps = spec, identity, config, run, warmup_steps
-        self.params, self.optimizer = params, optimizer
-        """The trainer's trainable parameters (in order) and inner optimizer: what each phase records."""
+        self.params, self.optimizer, self.sync_every = params, optimizer, sync_every
+        """The trainer's trainable parameters (in order), inner optimizer and sync interval (a phase's length)."""
         self._exclude, self._record = exclude, record
         self.recorder = WorkRecorder(
             spec.task,
@@ -107,20 +177,20 @@ class WorkChecks:
             segment_steps=config.segment_steps,
         )
         self.counts: Counter[str] = Counter()
-        """checks / passed / failed / refused / unverified / rechecked / confirmed / liars (false accusations
-        found) / cannot recheck / rejected:REASON."""
+        """checks / passed / failed / refused / late (skipped: `_late`) / unverified / rechecked / confirmed /
+        liars (false accusations found) / cannot recheck / refused members / rejected:REASON."""
         self.excluded: dict[str, str] = {}
+        self._lag, self._disputes = _Lag(), _Disputes(dht)
+        self.refused: dict[str, str] = {}
+        """Members matchmaking refused (``require_verified``: no valid commitment), with the first reason."""
         self.bases: OrderedDict[str, torch.Tensor] = OrderedDict()
         """The base parameters (flat fp32) of this peer's last `KEEP_ROUNDS` grouped rounds, by digest: re-checks."""
-        self._published: list[dict] = []
-        self._settled: set[str] = set()
-        self._polling = threading.Event()
         self._lock = threading.Lock()
-        self._jobs: queue.Queue = queue.Queue(maxsize=64)
-        threading.Thread(target=self._work, name="swarm-work", daemon=True).start()
+        self._worker = _Worker("swarm-work", self.counts)
         self._service = Handler(dht, handler_name=f"swarm_{run}.work", handler=self._serve, start_timeout_s=TIMEOUT_S)
-        self.dht = dht
         self.begin(first_step=first_step)
+        if config.require_verified:
+            require(self._policy)
 
     @classmethod
     def for_trainer(cls, trainer: Any, spec: WorkSpec | None) -> WorkChecks | None:
@@ -129,11 +199,12 @@ class WorkChecks:
         cfg = trainer.config
         if not cfg.work.verify_work or spec is None or cfg.overlap or trainer.identity.peer_id != trainer.peer_id:
             return None
-        exclude, record = trainer.group_averager.exclude, trainer.evidence.record
+        averager, record = trainer.group_averager, trainer.evidence.record
         return cls(
             trainer.dht, trainer.identity, spec, cfg.work, run=cfg.run, warmup_steps=cfg.inner_warmup_steps,
-            exclude=exclude, record=record, params=list(trainer.outer.params), optimizer=trainer.inner_optimizer,
-            first_step=trainer.local_step + 1,
+            exclude=averager.exclude, require=averager.require, record=record, params=list(trainer.outer.params),
+            optimizer=trainer.inner_optimizer,
+            first_step=trainer.local_step + 1, sync_every=cfg.sync_every,
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------------ prover
@@ -143,7 +214,7 @@ class WorkChecks:
 
     def begin(self, *, first_step: int) -> None:
         """A phase starts (the model holds the global state); ``first_step``: the local step number of its first step."""
-        self.recorder.begin(self.params, self.optimizer, first_step=first_step)
+        self.recorder.begin(self.params, self.optimizer, first_step=first_step, expected_steps=self.sync_every)
 
     def stepped(self) -> None:
         """After each inner step (the optimizer's learning rates back at their own values)."""
@@ -179,14 +250,17 @@ class WorkChecks:
         for peer, gathered in group.gathered.items():
             peer = str(peer)
             work = gathered.get("work") if isinstance(gathered, dict) else None
-            if work is None:
+            if work is None:  # with require_verified, matchmaking refused such members (`_policy`)
                 self.counts["unverified"] += peer != self.identity.peer_id
-                if self.config.require_verified and peer != self.identity.peer_id:
-                    self._exclude_peer(peer, "sent no commitment (verified work required)")
                 continue
             commitment = self._accepted(peer, work, gathered)
             if commitment is not None and commitment.params[0] == base_digest:
                 commitments[peer], raw[peer] = commitment, work  # a member on another base is not checked here
+        self._lag.newest_round = max([self._lag.newest_round, *(c.round for c in commitments.values())])
+        for peer, gathered in group.gathered.items():  # an unreachable prover is back: it is asked once more
+            owed = self._lag.owed.pop(str(peer), None)
+            if owed is not None and not (isinstance(gathered, dict) and gathered.get("fresh")):  # fresh: restarted
+                self._submit(self._check_one, *owed, True)
         if len(commitments) < 2:
             return
         seed = f"{group.group_id}:" + ":".join(commitments[p].digest() for p in sorted(commitments))
@@ -201,10 +275,28 @@ class WorkChecks:
 
     def poll(self) -> None:
         """After every round, grouped or not: re-check the run's published accusations (on the worker, once at a time)."""
-        if not self._polling.is_set():
-            self._polling.set()
+        if not self._disputes.polling.is_set():
+            self._disputes.polling.set()
             if not self._submit(self._arbitrate_published):
-                self._polling.clear()
+                self._disputes.polling.clear()
+
+    def _policy(self, peer: str, gathered: Any) -> str | None:
+        """``require_verified``: matchmaking admits only members whose metadata carries a commitment signed
+        by them for this run (runs on the averager's loop; the first refusal of a peer goes to the ledger)."""
+        work = gathered.get("work") if isinstance(gathered, dict) else None
+        reason = "sent no commitment (verified work required)" if work is None else None
+        if work is not None:
+            try:
+                if verify.verify_commitment(work, run=self.run).commitment.peer != peer:
+                    reason = "sent another peer's commitment"
+            except WorkRejected as e:
+                reason = f"sent a refused commitment: {e.reason}"
+        if reason is not None:
+            self.counts["refused members"] += 1
+            if peer not in self.refused and len(self.refused) < _MAX_SETTLED:
+                self.refused[peer] = reason
+                self._submit(self._record, "work_refused", {"peer": peer, "reason": reason})
+        return reason
 
     def _accepted(self, peer: str, work: Any, gathered: Mapping) -> Commitment | None:
         try:
@@ -221,25 +313,34 @@ class WorkChecks:
 
     # ------------------------------------------------------------------------------------ worker thread
     def _submit(self, job: Callable, *args: Any) -> bool:
-        try:
-            self._jobs.put_nowait((job, args))
-        except queue.Full:  # checks pile up faster than they run: this one is skipped
-            self.counts["skipped"] += 1
+        return self._worker.submit(job, *args)
+
+    def _late(self, round_: int) -> bool:
+        """A check of ``round_`` is late: the prover, which keeps its last `KEEP_ROUNDS` phases and may be a
+        round ahead of this peer, may rightly have forgotten it. Late checks are skipped, never held against
+        the prover (this peer's checks could not keep up: a slow link, a busy core)."""
+        if round_ >= self._lag.newest_round - (KEEP_ROUNDS - 2):
             return False
+        self.counts["late"] += 1
         return True
 
-    def _work(self) -> None:
-        """The worker (a daemon thread: a check or a DHT read in progress never holds up the process's exit)."""
-        while (item := self._jobs.get()) is not None:
-            job, args = item
-            try:
-                job(*args)
-            except Exception as e:  # a check must never stop the others
-                self.counts["internal error"] += 1
-                logger.warning("verified work: %s failed: %r", job.__name__, e)
-
-    def _check_one(self, commitment: Commitment, work: dict, segment: int, base: torch.Tensor) -> None:
+    def _check_one(
+        self, commitment: Commitment, work: dict, segment: int, base: torch.Tensor, asked_again: bool = False
+    ) -> None:
+        if self._late(commitment.round):
+            return
         inputs = self._fetch(commitment.peer, commitment.round, segment)
+        if self._worker.stopping.is_set():  # shutting down: the fetch was cancelled, nothing to hold against anyone
+            return
+        if inputs is None and self._late(commitment.round):  # fell behind while fetching
+            return
+        if inputs is None and commitment.peer in self._lag.unreachable and not asked_again:
+            # gone (left, killed, restarted) or a link failed: no verdict now; asked again if it shows up in
+            # this peer's groups meanwhile (still in the run, so it must serve: `after_round`)
+            self.counts["unreachable"] += 1
+            if len(self._lag.owed) < _MAX_SETTLED:
+                self._lag.owed[commitment.peer] = (commitment, work, segment, base)
+            return
         outcome = verify.check(self.spec.task, self.spec.task_digest, commitment, segment, inputs, base=base)
         ok, reason, _ = outcome
         self.counts["checks"] += 1
@@ -253,7 +354,9 @@ class WorkChecks:
         self._publish({**signed, "work": work})  # the commitment as the prover signed it: anyone can re-check
 
     def _fetch(self, prover: str, round_: int, segment: int, attempts: int = 2) -> ReplayInputs | None:
-        """The prover's replay inputs; None if it answered that it has none, or failed ``attempts`` times."""
+        """The prover's replay inputs; None if it answered that it has none (or sent malformed ones), or could
+        not be reached ``attempts`` times (then ``self._lag.unreachable`` holds it: it may have left the run)."""
+        self._lag.unreachable.discard(prover)
         for attempt in range(attempts):
             try:
                 data = self._service.runtime.call(self._request(prover, round_, segment), timeout_s=TIMEOUT_S)
@@ -263,6 +366,7 @@ class WorkChecks:
                 return None
             except Exception as e:  # unreachable, reset, timed out: once more, then the prover did not serve
                 logger.info("could not fetch replay inputs from %s (attempt %s): %r", prover, attempt + 1, e)
+        self._lag.unreachable.add(prover)
         return None
 
     async def _request(self, prover: str, round_: int, segment: int) -> bytes | None:
@@ -303,11 +407,24 @@ class WorkChecks:
         finally:
             writer.close()
 
+    def tally(self) -> dict[str, Any]:
+        """This peer's checks for the status board (`swarm.status.WorkTally`): done, passed, failed, refused
+        and the peers it excluded (newest last, at most 16)."""
+        counts = self.counts
+        return {
+            "checks": counts["checks"],
+            "passed": counts["passed"],
+            "failed": counts["failed"],
+            "refused": counts["refused"],
+            "excluded": list(self.excluded)[-16:],
+        }
+
     def _exclude_peer(self, peer: str, reason: str) -> None:
         if peer == self.identity.peer_id or peer in self.excluded:
             return
         self.excluded[peer] = reason
         self._exclude(peer, reason)
+        self._record("work_excluded", {"peer": peer, "reason": reason})
         logger.warning("excluded %s from this peer's groups: %s", peer, reason)
 
     @property
@@ -315,11 +432,15 @@ class WorkChecks:
         return f"swarm_{self.run}.verdicts"
 
     def _publish(self, entry: dict) -> None:
-        self._published = [entry, *self._published][:_VERDICTS_KEPT]
+        self._disputes.published = [entry, *self._disputes.published][:_VERDICTS_KEPT]
         expiry = get_dht_time() + _VERDICT_EXPIRY_S
         try:
-            stored = self.dht.store(
-                self._verdicts_key, {"v": self._published}, expiry, subkey=self.identity.peer_id, return_future=True
+            stored = self._disputes.dht.store(
+                self._verdicts_key,
+                {"v": self._disputes.published},
+                expiry,
+                subkey=self.identity.peer_id,
+                return_future=True,
             )
             stored.result(timeout=TIMEOUT_S)
         except Exception as e:
@@ -328,12 +449,14 @@ class WorkChecks:
     def _arbitrate_published(self) -> None:
         """Re-check every failing verdict in the run's verdicts key that this peer can replay."""
         try:
-            found = self.dht.get(self._verdicts_key, latest=True, return_future=True).result(timeout=TIMEOUT_S)
+            found = self._disputes.dht.get(self._verdicts_key, latest=True, return_future=True).result(
+                timeout=TIMEOUT_S
+            )
         except Exception as e:
             logger.debug("could not read the verdicts: %r", e)
             return
         finally:
-            self._polling.clear()
+            self._disputes.polling.clear()
         if found is None or not isinstance(found.value, dict):
             return
         for verifier, item in list(found.value.items())[:64]:
@@ -342,6 +465,8 @@ class WorkChecks:
             if str(verifier) == self.identity.peer_id or not isinstance(entries, list):
                 continue
             for entry in entries[:_VERDICTS_KEPT]:
+                if self._worker.stopping.is_set():
+                    return
                 self._recheck(entry)
 
     def _recheck(self, entry: Any) -> None:
@@ -355,14 +480,14 @@ class WorkChecks:
             return
         key = f"{verdict.verifier}:{verdict.commitment}:{verdict.segment}"
         prover, liar = signed.commitment.peer, verdict.verifier
-        if verdict.ok or key in self._settled:
+        if verdict.ok or key in self._disputes.settled:
             return
         if prover in self.excluded:  # a verdict signed by an excluded verifier may still be true: it is replayed
             return
         commitment = signed.commitment
-        if len(self._settled) >= _MAX_SETTLED:  # bounded: a verdict seen long ago may be replayed once more
-            self._settled.clear()
-        self._settled.add(key)
+        if len(self._disputes.settled) >= _MAX_SETTLED:  # bounded: a verdict seen long ago may be replayed once more
+            self._disputes.settled.clear()
+        self._disputes.settled.add(key)
         inputs = self._inputs(prover, commitment.round, verdict.segment)
         base = self.bases.get(commitment.params[0])
         if base is None and verdict.reason != "not from the round's base":
@@ -393,6 +518,8 @@ class WorkChecks:
         return self._fetch(prover, round_, segment)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        with contextlib.suppress(queue.Full):
-            self._jobs.put_nowait(None)
+        """Stop the worker (its fetch in flight is cancelled with the handler; a replay in progress finishes,
+        within ``timeout_s``), then the handler."""
+        self._worker.stop()
         self._service.close(timeout_s)
+        self._worker.join(timeout_s)

@@ -259,6 +259,34 @@ def test_a_crashed_peer_never_hangs_the_survivors(make_group, phase):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["exclude", "policy"])
+def test_a_member_that_excluded_another_declines_its_group_and_nobody_waits_for_it(make_group, how):
+    """Exclusion (swarm.work) is each peer's own: one member excluded another (or its policy refuses the other's
+    gathered metadata: ``require``), the leader did not. That member declines the leader's group and says so
+    when the parts come: the rest average without it at once (no wait for the sender deadline), and it never
+    averages with the peer it excluded."""
+    tensors, weights = _inputs()
+    averagers = make_group(aggregator="mean", sender_timeout_s=6.0)
+    order = sorted(range(NUM_PEERS), key=lambda i: averagers[i].peer_id)  # the leader: the smallest peer ID
+    leader, excluded, excluder = order[0], order[1], order[-1]
+    if how == "exclude":
+        averagers[excluder].exclude(averagers[excluded].peer_id, "failed a replay check (test)")
+    else:
+        averagers[excluder].require(lambda peer, gathered: "unverified" if gathered == {"i": excluded} else None)
+    results = _run(averagers, tensors, weights)
+    assert averagers[excluder].rejected["group with an excluded peer"] == 1  # the fault fired
+    index_of = {averager.peer_id: j for j, averager in enumerate(averagers)}
+    for i in (leader, excluded):
+        out, record, _ = results[i]
+        assert out is not None, record.to_dict()
+        included = sorted(index_of[p] for p in record.included)
+        assert excluder not in included and len(included) >= 2, record.to_dict()
+        assert (out - _weighted_mean(tensors, weights, included)).abs().max().item() < 1e-5
+        assert record.phase_s["parts"] < 6.0 - 1.0, record.to_dict()  # told at once, not waited for
+    assert results[excluder][0] is None  # it averaged with nobody this round (it declined the only group)
+
+
+@pytest.mark.timeout(120)
 def test_a_straggler_is_dropped_at_its_deadline(make_group):
     """TESTMATRIX row 4: one peer goes silent while sending; the round ends by the sender deadline."""
     tensors, weights = _inputs()

@@ -197,6 +197,22 @@ def _hostile_entries(ledgers: dict[str, Ledger], ids: dict[str, Identity]) -> tu
     return 2, len(malformed)
 
 
+def _verified_work(ledgers: dict[str, Ledger], ids: dict[str, Identity]) -> int:
+    """Carol checks alice twice and bob once (bob's work fails), re-checks a false accusation and excludes both
+    bob and an accuser; returns the malformed work entries written."""
+    alice, bob = ids["alice"].peer_id, ids["bob"].peer_id
+    carol = ledgers["carol"]
+    for r, prover, ok, reason in ((4, alice, True, "match"), (5, alice, True, "match"), (5, bob, False, "replay")):
+        carol.append("work_check", {"round": r, "prover": prover, "ok": ok, "reason": reason}, t=T0 + 50 + r)
+    carol.append("work_check", {"round": 5, "prover": bob, "ok": False, "reason": "inputs refused"}, t=T0 + 56)
+    carol.append("work_excluded", {"peer": bob, "reason": "failed a replay check: replay differs"}, t=T0 + 56)
+    carol.append("work_dispute", {"verdict": {"prover": alice}, "outcome": "verifier"}, t=T0 + 57)
+    carol.append("work_excluded", {"peer": EVIL_PEER, "reason": "accused <b>alice</b> falsely"}, t=T0 + 57)
+    carol.append("work_check", {"round": 6, "prover": alice, "ok": "yes", "reason": "match"}, t=T0 + 58)
+    carol.append("work_dispute", {"verdict": {}, "outcome": "everyone"}, t=T0 + 58)
+    return 2
+
+
 def build_run(root: Path) -> SimRun:
     ids = {n: Identity.generate() for n in NAMES}
     ledgers = {
@@ -214,6 +230,7 @@ def build_run(root: Path) -> SimRun:
         for r in (4, 5, 6):
             _play_round(ledgers, ids, r, expected)
         num_rejected, num_malformed = _hostile_entries(ledgers, ids)
+        num_malformed += _verified_work(ledgers, ids)
         for n in ("alice", "carol"):
             ledgers[n].append("stop", {"step": 60, "round": 6, "signal": "SIGTERM"}, t=T0 + 70)
     finally:
@@ -301,6 +318,20 @@ def test_summary_counts_rounds_checkpoints_failures_and_the_vanished_peer(sim, r
     assert page.count(VANISHED) >= 2  # the per-peer table and the events list
     checkpoints = _section(page, "Sealed checkpoints")
     assert "0303030303030303" in checkpoints and "0606060606060606" in checkpoints
+
+
+def test_verified_work_shows_checks_disputes_and_who_was_excluded(sim, report):
+    ids = {n: sim.ids[n].peer_id for n in NAMES}
+    (work,) = report.summary["work"]
+    assert work["peer"] == ids["carol"]
+    counts = {k: work[k] for k in ("checks", "passed", "failed", "refused", "disputes", "confirmed", "liars")}
+    assert counts == {"checks": 4, "passed": 2, "failed": 1, "refused": 1, "disputes": 1, "confirmed": 0, "liars": 1}
+    assert set(work["excluded"]) == {ids["bob"], EVIL_PEER} and "replay differs" in work["excluded"][ids["bob"]]
+    section = _section(report.html.read_text(encoding="utf-8"), "Verified work (spot-check replays)")
+    assert "replay differs" in _row_with(section, "falsely")  # one row: carol's, with both exclusions
+    assert "<b>alice</b>" not in section and "&lt;b&gt;alice&lt;/b&gt;" in section
+    events = Counter((e["peer"], e["kind"]) for e in report.summary["events"])
+    assert events[(ids["carol"], "work_excluded")] == 2
 
 
 def test_every_ledger_string_is_escaped(report):

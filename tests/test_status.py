@@ -41,6 +41,7 @@ from swarm.status import (
     StatusEvent,
     StatusPublisher,
     StatusRejected,
+    WorkTally,
     build_parser,
     main,
     milli,
@@ -77,6 +78,7 @@ def _status(identity: Identity, **overrides: Any) -> PeerStatus:
             bytes_received=2_000,
         ),
         events=(StatusEvent(t=int(time.time()), kind="joined", detail="round 0"),),
+        work=WorkTally(checks=5, passed=4, failed=1, refused=0, excluded=("12D3KooWcheater",)),
     )
     return PeerStatus(**{**fields, **overrides})
 
@@ -143,12 +145,18 @@ def test_non_canonical_and_oversized_statuses_are_refused():
     assert _reason(ident.peer_id, _signed_raw(ident, unsorted)) == "non-canonical"
     huge = {**obj, "state": "x" * MAX_STATUS_BYTES}
     assert _reason(ident.peer_id, _signed_raw(ident, huge)) == "oversized"
-    assert _reason(ident.peer_id, _signed_raw(ident, {**obj, "v": 2})) == "version"
+    assert _reason(ident.peer_id, _signed_raw(ident, {**obj, "v": 3})) == "version"
+    old_schema = {k: v for k, v in obj.items() if k != "work"}  # v1: before the work field
+    assert _reason(ident.peer_id, _signed_raw(ident, {**old_schema, "v": 1})) == "version"
 
 
 def _mutations(obj: dict[str, Any]) -> dict[str, Any]:
-    group, event = obj["last_group"], obj["events"][0]
+    group, event, work = obj["last_group"], obj["events"][0], obj["work"]
     return {
+        "work excluded not a list": {**obj, "work": {**work, "excluded": "a,b"}},
+        "negative work count": {**obj, "work": {**work, "failed": -1}},
+        "work field missing": {**obj, "work": {k: v for k, v in work.items() if k != "refused"}},
+        "too many excluded": {**obj, "work": {**work, "excluded": ["p"] * (MAX_EVENTS + 1)}},
         "bool for an int": {**obj, "round": True},
         "string for an int": {**obj, "step": "70"},
         "float for an int": {**obj, "loss_milli": 2.5},
@@ -239,6 +247,9 @@ def _done(result: Any) -> concurrent.futures.Future:
     return future
 
 
+TALLY = {"checks": 7, "passed": 6, "failed": 1, "refused": 0, "excluded": ["12D3KooWcheater"]}
+
+
 def _fields(**overrides: Any) -> dict[str, Any]:
     return {
         "state": "training",
@@ -248,6 +259,7 @@ def _fields(**overrides: Any) -> dict[str, Any]:
         "loss_milli": 3000,
         "val_loss_milli": None,
         "last_group": None,
+        "work": None,
         **overrides,
     }
 
@@ -333,7 +345,9 @@ def _check_schema(board: dict[str, Any]) -> None:
             "record_age_s",
             "status_age_s",
             "heartbeat_missed",
+            "work",
         }
+        assert p["work"] is None or set(p["work"]) == {"checks", "passed", "failed", "refused", "excluded"}
         assert isinstance(p["peer"], str) and isinstance(p["state"], str) and isinstance(p["heartbeat_missed"], bool)
         assert all(isinstance(p[k], opt_int) for k in ("round", "step"))
         assert all(
@@ -525,7 +539,12 @@ def live_board(bootstrap_node):
             "bytes_received": 8192,
         }
         publisher = StatusPublisher(
-            dht, ident, run=RUN, snapshot=lambda: _fields(last_group=group, step=42), refresh_s=10, expiry_s=60
+            dht,
+            ident,
+            run=RUN,
+            snapshot=lambda: _fields(last_group=group, step=42, work=TALLY),
+            refresh_s=10,
+            expiry_s=60,
         ).start()
         publisher.note("joined", "round 0")
         publisher.note("checkpoint sealed", "step 40, 2 signers")
@@ -572,6 +591,7 @@ def test_cli_once_json_shows_the_published_peer_and_not_the_forgery(live_board):
     (peer,) = board["peers"]
     assert (peer["peer"], peer["state"], peer["step"]) == (ident, "training", 42)
     assert peer["device"] is not None and peer["status_age_s"] is not None and not peer["heartbeat_missed"]
+    assert peer["work"] == TALLY  # the verified-work checks reach the board as signed
     (group,) = board["groups"]
     assert group["group_id"] == live_board.group["group_id"] and group["members"] == live_board.group["members"]
     assert group["reported_by"] == [ident] and group["duration_s"] == 1.234

@@ -129,6 +129,30 @@ def test_a_cheater_fails_every_check_and_honest_peers_pass(cheat: str, reason: s
     assert cheated and all(not ok and why == reason for ok, why, _ in cheated), cheated
 
 
+@pytest.mark.parametrize("steps", [40, 70])
+def test_a_long_phase_gets_longer_segments_and_a_longer_one_than_expected_is_not_committed(steps: int) -> None:
+    peer = SimPeer(0)
+    peer.recorder.segment_steps = 1
+    base = verify.flat_params(peer.params)
+    peer.recorder.begin(peer.params, peer.optimizer, first_step=1, expected_steps=40)  # 40 / 32: 2 steps a segment
+    for step in range(1, steps + 1):
+        TASK.loss(peer.model, next(peer.batches)).backward()
+        inner_step(peer.optimizer, step, WARMUP)
+        peer.recorder.stepped(peer.params, peer.optimizer)
+        assert len(peer.recorder.phase.boundaries) <= verify.MAX_BOUNDARIES  # memory stays bounded
+    signed = peer.recorder.commit(
+        peer.params, peer.optimizer, base=base, identity=peer.identity, run=RUN, round_=0,
+        task_digest=DIGEST, samples=steps, warmup_steps=WARMUP,
+    )  # fmt: skip
+    if steps > 2 * (verify.MAX_BOUNDARIES - 1):
+        assert signed is None  # 35 segments: more than a commitment may name
+        return
+    commitment = verify.verify_commitment(signed.to_dict(), run=RUN).commitment
+    assert (commitment.segment_steps, commitment.segments) == (2, 20)
+    wire = verify.ReplayInputs.from_bytes(peer.recorder.inputs(0, 13).to_bytes())
+    assert verify.check(TASK, DIGEST, commitment, 13, wire, base=base)[:2] == (True, "match")
+
+
 def test_a_lying_verifier_is_shown_wrong_by_a_third_replay() -> None:
     honest, liar = SimPeer(0), SimPeer(1)
     base = verify.flat_params(honest.params)
@@ -209,7 +233,8 @@ other = task.train_batches(shard_index=(int(shard) + 1) % 8, num_shards=8)
 with swarm.Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), run="verified", identity_key=key,
                    initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], ledger_dir=ledgers,
                    checkpoint_every=0, sync_every=10, target_group_size=8, round_timeout_s=10.0, load_state=False,
-                   verify_work=True, check_rate=1.0, task_info=info, work=spec) as trainer:
+                   verify_work=True, require_verified=True, task_info=info,
+                   work=None if mode == "custom" else spec) as trainer:
     work = trainer.work
     print("PEER", trainer.peer_id, flush=True)
     if mode == "liar":  # trains honestly, and accuses every other member of every round
@@ -223,7 +248,8 @@ with swarm.Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), run="v
                                    "work": gathered["work"]})
         work.after_round = lying
     stale = None
-    for batch in work.batches():
+    own = task.train_batches(shard_index=int(shard), num_shards=8)  # a custom data loop: nothing to replay
+    for batch in (own if mode == "custom" else work.batches()):
         if mode == "shard":
             task.loss(model, next(other)).backward()
         elif mode == "stale" and stale is not None:
@@ -239,13 +265,14 @@ with swarm.Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), run="v
         if result is not None:
             phases = {k: round(v, 2) for k, v in (result.record.phase_s if result.record else {}).items()}
             included = list(result.record.included) if result.record and result.group_size > 1 else []
-            line = {"round": result.round, "group": result.group_size, "excluded": work.excluded, "included": included,
-                    "phases": phases, "counts": dict(work.counts)}
+            line = {"round": result.round, "group": result.group_size, "included": included, "phases": phases,
+                    "excluded": work.excluded if work else {}, "refused": work.refused if work else {},
+                    "counts": dict(work.counts) if work else {}}
             print("ROUND", json.dumps(line), flush=True)
 """
 
 CHEATS = ("honest", "honest", "free", "shard", "stale")
-LIAR = ("honest", "honest", "liar")
+LIAR = ("honest", "honest", "liar", "custom")
 
 
 def _rounds(child: Child) -> list[dict]:
@@ -254,7 +281,7 @@ def _rounds(child: Child) -> list[dict]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.heavy(seconds=45, timed=True)
-@pytest.mark.parametrize("modes", [CHEATS, LIAR], ids=["cheaters", "liar"])
+@pytest.mark.parametrize("modes", [CHEATS, LIAR], ids=["cheaters", "liar-and-unverified"])
 def test_cheaters_and_a_lying_verifier_are_excluded_within_5_rounds(bootstrap_node, tmp_path: Path, modes) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
@@ -277,28 +304,36 @@ def test_cheaters_and_a_lying_verifier_are_excluded_within_5_rounds(bootstrap_no
                 message=child.describe,
             )
             ids[line.split()[1]] = mode
-        cheaters = {pid for pid, mode in ids.items() if mode != "honest"}
+        cheaters = {pid for pid, mode in ids.items() if mode not in ("honest", "custom")}
+        unverified = {pid for pid, mode in ids.items() if mode == "custom"}
         honest = [c for c, mode in zip(children, modes) if mode == "honest"]
 
         def all_excluded() -> bool:
-            return all(cheaters <= set((_rounds(c) or [{}])[-1].get("excluded", {})) for c in honest)
+            last = [(_rounds(c) or [{}])[-1] for c in honest]
+            refused = set().union(*(r.get("refused", {}) for r in last))  # by whichever honest peer it asked
+            return all(cheaters <= set(r.get("excluded", {})) for r in last) and unverified <= refused
 
         wait_until(all_excluded, 200, interval_s=0.5, message=lambda: str([_rounds(c)[-3:] for c in honest]))
     finally:
-        terminate_all(children, timeout_s=20)
+        codes = terminate_all(children, timeout_s=20)
+    # a clean leave with checks in flight (a replay on the worker thread must not abort the process at exit)
+    assert codes == [0] * len(children), [(mode, code) for mode, code in zip(modes, codes)]
     for child in honest:
         rounds = _rounds(child)
-        excluded = rounds[-1]["excluded"]
+        excluded, refused = rounds[-1]["excluded"], rounds[-1]["refused"]
         assert not set(excluded) & {pid for pid, mode in ids.items() if mode == "honest"}
         # a cheater's updates went into this honest peer's rounds at most 5 times before it was excluded here
-        mixed = {pid: sum(pid in r["included"] for r in rounds) for pid in cheaters}
+        mixed = {pid: sum(pid in r["included"] for r in rounds) for pid in cheaters | unverified}
         assert max(mixed.values()) <= 5, {ids[p]: n for p, n in mixed.items()}
+        assert all(mixed[pid] == 0 for pid in unverified), mixed  # refused up front, by this peer or its leader
         for pid in cheaters:  # once excluded here, never in this peer's groups again
             since = next(i for i, r in enumerate(rounds) if pid in r["excluded"])
             assert all(pid not in r["included"] for r in rounds[since + 1 :]), ids[pid]
         reasons = {ids[pid]: why for pid, why in excluded.items()}
         assert "falsely" in reasons.get("liar", "falsely"), reasons
-        assert all("replay" in why or "base" in why for mode, why in reasons.items() if mode != "liar"), reasons
+        assert all("verified work required" in why for why in refused.values()), refused
+        cheats = {mode: why for mode, why in reasons.items() if mode != "liar"}
+        assert all("replay" in why or "base" in why for why in cheats.values()), reasons
         counts = rounds[-1]["counts"]
         fired = counts.get("failed", 0) + counts.get("confirmed", 0) + counts.get("liars", 0)
         assert fired >= 1, counts  # the faults fired and were seen here

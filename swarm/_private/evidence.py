@@ -22,10 +22,11 @@ logger = logging.getLogger(__name__)
 Listener = Callable[[str, dict], None]
 
 
-def status_snapshot(state: str, round_: int, step: int, last_group: Any, book: Any) -> dict:
+def status_snapshot(state: str, round_: int, step: int, last_group: Any, book: Any, work: Any = None) -> dict:
     """A trainer's entry on the status board, from its `swarm.rounds.RoundBook` (milli-units: signed JSON
-    carries no floats)."""
+    carries no floats) and its verified work (`swarm.work.WorkChecks`, or None)."""
     return {
+        "work": work.tally() if work is not None else None,
         "state": state,
         "round": round_,
         "step": step,
@@ -65,6 +66,10 @@ def _status_note(kind: str, body: dict) -> tuple[str, str] | None:
         return "val loss rising", (
             f"{body.get('rounds')} sealed rounds in a row: {_num(body.get('from'))} -> {_num(body.get('to'))}"
         )
+    if kind in ("work_excluded", "work_refused"):
+        return kind.removeprefix("work_"), f"{str(body.get('peer'))[-8:]}: {body.get('reason')}"[:200]
+    if kind == "work_check" and body.get("ok") is False:
+        return "work check failed", f"{str(body.get('prover'))[-8:]} round {body.get('round')}: {body.get('reason')}"
     if kind == "stop":
         return "left", str(body.get("signal") or "")
     return None

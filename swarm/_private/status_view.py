@@ -59,6 +59,7 @@ def peers_table(board: dict[str, Any]) -> Table:
         "region",
         "record age",
         "status age",
+        "work checks",
     ):
         table.add_column(
             column, justify="right" if column in ("round", "step", "samples/s", "loss", "val loss") else "left"
@@ -76,8 +77,21 @@ def peers_table(board: dict[str, Any]) -> Table:
             Text(p["region"] or "-"),
             _age(p["record_age_s"]),
             _age(p["status_age_s"], missed=p["heartbeat_missed"]),
+            _work(p.get("work")),
         )
     return table
+
+
+def _work(work: dict[str, Any] | None) -> Text:
+    """Verified-work checks: passed/done, failures, refusals, and how many peers this one excluded."""
+    if work is None:
+        return Text("-")
+    text = f"{work['passed']}/{work['checks']} ok"
+    if work["failed"] or work["refused"]:
+        text += f", {work['failed']} failed, {work['refused']} refused"
+    if work["excluded"]:
+        text += f", excluded {len(work['excluded'])}: " + ", ".join(p[-8:] for p in work["excluded"][:4])
+    return Text(text, style="bold red" if work["failed"] else "")
 
 
 def groups_table(board: dict[str, Any]) -> Table:
