@@ -73,7 +73,7 @@ class WorkRejected(Rejected):
 
 def params_digest(flat: torch.Tensor) -> str:
     """SHA-256 of a flat fp32 CPU tensor's bytes."""
-    return hashlib.sha256(flat.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()).hexdigest()
+    return hashlib.sha256(flat.detach().to("cpu", torch.float32).contiguous().numpy()).hexdigest()  # no copy
 
 
 def flat_params(params: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -103,7 +103,7 @@ class InnerState:
         for key in sorted(self.tensors):
             tensor = self.tensors[key]
             h.update(f"\x00{key}:{tensor.dtype}:{tuple(tensor.shape)}\x00".encode())
-            h.update(tensor.numpy().tobytes())
+            h.update(tensor.contiguous().numpy())  # the buffer itself: no copy of it
         return h.hexdigest()
 
     def param_groups(self, params: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
