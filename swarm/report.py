@@ -56,6 +56,7 @@ TIMELINE_KINDS = (
     "record_rejected",
     "diverging",
     "work_excluded",
+    "work_refused",
     "stop",
 )
 """Entry kinds drawn on the failure and recovery timeline and listed in the events table."""
@@ -187,7 +188,7 @@ class PeerLedger:
     skipped: Counter[str]
     """Skipped entries by reason."""
     work: dict[str, Any]
-    """Verified work (``work_check``, ``work_dispute``, ``work_excluded`` entries): counts by outcome
+    """Verified work (``work_check``, ``work_dispute``, ``work_excluded``, ``work_refused`` entries): counts by outcome
     (:data:`WORK_COUNTS`) and ``"excluded"``, peer -> reason."""
 
 
@@ -378,7 +379,9 @@ _HANDLERS: dict[str, Callable[[_Collector, LedgerEntry], None]] = {
     "round": _on_round,
     "receipt": _on_receipt,
     "checkpoint_sealed": _on_sealed,
-    **{kind: _on_event for kind in TIMELINE_KINDS if kind not in ("checkpoint_sealed", "work_excluded")},
+    **{
+        kind: _on_event for kind in TIMELINE_KINDS if kind not in ("checkpoint_sealed", "work_excluded", "work_refused")
+    },
     "work_check": _on_work_check,
     "work_dispute": _on_work_dispute,
     "work_excluded": _on_work_excluded,
