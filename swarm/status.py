@@ -301,9 +301,7 @@ def _count(error: StatusRejected, subkey: Any, counter: Counter[str]) -> None:
 
 def _parse(subkey: Any, value: Any, *, run: str, now: float) -> PeerStatus:
     payload, signature = unwrap_signed(value, max_bytes=MAX_STATUS_BYTES, rejected=StatusRejected)
-    status = _status_from_payload(payload)
-    if status.v != STATUS_VERSION:
-        raise StatusRejected("version", f"v={status.v}")
+    status = _status_from_payload(payload)  # refuses another version first: its fields may differ
     if status.payload() != payload:
         raise StatusRejected("non-canonical", "payload is not canonical JSON of itself")
     if status.run != run:
