@@ -172,21 +172,38 @@ class WorkConfig:
     """Commit to each phase's inner steps and check the others' by replay (needs a registry task; blocking
     rounds only). swarm.peer turns it on for its registry tasks with --verify-work."""
     check_rate: float = 0.9
-    """Chance that each contribution of a round is checked (one segment of it, by another member): a peer
-    that never trains escapes 5 rounds with probability 0.1^5 = 1e-5. Cost: about 0.17 of the swarm's compute
-    at --sync-every 10, 0.07 at 50 (benchmarks/README.md, section 13)."""
-    segment_steps: int = 1
+    """Chance that a contribution is checked (one segment of it, by another member) while its verifier has
+    not yet passed ``trust_after`` of its prover's checks itself: a peer that never trains escapes 5 rounds
+    with probability 0.1^5 = 1e-5. Cost while on probation: about 0.23 of the compute at --sync-every 10
+    (benchmarks/README.md, section 13)."""
+    trusted_rate: float = 0.25
+    """Chance of a check once the verifier has passed ``trust_after`` checks of that prover by its own
+    replays (never on hearsay): a peer that trained honestly for that long and then stops is caught in 4
+    rounds on average (escapes 5 with probability 0.75^5 = 0.24). Cost once trusted: about 0.09 of the
+    compute at --sync-every 10. Set it to check_rate for a flat rate."""
+    trust_after: int = 4
+    """Passed checks (by this verifier) after which a prover is checked at trusted_rate."""
+    segment_steps: int = 2
     """Inner steps per checked segment (longer when a phase would have more than 32 segments): a check
-    replays this many steps; a phase keeps a boundary state every this many steps (memory: phase steps /
-    segment_steps + 1 copies of parameters and optimizer state)."""
+    replays this many steps; a phase keeps a boundary state (hashed: the recording's cost) every this many
+    steps (memory: phase steps / segment_steps + 1 copies of parameters and optimizer state)."""
     require_verified: bool = False
     """Exclude members that send no commitment (a custom data loop, an overlapped trainer)."""
+    replay_nice: int = 10
+    """Niceness added to the thread that replays checks (Linux): replays take the CPU that training leaves
+    (the waits of a round) before they take it from training. 0: the trainer's own priority."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.check_rate <= 1.0:
             raise ValueError(f"check_rate must be in [0, 1], got {self.check_rate!r}")
+        if not 0.0 <= self.trusted_rate <= 1.0:
+            raise ValueError(f"trusted_rate must be in [0, 1], got {self.trusted_rate!r}")
+        if self.trust_after < 0:
+            raise ValueError(f"trust_after must be >= 0, got {self.trust_after!r}")
         if self.segment_steps < 1:
             raise ValueError(f"segment_steps must be >= 1, got {self.segment_steps!r}")
+        if not 0 <= self.replay_nice <= 19:
+            raise ValueError(f"replay_nice must be in [0, 19], got {self.replay_nice!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

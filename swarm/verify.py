@@ -23,8 +23,9 @@ work fails 1 or 4; one that will not serve its inputs is recorded as refusing. A
 by its verifier. `arbitrate` is the third replay that settles a dispute: a verifier that accused a
 peer whose segment replays to its commitment is shown wrong.
 
-Cost: recording hashes ``3 x params`` fp32 bytes (AdamW) per boundary and keeps ``boundaries``
-copies of it; a check replays ``segment_steps`` inner steps (``segment_steps / steps`` of a phase).
+Cost: recording hashes ``3 x params`` fp32 bytes (AdamW) per boundary, one step after taking it (so not
+at the sync point, inside the round), and keeps ``boundaries`` copies of it; a check replays
+``segment_steps`` inner steps (``segment_steps / steps`` of a phase), at most `MAX_REPLAY_STEPS`.
 
 The network side (serving `ReplayInputs`, running the drawn checks, spreading verdicts, exclusion) is
 `swarm.work`.
@@ -37,8 +38,9 @@ import itertools
 import json
 import math
 import struct
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,6 +61,11 @@ MAX_BOUNDARIES = 33
 """Most boundaries a commitment may name (32 segments): 8 commitments fit a round's gathered metadata."""
 MAX_INPUT_BYTES = 4 << 30
 """Largest `ReplayInputs` accepted."""
+MAX_REPLAY_STEPS = 256
+"""Most inner steps one check replays (a segment); a phase with longer segments is not committed."""
+MAX_STREAM_POSITION = 1 << 22
+"""Furthest batch of a shard's stream a check draws (a task's stream is read from its start, or from where
+the verifier's last replay of that shard stopped): a phase beyond it is not committed, nor replayed."""
 REPLAYABLE_OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
 """Inner optimizers a verifier rebuilds (by class name); others are not replayable."""
 _MAX_ID = 128
@@ -301,6 +308,13 @@ class Phase:
     steps: int = 0
     replayable: bool = True
     """False once the phase did something a replay would not (a batch drawn off the step count)."""
+    digests: list[tuple[str, str]] = field(default_factory=list)
+    """The digests (parameters, inner state) of the boundaries hashed so far: each is hashed at the step after
+    it was taken, so that the commitment at the sync point (inside the round) has little left to hash."""
+
+    def hash_boundaries(self) -> None:
+        for boundary in self.boundaries[len(self.digests) :]:
+            self.digests.append((params_digest(boundary.params), boundary.inner.digest()))
 
 
 class WorkRecorder:
@@ -353,6 +367,7 @@ class WorkRecorder:
             phase.replayable &= len(phase.boundaries) < MAX_BOUNDARIES  # longer than expected: not committed
             if phase.replayable:
                 phase.boundaries.append(Boundary(flat_params(params), InnerState.of(optimizer)))
+                phase.hash_boundaries()
             torch.manual_seed(segment_seed(self.peer, phase.stream_start, phase.steps // phase.segment_steps))
 
     def commit(
@@ -375,6 +390,8 @@ class WorkRecorder:
         if (
             type(optimizer).__name__ not in REPLAYABLE_OPTIMIZERS
             or math.ceil(phase.steps / phase.segment_steps) >= MAX_BOUNDARIES
+            or phase.segment_steps > MAX_REPLAY_STEPS
+            or phase.stream_start + phase.steps > MAX_STREAM_POSITION
         ):
             return None
         optimized = [p for group in optimizer.param_groups for p in group["params"]]
@@ -382,8 +399,9 @@ class WorkRecorder:
             return None  # the replay maps the optimizer's state indices onto the trainable parameters, in order
         if phase.steps % phase.segment_steps:
             phase.boundaries.append(Boundary(flat_params(params), InnerState.of(optimizer)))
+        phase.hash_boundaries()
         end = phase.boundaries[-1].params
-        if params_digest(phase.boundaries[0].params) != params_digest(base):
+        if phase.digests[0][0] != params_digest(base):
             return None  # the phase did not start from this base (the state was reloaded meanwhile): nothing to claim
         commitment = Commitment(
             run=run,
@@ -400,8 +418,8 @@ class WorkRecorder:
             segment_steps=phase.segment_steps,
             samples=samples,
             optimizer=type(optimizer).__name__,
-            params=tuple(params_digest(b.params) for b in phase.boundaries),
-            inner=tuple(b.inner.digest() for b in phase.boundaries),
+            params=tuple(p for p, _ in phase.digests),
+            inner=tuple(i for _, i in phase.digests),
             pseudo=params_digest(base - end),
         )
         self.kept[round_] = phase
@@ -470,18 +488,25 @@ def _draw(seed: str, *parts: Any) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, (seed, *parts))).encode()).digest(), "big")
 
 
-def draw_checks(seed: str, commitments: Mapping[str, Commitment], *, rate: float) -> list[Assignment]:
-    """The checks of one round, the same on every peer: each contribution with probability ``rate``, one
-    segment of it, verified by the other contributor nearest to it by rendezvous hashing. ``seed`` must be
-    unknown until the contributions are fixed (the round's sealed manifest digest)."""
+def draw_checks(
+    seed: str, commitments: Mapping[str, Commitment], *, rate: float | Callable[[str, str], float]
+) -> list[Assignment]:
+    """The checks of one round: each contribution's verifier is the other contributor nearest to it by
+    rendezvous hashing, and it checks one segment of it with probability ``rate`` (or ``rate(prover,
+    verifier)``: a verifier's own rate for that prover, e.g. lower once it has passed enough of its checks;
+    then only the draws of the peer that calls it are meaningful). The same on every peer for the same rates.
+    ``seed`` must be unknown until the contributions are fixed (the group's id and the commitments)."""
     peers = sorted(commitments)
     out = []
     for prover in peers:
         others = [p for p in peers if p != prover]
-        if not others or _draw(seed, "check", prover) >= rate * 2**256:
+        if not others:
+            continue
+        verifier = min(others, key=lambda v: _draw(seed, "verifier", prover, v))
+        chance = rate(prover, verifier) if callable(rate) else rate
+        if _draw(seed, "check", prover) >= chance * 2**256:
             continue
         segment = _draw(seed, "segment", prover) % commitments[prover].segments
-        verifier = min(others, key=lambda v: _draw(seed, "verifier", prover, v))
         out.append(Assignment(prover, segment, verifier))
     return out
 
@@ -527,10 +552,39 @@ def trainable(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def replay(task: Any, commitment: Commitment, segment: int, start: Boundary) -> Boundary:
+class Streams:
+    """A verifier's batch streams, each left where its last replay stopped: checking a later segment of the
+    same shard skips ahead from there instead of drawing every batch from the stream's start (a shard's
+    stream is deterministic, and a check late in a run would otherwise draw thousands of batches)."""
+
+    MAX_STREAMS = 16
+
+    def __init__(self, task: Any) -> None:
+        self.task = task
+        self._open: OrderedDict[tuple[int, int, int], tuple[int, Iterator[Any]]] = OrderedDict()
+
+    def take(self, commitment: Commitment, first: int, end: int) -> list[Any]:
+        """Batches ``first`` to ``end`` (phase steps) of ``commitment``'s phase."""
+        key = (commitment.shard_index, commitment.num_shards, commitment.seed)
+        position, stream = self._open.pop(key, (0, None))
+        start = commitment.stream_start + first
+        if stream is None or position > start:
+            position, stream = 0, self.task.train_batches(shard_index=key[0], num_shards=key[1], seed=key[2])
+        for _ in itertools.islice(stream, start - position):
+            pass
+        batches = list(itertools.islice(stream, end - first))
+        self._open[key] = (start + len(batches), stream)
+        while len(self._open) > self.MAX_STREAMS:
+            self._open.popitem(last=False)
+        return batches
+
+
+def replay(
+    task: Any, commitment: Commitment, segment: int, start: Boundary, *, streams: Streams | None = None
+) -> Boundary:
     """Segment ``segment`` of ``commitment``'s phase replayed from ``start`` on this machine's CPU: the task's
-    model and stream, the committed optimizer class, warm-up and RNG seed. WorkRejected if ``start`` does
-    not fit the task's model or optimizer."""
+    model and stream (``streams``: positioned streams of ``task`` to reuse), the committed optimizer class,
+    warm-up and RNG seed. WorkRejected if ``start`` does not fit the task's model or optimizer."""
     model = task.build_model(seed=0)
     model.train()
     params = trainable(model)
@@ -545,10 +599,7 @@ def replay(task: Any, commitment: Commitment, segment: int, start: Boundary) -> 
     optimizer = REPLAYABLE_OPTIMIZERS[commitment.optimizer](start.inner.param_groups(params))
     start.inner.load_into(optimizer)
     first, end = commitment.segment(segment)
-    stream = task.train_batches(
-        shard_index=commitment.shard_index, num_shards=commitment.num_shards, seed=commitment.seed
-    )
-    batches = itertools.islice(stream, commitment.stream_start + first, commitment.stream_start + end)
+    batches = (streams if streams is not None and streams.task is task else Streams(task)).take(commitment, first, end)
     torch.manual_seed(segment_seed(commitment.peer, commitment.stream_start, segment))
     for i, batch in enumerate(batches):
         task.loss(model, batch).backward()
@@ -564,13 +615,19 @@ def check(
     inputs: ReplayInputs | None,
     *,
     base: torch.Tensor,
+    streams: Streams | None = None,
 ) -> tuple[bool, str, str]:
     """Check segment ``segment`` of ``commitment`` against the round's ``base`` parameters (flat fp32), with
     the prover's ``inputs`` (None: it refused or did not answer). Returns (ok, reason, replayed digest)."""
     if commitment.task != task_digest:
         return False, "another task", ""
-    if commitment.optimizer not in REPLAYABLE_OPTIMIZERS or not 0 <= segment < commitment.segments:
-        return False, "not replayable", ""
+    if (
+        commitment.optimizer not in REPLAYABLE_OPTIMIZERS
+        or not 0 <= segment < commitment.segments
+        or commitment.segment_steps > MAX_REPLAY_STEPS
+        or commitment.stream_start + commitment.steps > MAX_STREAM_POSITION
+    ):
+        return False, "not replayable", ""  # a phase no honest recorder commits: bounded work for the verifier
     if commitment.params[0] != params_digest(base):
         return False, "not from the round's base", ""
     if inputs is None:
@@ -583,7 +640,7 @@ def check(
     if params_digest(start.params) != commitment.params[segment] or start.inner.digest() != commitment.inner[segment]:
         return False, "served start differs from the commitment", ""
     try:
-        replayed = replay(task, commitment, segment, start)
+        replayed = replay(task, commitment, segment, start, streams=streams)
     except WorkRejected as e:
         return False, f"served start does not load: {e.reason}", ""
     got = params_digest(replayed.params)
@@ -619,13 +676,14 @@ def arbitrate(
     inputs: ReplayInputs | None,
     *,
     base: torch.Tensor,
+    streams: Streams | None = None,
 ) -> str:
     """A third replay of a disputed check: ``"prover"`` (the prover's work fails it too), ``"verifier"`` (the
     verdict is wrong: the work checks out, or the verdict is about another commitment) or ``"agree"``."""
     commitment = signed.commitment
     if verdict.commitment != commitment.digest() or verdict.prover != commitment.peer:
         return "verifier"
-    ok, _, _ = check(task, task_digest, commitment, verdict.segment, inputs, base=base)
+    ok, _, _ = check(task, task_digest, commitment, verdict.segment, inputs, base=base, streams=streams)
     if ok == verdict.ok:
         return "agree" if ok else "prover"
     return "verifier"
@@ -638,6 +696,7 @@ __all__ = [
     "InnerState",
     "ReplayInputs",
     "SignedCommitment",
+    "Streams",
     "Verdict",
     "WorkRecorder",
     "WorkRejected",

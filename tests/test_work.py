@@ -9,21 +9,29 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from bootstrap import stop_dht, visible_maddrs
 from bootstrap.identity import Identity
+from bootstrap.network import start_swarm_dht
 from swarm import verify
-from swarm.config import TaskInfo
+from swarm import work as work_module
+from swarm.config import TaskInfo, WorkConfig
 from swarm.recipe import inner_step
 from swarm.tasks import get_task
+from swarm.work import WorkChecks, WorkSpec, _Standing
 from tests.helpers import Child, python_cmd, spawn, terminate_all, wait_until
 
 RUN = "verified-work"
 TASK = get_task("teacher", preset="tiny")
 DIGEST = TaskInfo.of(TASK, "tiny").config_digest
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 STEPS, SEGMENT, WARMUP = 10, 5, 4
 
 
@@ -151,6 +159,11 @@ def test_a_long_phase_gets_longer_segments_and_a_longer_one_than_expected_is_not
     assert (commitment.segment_steps, commitment.segments) == (2, 20)
     wire = verify.ReplayInputs.from_bytes(peer.recorder.inputs(0, 13).to_bytes())
     assert verify.check(TASK, DIGEST, commitment, 13, wire, base=base)[:2] == (True, "match")
+    streams = verify.Streams(TASK)  # a verifier's streams, reused: forward from where they stopped, or from the start
+    for segment in (2, 13, 19, 0, 7):
+        inputs = peer.recorder.inputs(0, segment)
+        assert verify.check(TASK, DIGEST, commitment, segment, inputs, base=base, streams=streams)[0], segment
+    assert verify.check(TASK, DIGEST, commitment, 13, wire, base=base, streams=streams)[0]
 
 
 def test_a_lying_verifier_is_shown_wrong_by_a_third_replay() -> None:
@@ -203,6 +216,12 @@ def test_untrusted_commitments_verdicts_and_inputs_are_refused_with_a_reason() -
     )
     assert verify.check(TASK, DIGEST, signed.commitment, 0, None, base=base)[1] == "inputs refused"
     assert verify.check(TASK, "0" * 64, signed.commitment, 0, inputs, base=base)[1] == "another task"
+    # a commitment that would keep its verifier busy for ever (a billion steps to replay, or to skip) is not
+    # replayed at all (the check fails at once)
+    endless = _replace(signed.commitment, steps=10**9, segment_steps=10**9 // 2)
+    far = _replace(signed.commitment, stream_start=2**40)
+    for bad in (endless, far):
+        assert verify.check(TASK, DIGEST, bad, 0, inputs, base=base)[1] == "not replayable"
 
 
 def test_the_draw_is_the_same_everywhere_and_never_self_verifies() -> None:
@@ -215,6 +234,91 @@ def test_the_draw_is_the_same_everywhere_and_never_self_verifies() -> None:
     assert 0.5 < checked < 0.7
     assert all(a.prover != a.verifier and 0 <= a.segment < 2 for d in draws for a in d)
     assert verify.draw_checks("x", dict(list(commitments.items())[:1]), rate=1.0) == []
+
+
+def test_a_verifier_checks_a_prover_less_once_it_passed_enough_of_its_checks_itself() -> None:
+    config = WorkConfig(check_rate=0.9, trusted_rate=0.25, trust_after=4)
+    peers = [SimPeer(i) for i in range(3)]
+    base = verify.flat_params(peers[0].params)
+    commitments = {p.identity.peer_id: p.phase(base, 0)[0].commitment for p in peers}
+    _, honest, cheat = sorted(commitments)
+    standing = _Standing()
+    standing.passed[honest] = config.trust_after  # four of its checks passed here; `cheat` has passed none
+    rates = {honest: config.trusted_rate, cheat: config.check_rate}
+    draws = [
+        verify.draw_checks(f"seed {i}", commitments, rate=lambda p, _: standing.rate(config, p)) for i in range(2000)
+    ]
+    for prover in (honest, cheat):
+        drawn = [d for d in draws if any(a.prover == prover for a in d)]
+        verified_by = {a.verifier for d in draws for a in d if a.prover == prover}
+        assert abs(len(drawn) / 2000 - rates[prover]) < 0.04 and len(verified_by) == 2
+    # a flat rate draws exactly what the callable draws at that rate (the draw itself did not change)
+    assert verify.draw_checks("s", commitments, rate=0.6) == verify.draw_checks("s", commitments, rate=lambda *_: 0.6)
+    with pytest.raises(ValueError, match="trusted_rate"):
+        WorkConfig(trusted_rate=1.5)
+
+
+def test_replay_inputs_travel_in_chunks_and_only_between_the_verifiers_rounds(monkeypatch) -> None:
+    monkeypatch.setattr(work_module, "CHUNK_BYTES", 4096)  # teacher tiny's inputs are a few chunks of this
+    ids = [Identity.generate(), Identity.generate()]
+    dhts = [start_swarm_dht(ids[0], host_maddrs=LOOPBACK)]
+    dhts.append(start_swarm_dht(ids[1], initial_peers=visible_maddrs(dhts[0]), host_maddrs=LOOPBACK))
+    checks: list[WorkChecks] = []
+    model = TASK.build_model(seed=0)
+    try:
+        for dht, identity in zip(dhts, ids):
+            params = verify.trainable(model if not checks else TASK.build_model(seed=0))
+            spec = WorkSpec(task=TASK, task_digest=DIGEST, shard_index=len(checks), num_shards=8)
+            checks.append(
+                WorkChecks(
+                    dht,
+                    identity,
+                    spec,
+                    WorkConfig(verify_work=True, segment_steps=2),
+                    run=RUN,
+                    warmup_steps=WARMUP,
+                    exclude=lambda *_: None,
+                    require=lambda _: None,
+                    record=lambda *_: None,
+                    params=params,
+                    optimizer=torch.optim.AdamW(params, lr=3e-3),
+                    first_step=1,
+                    sync_every=4,
+                )  # fmt: skip
+            )
+        prover, verifier = checks
+        base = verify.flat_params(prover.params)
+        for step, batch in zip(range(1, 5), prover.batches()):
+            TASK.loss(model, batch).backward()
+            inner_step(prover.optimizer, step, WARMUP)
+            prover.stepped()
+        end = verify.flat_params(prover.params)
+        signed = prover.commit(SimpleNamespace(state=base, delta=base - end), samples=4, round_=0)
+        commitment = verify.verify_commitment(signed, run=RUN).commitment
+        prover.begin(first_step=5)
+        expected = prover.recorder.inputs(0, 1).to_bytes()
+        assert len(expected) > 3 * 4096
+
+        verifier._lag.quiet.clear()  # the verifier's round is in flight: its check's transfer waits
+        fetched: dict = {}
+        fetch = threading.Thread(target=lambda: fetched.update(inputs=verifier._fetch(ids[0].peer_id, 0, 1)))
+        fetch.start()
+        fetch.join(1.0)
+        assert fetch.is_alive() and not fetched and prover.counts["served chunks"] == 0
+        verifier._lag.quiet.set()  # the round ended
+        fetch.join(60)
+        assert not fetch.is_alive() and fetched["inputs"].to_bytes() == expected
+        assert prover.counts["served chunks"] == -(-len(expected) // 4096)
+        assert verify.check(TASK, DIGEST, commitment, 1, fetched["inputs"], base=base)[:2] == (True, "match")
+        assert verifier._fetch(ids[0].peer_id, 7, 0) is None  # a phase it does not have: refused, not unreachable
+        assert ids[0].peer_id not in verifier._lag.unreachable
+        own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # replays yield the CPU to training
+        assert os.getpriority(os.PRIO_PROCESS, verifier._worker.thread.native_id) == min(19, own + 10)
+    finally:
+        for item in checks:
+            item.close()
+        for dht in dhts:
+            stop_dht(dht)
 
 
 SCRIPT = """
@@ -266,7 +370,7 @@ with swarm.Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), run="v
             phases = {k: round(v, 2) for k, v in (result.record.phase_s if result.record else {}).items()}
             included = list(result.record.included) if result.record and result.group_size > 1 else []
             line = {"round": result.round, "group": result.group_size, "included": included, "phases": phases,
-                    "excluded": work.excluded if work else {}, "refused": work.refused if work else {},
+                    "excluded": work.standing.excluded if work else {}, "refused": work.standing.refused if work else {},
                     "counts": dict(work.counts) if work else {}}
             print("ROUND", json.dumps(line), flush=True)
 """
