@@ -1,6 +1,7 @@
 """Sealed manifests spread by epidemic push to every peer; forgeries die at the first hop; a peer that
 was away finds the newest manifest in the run's DHT index."""
 
+import contextlib
 import time
 from collections import Counter
 
@@ -176,3 +177,45 @@ def test_a_member_accepts_its_own_seal_before_it_has_seen_its_co_signers_records
         manager._verify(sealed_manifest(4, [partner, stranger]))
     manager.run_peers = lambda: {partner.peer_id, stranger.peer_id}
     assert manager._verify(sealed_manifest(4, [partner, stranger]))[1] == 4
+
+
+@pytest.mark.timeout(120)
+def test_a_seal_and_close_end_in_bounded_time_when_the_dht_process_died(tmp_path, monkeypatch) -> None:
+    """A DHT whose process died never answers: sealing (store of this peer's signature, reads of the others')
+    must give up after its deadline, and `close` must return, instead of waiting for ever."""
+    import os
+    import signal
+
+    import torch
+
+    from bootstrap.network import start_swarm_dht
+    from swarm.checkpoint import sync
+    from tests.helpers import descendants
+
+    monkeypatch.setattr(sync, "DHT_TIMEOUT_S", 0.5)
+    me, partner = Identity.generate(), Identity.generate()
+    dht = start_swarm_dht(me, host_maddrs=LOOPBACK)
+    tree = descendants(dht.pid)
+    manager = sync.CheckpointManager(
+        dht, identity=me, run_id=RUN, task="teacher", config_digest="a" * 64, directory=tmp_path, keep_last=2,
+        run_peers=set, seal_timeout_s=2.0, receipt_timeout_s=1.0,
+    )  # fmt: skip
+    try:
+        os.kill(dht.pid, signal.SIGKILL)  # the fault: the DHT's process is gone
+        dht.join(10)
+        assert not dht.is_alive()
+        seal = sync.SealRequest(
+            state={"w": torch.zeros(4)}, step=1, participants=tuple(sorted([me.peer_id, partner.peer_id])),
+            created_at=int(time.time()), parent="",
+        )  # fmt: skip
+        started = time.monotonic()
+        assert manager.finish_round_async(receipt=None, seal=seal).result(timeout=30) is False  # not sealed
+        assert time.monotonic() - started < 15
+        started = time.monotonic()
+        manager.close()
+        assert time.monotonic() - started < 30
+    finally:
+        for process in tree:
+            with contextlib.suppress(Exception):
+                process.kill()
+        stop_dht(dht)

@@ -87,9 +87,14 @@ def verify_in_swarm(initial_peers: list[str], run: str, console: Console) -> int
     )
     try:
         known = {r.peer_id for r in ResourceGraph(dht).records(run=run)}
-        found = dht.get(index_key(run), latest=True)
+        try:
+            found = dht.get(index_key(run), latest=True, return_future=True).result(timeout=30)
+        except Exception as e:  # timed out, or the DHT process died: reported as "no valid manifest"
+            found, reasons_of_read = None, [f"reading the run's index failed: {e!r}"]
+        else:
+            reasons_of_read = []
         entries = found.value.values() if found is not None and isinstance(found.value, dict) else []
-        best, reasons = None, []
+        best, reasons = None, reasons_of_read
         for item in entries:
             value = getattr(item, "value", None)
             data = value.get("manifest") if isinstance(value, dict) else None

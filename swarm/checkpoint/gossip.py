@@ -33,6 +33,8 @@ from bootstrap.runtime import Handler
 logger = logging.getLogger(__name__)
 
 MAX_MANIFEST_BYTES = 1 << 20
+INDEX_STORE_TIMEOUT_S = 10.0
+"""Bound on storing a sealed manifest in the run's DHT index."""
 _FROM_INDEX = "DHT index"
 
 Verify = Callable[[bytes], tuple[str, int]]
@@ -170,13 +172,14 @@ class ManifestGossip:
 
     async def _announce(self, data: bytes, digest: str, step: int) -> None:
         with contextlib.suppress(Exception):  # the index is a convenience; gossip does not depend on it
-            await self.dht.store(
+            stored = self.dht.store(
                 index_key(self.run_id),
                 {"step": step, "digest": digest, "manifest": data},
                 expiration_time=get_dht_time() + self.config.index_expiry_s,
                 subkey=self.peer_id,
                 return_future=True,
             )
+            await asyncio.wait_for(stored, INDEX_STORE_TIMEOUT_S)  # a DHT whose process died never answers
 
     async def _push(self, data: bytes, *, exclude: set) -> None:
         peers = sorted(set(self.peers()) | {self.peer_id})

@@ -47,6 +47,28 @@ ANNOUNCERS = 1
 index lags one seal, and the next group's seal brings it up to date)."""
 
 logger = logging.getLogger(__name__)
+DHT_TIMEOUT_S = 5.0
+"""Bound on one DHT store or read of seal signatures and receipts (a DHT whose process died never answers)."""
+
+
+def _dht_store(dht: hivemind.DHT, key: str, value: Any, *, subkey: str, expiry_s: float = 120.0) -> bool:
+    """Store ``value`` under ``key``/``subkey`` for ``expiry_s``; False (logged) if the DHT refused it or did
+    not answer within `DHT_TIMEOUT_S`."""
+    try:
+        stored = dht.store(key, value, expiration_time=get_dht_time() + expiry_s, subkey=subkey, return_future=True)
+        return bool(stored.result(timeout=DHT_TIMEOUT_S))
+    except Exception as e:  # timed out, or the DHT is shut down: the seal or the swap goes on without it
+        logger.info("could not store %s: %r", key, e)
+        return False
+
+
+def _dht_get(dht: hivemind.DHT, key: str) -> Any:
+    """The newest value under ``key``, or None (logged at debug) if the DHT did not answer within `DHT_TIMEOUT_S`."""
+    try:
+        return dht.get(key, latest=True, return_future=True).result(timeout=DHT_TIMEOUT_S)
+    except Exception as e:
+        logger.debug("could not read %s: %r", key, e)
+        return None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -256,7 +278,7 @@ class CheckpointManager:
         )
         key = f"swarm/{self.run_id}/seal/{manifest.digest()}"
         peer_id, signature = sign_manifest(manifest, self.identity)
-        self.dht.store(key, signature, expiration_time=get_dht_time() + 120, subkey=peer_id)
+        _dht_store(self.dht, key, signature, subkey=peer_id)
         quorum = default_quorum(len(manifest.participants))
         deadline = time.monotonic() + self.seal_timeout_s
         while time.monotonic() < deadline and not self._closing.is_set() and not self._overtaken(step):
@@ -295,7 +317,7 @@ class CheckpointManager:
         )
 
     def _collect(self, key: str, manifest: Manifest) -> dict[str, str]:
-        found = self.dht.get(key, latest=True)
+        found = _dht_get(self.dht, key)
         signatures: dict[str, str] = {}
         if found is None or not isinstance(found.value, dict):
             return signatures
@@ -421,7 +443,7 @@ class _ReceiptSwap:
         self.manager, self.own = manager, own
         self.key = f"swarm/{manager.run_id}/receipts/{own.receipt.group_id}"
         self.found: dict[str, SignedReceipt] = {own.receipt.peer: own}
-        manager.dht.store(self.key, own.to_dict(), expiration_time=get_dht_time() + 120, subkey=own.receipt.peer)
+        _dht_store(manager.dht, self.key, own.to_dict(), subkey=own.receipt.peer)
 
     def complete(self) -> bool:
         return set(self.found) >= set(self.own.receipt.members)
@@ -441,7 +463,7 @@ class _ReceiptSwap:
     def poll(self) -> None:
         if self.complete():
             return
-        found = self.manager.dht.get(self.key, latest=True)
+        found = _dht_get(self.manager.dht, self.key)
         if found is None or not isinstance(found.value, dict):
             return
         own = self.own.receipt
