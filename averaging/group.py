@@ -435,8 +435,9 @@ class GroupAverager:
 
     def exclude(self, peer: str, reason: str) -> None:
         """Never draw, admit or wait for ``peer`` again (its work failed a check: swarm.work). Thread-safe: the
-        set changes on the averager's own loop, where matchmaking reads it."""
-        self._loop.call_soon_threadsafe(self._admission.excluded.setdefault, peer, reason)
+        set changes at once (one dict insertion, atomic under the GIL: a round that forms right after this call
+        already sees it), and a leader drops a follower excluded after it joined (`_lead`)."""
+        self._admission.excluded.setdefault(peer, reason)
 
     def require(self, policy: Callable[[str, Any], str | None]) -> None:
         """Admit to a group only members whose gathered metadata ``policy(peer, gathered)`` accepts (returns
@@ -676,6 +677,9 @@ class GroupAverager:
                     await asyncio.wait_for(lobby.complete.wait(), max(0.0, grace))
                 lobby.expected = staying
             del self._lobbies[lobby_id]
+            for late in [m for m in lobby.joined if self._admission.refuses(m, lobby.joined[m]) == "excluded"]:
+                del lobby.joined[late]  # excluded after it joined: it gets a group without it, and fails its round
+                record.fail(late, "matchmaking", "excluded after it joined")
             followers = sorted(lobby.joined)[: self.config.target_group_size - 1]
             for left in expected - staying - set(lobby.joined):
                 if left in lobby.dead:
@@ -796,6 +800,11 @@ class GroupAverager:
             lobby = self._lobbies.get(self.peer_id)
             if lobby is None:
                 await asyncio.sleep(0.05)
+        refused = self._admission.refuses(peer, header.get("gather"))  # again: excluded while it waited for the lobby
+        if refused is not None:
+            self.rejected["join from an excluded peer" if refused == "excluded" else "join refused by policy"] += 1
+            await write_frame(writer, {"status": refused})
+            return
         guard = self._admission.guard
         if lobby is None or lobby.final.done() or len(lobby.joined) >= self.config.target_group_size - 1:
             if guard.active():

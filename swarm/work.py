@@ -140,6 +140,10 @@ class _Worker:
             logger.warning("verified work: a check still runs after %.0f s at shutdown", timeout_s)
 
 
+class _Forgotten(Exception):
+    """The prover answered that it dropped the phase asked for (it keeps its last `KEEP_ROUNDS`)."""
+
+
 @dataclass
 class _Lag:
     """How far behind this peer's checks are, and when their transfers may take the link (the worker's state;
@@ -149,7 +153,7 @@ class _Lag:
     """Set between this peer's rounds (from the end of one to the last inner step before the next): a check's
     inputs move only then, chunk by chunk, so they do not queue the round's own messages behind them."""
     newest_round: int = -1
-    """The newest round of a commitment this peer saw in a group."""
+    """The newest round of a commitment this peer saw in a group or made itself."""
     unreachable: set[str] = field(default_factory=set)
     """Provers the last fetch could not reach."""
     owed: dict[str, tuple] = field(default_factory=dict)
@@ -279,6 +283,7 @@ class WorkChecks:
         ``pseudo``: the round's `swarm.outer.PseudoGradient` (its state begins with the base parameters). A
         round starts: checks' transfers wait for its end (`begin`)."""
         self._lag.quiet.clear()
+        self._lag.newest_round = max(self._lag.newest_round, round_)  # this peer's own round: `_late`
         signed = self.recorder.commit(
             self.params,
             self.optimizer,
@@ -383,7 +388,15 @@ class WorkChecks:
     ) -> None:
         if self._late(commitment.round):
             return
-        inputs = self._fetch(commitment.peer, commitment.round, segment)
+        try:
+            inputs = self._fetch(commitment.peer, commitment.round, segment)
+        except _Forgotten:
+            # an honest prover drops a phase once it committed KEEP_ROUNDS newer ones: plausible only if this
+            # peer asked a round or more late (its own round moved on); asked at once, it is a refusal
+            if self._lag.newest_round >= commitment.round + 2:
+                self.counts["late"] += 1
+                return
+            inputs = None
         if self._worker.stopping.is_set():  # shutting down: the fetch was cancelled, nothing to hold against anyone
             return
         if inputs is None and self._late(commitment.round):  # fell behind while fetching
@@ -429,6 +442,8 @@ class WorkChecks:
                 answer = self._service.runtime.call(
                     self._request(prover, round_, segment, received), timeout_s=TIMEOUT_S
                 )
+            except _Forgotten:
+                raise
             except Exception as e:  # unreachable, reset, timed out: once more, then the prover did not serve
                 failures += 1
                 logger.info("could not fetch replay inputs from %s (attempt %s): %r", prover, failures, e)
@@ -458,6 +473,8 @@ class WorkChecks:
         try:
             await write_frame(writer, {"round": round_, "segment": segment, "offset": offset})
             header = await read_frame(reader, max_header_bytes=_MAX_HEADER)
+            if header.get("status") == "forgotten":
+                raise _Forgotten(prover)
             if header.get("status") != "ok":
                 return None
             size = header_field(header, "size", int, low=offset + 1, high=verify.MAX_INPUT_BYTES)
@@ -479,7 +496,9 @@ class WorkChecks:
             offset = header_field(header, "offset", int, low=0, high=verify.MAX_INPUT_BYTES)
             data = await self._serialized(round_, segment)
             if data is None or offset >= len(data):
-                await write_frame(writer, {"status": "missing"})
+                with self._lock:  # it had that phase, and dropped it for newer ones (KEEP_ROUNDS), or never had it
+                    forgot = data is None and bool(self.recorder.kept) and round_ < min(self.recorder.kept)
+                await write_frame(writer, {"status": "forgotten" if forgot else "missing"})
                 return
             await write_frame(writer, {"status": "ok", "size": len(data)})
             await asyncio.wait_for(write_blob(writer, data[offset : offset + CHUNK_BYTES]), TIMEOUT_S)
@@ -622,7 +641,10 @@ class WorkChecks:
         if prover == self.identity.peer_id:  # accused: this peer replays its own work like any arbiter
             with self._lock:
                 return self.recorder.inputs(round_, segment)
-        return self._fetch(prover, round_, segment)
+        try:
+            return self._fetch(prover, round_, segment)
+        except _Forgotten:
+            return None
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the worker (its fetch in flight is cancelled with the handler; a replay in progress finishes,

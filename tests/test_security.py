@@ -46,6 +46,7 @@ import pickle
 import sqlite3
 import time
 from collections import Counter
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -549,13 +550,22 @@ class _BoardDHT:
     def __init__(self) -> None:
         self.values: dict[str, dict[str, object]] = {}
 
-    def store(self, key, value, *, expiration_time, subkey):
+    def store(self, key, value, *, expiration_time, subkey, return_future=False):
         self.values.setdefault(key, {})[subkey] = value
-        return True
+        return _done(True) if return_future else True
 
-    def get(self, key, latest=True):
+    def get(self, key, latest=True, return_future=False):
         items = self.values.get(key)
-        return None if items is None else SimpleNamespace(value={k: SimpleNamespace(value=v) for k, v in items.items()})
+        found = (
+            None if items is None else SimpleNamespace(value={k: SimpleNamespace(value=v) for k, v in items.items()})
+        )
+        return _done(found) if return_future else found
+
+
+def _done(value: object) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
 
 
 def test_a_replayed_receipt_is_not_taken_in_the_receipt_swap():

@@ -312,6 +312,15 @@ def test_replay_inputs_travel_in_chunks_and_only_between_the_verifiers_rounds(mo
         assert verify.check(TASK, DIGEST, commitment, 1, fetched["inputs"], base=base)[:2] == (True, "match")
         assert verifier._fetch(ids[0].peer_id, 7, 0) is None  # a phase it does not have: refused, not unreachable
         assert ids[0].peer_id not in verifier._lag.unreachable
+        # a phase it dropped for newer ones answers "forgotten": a refusal when asked at once (the verifier's own
+        # round is 1), a skip when the verifier's round moved 2 on while it asked (`_late`)
+        prover.recorder.kept = {5: prover.recorder.kept.pop(0)}
+        prover._served.clear()
+        with pytest.raises(work_module._Forgotten):
+            verifier._fetch(ids[0].peer_id, 0, 1)
+        verifier._lag.newest_round = 1
+        verifier._check_one(commitment, signed, 1, base)
+        assert verifier.counts["refused"] == 1 and ids[0].peer_id in verifier.standing.excluded
         own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # replays yield the CPU to training
         assert os.getpriority(os.PRIO_PROCESS, verifier._worker.thread.native_id) == min(19, own + 10)
     finally:
