@@ -781,11 +781,17 @@ class GroupAverager:
             return None
         return Group(group_id=group_id, members=members, gathered=gathered)
 
-    async def _serve_join(self, peer: str, header: dict, writer: asyncio.StreamWriter) -> None:
+    async def _refused_join(self, peer: str, header: dict, writer: asyncio.StreamWriter) -> bool:
+        """Answer a join that this peer's admission refuses (excluded, or the policy), and count it."""
         refused = self._admission.refuses(peer, header.get("gather"))
-        if refused is not None:
-            self.rejected["join from an excluded peer" if refused == "excluded" else "join refused by policy"] += 1
-            await write_frame(writer, {"status": refused})
+        if refused is None:
+            return False
+        self.rejected["join from an excluded peer" if refused == "excluded" else "join refused by policy"] += 1
+        await write_frame(writer, {"status": refused})
+        return True
+
+    async def _serve_join(self, peer: str, header: dict, writer: asyncio.StreamWriter) -> None:
+        if await self._refused_join(peer, header, writer):
             return
         if self._admission.members is not None and peer not in await self._admission.members.get(
             self.dht, {peer}, min_age_s=JOIN_MIN_REFRESH_S
@@ -800,10 +806,7 @@ class GroupAverager:
             lobby = self._lobbies.get(self.peer_id)
             if lobby is None:
                 await asyncio.sleep(0.05)
-        refused = self._admission.refuses(peer, header.get("gather"))  # again: excluded while it waited for the lobby
-        if refused is not None:
-            self.rejected["join from an excluded peer" if refused == "excluded" else "join refused by policy"] += 1
-            await write_frame(writer, {"status": refused})
+        if await self._refused_join(peer, header, writer):  # again: it may have been excluded while it waited
             return
         guard = self._admission.guard
         if lobby is None or lobby.final.done() or len(lobby.joined) >= self.config.target_group_size - 1:
