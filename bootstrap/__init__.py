@@ -5,6 +5,7 @@ Owns
     long-lived hivemind DHT peer that prints the `--initial-peers` line other peers join with;
   * DHT start-up helpers (`node`): validated initial peers, identity files, a `start_dht` that fails
     with a clear error within a timeout instead of hanging, and a `stop_dht` that leaves no `p2pd`;
+    bounded DHT stores and reads for synchronous callers (`dhtcalls`: a DHT whose process died never answers);
     `network.start_swarm_dht`: a DHT whose libp2p identity is the peer's Ed25519 key;
   * peer identity and domain-separated Ed25519 signatures (`identity`), which every floor uses;
   * the one exception taxonomy (`errors`: SwarmError, Rejected, ConfigError, StartError, NetworkError,

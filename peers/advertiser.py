@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from hivemind import DHT
 
+from bootstrap.dhtcalls import store_within
 from bootstrap.identity import Identity
 from bootstrap.records import PEERS_KEY, PeerRecord, sign_record
 
@@ -66,13 +67,19 @@ class Advertiser:
                 record = self.build(issued_at=issued_at, expires_at=expires_at, seq=self.seq)
                 if state is not None:
                     record = _with_state(record, state)
-                value = sign_record(record, self.identity)
-                ok = self.dht.store(
-                    PEERS_KEY, value, expiration_time=expires_at, subkey=self.identity.peer_id, return_future=True
-                ).result(timeout=self.store_timeout_s)
-            except Exception as e:  # a failed heartbeat is retried on the next one
-                logger.warning("could not publish this peer's capability record: %r", e)
-                ok = False
+                failure = store_within(
+                    self.dht,
+                    PEERS_KEY,
+                    sign_record(record, self.identity),
+                    subkey=self.identity.peer_id,
+                    expiration_time=expires_at,
+                    timeout_s=self.store_timeout_s,
+                )
+            except Exception as e:  # building or signing it failed
+                failure = repr(e)
+            ok = failure is None
+            if not ok:  # a failed heartbeat is retried on the next one
+                logger.warning("could not publish this peer's capability record: %s", failure)
             if ok:
                 self.published += 1
                 self.last_record = record

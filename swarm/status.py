@@ -78,6 +78,7 @@ from hivemind import DHT
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from bootstrap import DHTStartError, StopSignal, parse_initial_peers, stop_dht
+from bootstrap.dhtcalls import latest_within, store_within
 from bootstrap.envelope import INT64_MAX, JsonFields, check_int, check_str, expect_keys, unwrap_signed
 from bootstrap.errors import Rejected
 from bootstrap.identity import Identity, canonical_json, verify
@@ -437,18 +438,18 @@ class StatusPublisher:
             try:
                 status = self._build()
                 expiration = max(time.time() + self.expiry_s, self._last_expiration + 0.001)
-                ok = self.dht.store(
+                failure = store_within(
+                    self.dht,
                     status_key(self.run),
                     sign_status(status, self.identity),
-                    expiration_time=expiration,
                     subkey=self.identity.peer_id,
-                    return_future=True,
-                ).result(timeout=self.store_timeout_s)
-            except Exception as e:  # the next heartbeat tries again
-                self._failed(repr(e))
-                return False
-            if not ok:
-                self._failed("the DHT did not store it")
+                    expiration_time=expiration,
+                    timeout_s=self.store_timeout_s,
+                )
+            except Exception as e:  # building or signing it failed
+                failure = repr(e)
+            if failure is not None:  # the next heartbeat tries again
+                self._failed(failure)
                 return False
             self.published, self.last_status, self._last_expiration = self.published + 1, status, expiration
             self._consecutive_failures = 0
@@ -503,7 +504,7 @@ def read_statuses(
 
     Raises TimeoutError if the DHT does not answer.
     """
-    found = dht.get(status_key(run), latest=True, return_future=True).result(timeout=timeout_s)
+    found = latest_within(dht, status_key(run), timeout_s=timeout_s)
     statuses: dict[str, PeerStatus] = {}
     rejected: Counter[str] = Counter()
     if found is None or not isinstance(found.value, dict):
@@ -548,7 +549,7 @@ def _checked_manifest(data: Any, run: str) -> dict[str, Any] | None:
 
 def newest_checkpoint(dht: DHT, run: str, *, timeout_s: float = 10.0) -> dict[str, Any] | None:
     """The highest-step sealed manifest announced in the run's index, as in the snapshot schema."""
-    found = dht.get(index_key(run), latest=True, return_future=True).result(timeout=timeout_s)
+    found = latest_within(dht, index_key(run), timeout_s=timeout_s)
     if found is None or not isinstance(found.value, dict):
         return None
     views = []

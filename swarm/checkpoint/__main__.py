@@ -18,6 +18,7 @@ from rich.table import Table
 from safetensors.torch import save_file
 
 from bootstrap.cli import command_parser
+from bootstrap.dhtcalls import latest_within
 from swarm.checkpoint.manifest import ManifestRejected, SignedManifest, default_quorum, verify_lineage, verify_manifest
 from swarm.checkpoint.store import CheckpointStore, ShardRejected
 
@@ -88,7 +89,7 @@ def verify_in_swarm(initial_peers: list[str], run: str, console: Console) -> int
     try:
         known = {r.peer_id for r in ResourceGraph(dht).records(run=run)}
         try:
-            found = dht.get(index_key(run), latest=True, return_future=True).result(timeout=30)
+            found = latest_within(dht, index_key(run), timeout_s=30)
         except Exception as e:  # timed out, or the DHT process died: reported as "no valid manifest"
             found, reasons_of_read = None, [f"reading the run's index failed: {e!r}"]
         else:

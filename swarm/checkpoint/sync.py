@@ -28,6 +28,7 @@ import hivemind
 import torch
 from hivemind.utils.timed_storage import get_dht_time
 
+from bootstrap.dhtcalls import latest_within, store_within
 from bootstrap.identity import Identity
 from swarm.checkpoint.exchange import ShardExchange
 from swarm.checkpoint.gossip import ManifestGossip
@@ -54,18 +55,18 @@ DHT_TIMEOUT_S = 5.0
 def _dht_store(dht: hivemind.DHT, key: str, value: Any, *, subkey: str, expiry_s: float = 120.0) -> bool:
     """Store ``value`` under ``key``/``subkey`` for ``expiry_s``; False (logged) if the DHT refused it or did
     not answer within `DHT_TIMEOUT_S`."""
-    try:
-        stored = dht.store(key, value, expiration_time=get_dht_time() + expiry_s, subkey=subkey, return_future=True)
-        return bool(stored.result(timeout=DHT_TIMEOUT_S))
-    except Exception as e:  # timed out, or the DHT is shut down: the seal or the swap goes on without it
-        logger.info("could not store %s: %r", key, e)
-        return False
+    failure = store_within(
+        dht, key, value, subkey=subkey, expiration_time=get_dht_time() + expiry_s, timeout_s=DHT_TIMEOUT_S
+    )
+    if failure is not None:  # the seal or the swap goes on without it
+        logger.info("could not store %s: %s", key, failure)
+    return failure is None
 
 
 def _dht_get(dht: hivemind.DHT, key: str) -> Any:
     """The newest value under ``key``, or None (logged at debug) if the DHT did not answer within `DHT_TIMEOUT_S`."""
     try:
-        return dht.get(key, latest=True, return_future=True).result(timeout=DHT_TIMEOUT_S)
+        return latest_within(dht, key, timeout_s=DHT_TIMEOUT_S)
     except Exception as e:
         logger.debug("could not read %s: %r", key, e)
         return None

@@ -1,0 +1,34 @@
+"""Bounded DHT calls from a synchronous thread: a store or a read that gives up after ``timeout_s``.
+
+A hivemind DHT answers through its own process; when that process dies (or its node is frozen) a plain
+``dht.store(...)`` or ``dht.get(...)`` never returns. Every synchronous caller of Swarm (heartbeats, seals,
+receipts, verdicts, the CLIs) goes through these two, so each such wait has its bound.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hivemind import DHT
+from hivemind.utils.timed_storage import ValueWithExpiration
+
+
+def store_within(
+    dht: DHT, key: str, value: Any, *, subkey: str, expiration_time: float, timeout_s: float
+) -> str | None:
+    """Store ``value`` under ``key``/``subkey`` until ``expiration_time`` (DHT time); None if the DHT took it,
+    else why not (it refused the value, did not answer within ``timeout_s``, or is shut down). Never raises."""
+    try:
+        stored = dht.store(key, value, expiration_time=expiration_time, subkey=subkey, return_future=True)
+        return None if stored.result(timeout=timeout_s) else "the DHT did not store it"
+    except Exception as e:  # timed out, or the DHT is shut down
+        return repr(e)
+
+
+def latest_within(dht: DHT, key: str, *, timeout_s: float) -> ValueWithExpiration | None:
+    """The newest value under ``key`` (None: nothing stored). Raises TimeoutError if the DHT does not
+    answer within ``timeout_s``, or the DHT's own error."""
+    return dht.get(key, latest=True, return_future=True).result(timeout=timeout_s)
+
+
+__all__ = ["latest_within", "store_within"]
