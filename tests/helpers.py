@@ -10,10 +10,12 @@ Everything here polls with a deadline; nothing sleeps for a fixed time to synchr
   `terminate_all(children, timeout_s)` signals them all at once, then waits for each.
 * `descendants(pid)`, `p2pd_pids(pid)`, `alive(pids)` inspect process trees (psutil).
 * `free_port()`, `bootstrap_cmd(...)`, `start_bootstrap(...)` for bootstrap nodes.
+* `parse_python(source)`: `ast.parse`, safe beside other threads that parse (see its docstring).
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import re
@@ -33,6 +35,20 @@ import psutil
 REPO_ROOT = Path(__file__).resolve().parent.parent
 INITIAL_PEERS_RE = re.compile(r"^--initial-peers (?P<maddrs>/\S+(?: /\S+)*)$")
 T = TypeVar("T")
+
+
+def parse_python(source: str, filename: str = "<source>") -> ast.Module:
+    """``ast.parse(source)``, tried again on CPython 3.11's spurious "AST constructor recursion depth mismatch"
+    SystemError: the AST converter's depth counter is per interpreter, so a parse on another thread at the same
+    moment (torch.jit.script compiling a model on a trainer's thread left by an earlier test) can trip it
+    (python/cpython#106905). Any other error, and that one a third time, is raised."""
+    for attempt in range(3):
+        try:
+            return ast.parse(source, filename)
+        except SystemError as e:
+            if "recursion depth mismatch" not in str(e) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def free_port() -> int:

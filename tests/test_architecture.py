@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from bootstrap.identity import Identity, IdentityError
+from tests.helpers import parse_python
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {"bootstrap": 1, "peers": 2, "averaging": 3, "swarm": 4}
@@ -27,7 +28,7 @@ def _modules(package: str) -> list[Path]:
 
 
 def _imported_packages(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
+    tree = parse_python(path.read_text())
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -78,7 +79,7 @@ def test_the_trainer_is_small_and_no_class_holds_more_than_20_attributes() -> No
         f"{path.relative_to(ROOT)}:{node.name} ({_attribute_count(node)})"
         for package in ("swarm", "peers", "averaging", "bootstrap")
         for path in _modules(package)
-        for node in ast.walk(ast.parse(path.read_text()))
+        for node in ast.walk(parse_python(path.read_text()))
         if isinstance(node, ast.ClassDef) and _attribute_count(node) > MAX_ATTRIBUTES
     ]
     assert big == []

@@ -33,6 +33,7 @@ CONFIG = ByzantineConfig(
 
 @pytest.fixture(scope="module")
 def arms():
+    """The four arms, run once per worker: the tests on them share one xdist group, so once in `make test`."""
     result = run(CONFIG, Console(quiet=True))
     return {arm["arm"]: arm for arm in result["arms"]}
 
@@ -42,6 +43,7 @@ def _context(arms):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.xdist_group("byzantine arms")  # one worker runs the module's shared run, not each
 def test_the_attack_fires_every_round_and_breaks_the_plain_mean(arms):
     clean, robust, mean = arms["clean"], arms["sign_flip_x10/centered_clip"], arms["sign_flip_x10/mean"]
     assert clean["final_val_loss"] < 0.9 * clean["initial_val_loss"], "the clean run must learn; " + _context(arms)
@@ -59,6 +61,7 @@ def test_the_attack_fires_every_round_and_breaks_the_plain_mean(arms):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.xdist_group("byzantine arms")  # one worker runs the module's shared run, not each
 def test_the_default_robust_aggregator_bounds_the_damage(arms):
     clean, robust = arms["clean"], arms["sign_flip_x10/centered_clip"]
     assert robust["final_finite"], _context(arms)
@@ -69,6 +72,7 @@ def test_the_default_robust_aggregator_bounds_the_damage(arms):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.xdist_group("byzantine arms")  # one worker runs the module's shared run, not each
 def test_with_no_attacker_the_default_rule_ends_where_the_plain_mean_does(arms):
     clean, mean = arms["clean"], arms["clean/mean"]
     ratio = clean["final_val_loss"] / mean["final_val_loss"]

@@ -76,7 +76,7 @@ from swarm.ledger import (
 )
 from swarm.rounds import gathered_problem as _gathered_problem
 from swarm.status import STATUS_KIND, PeerStatus, StatusRejected, parse_status
-from tests.helpers import wait_until
+from tests.helpers import parse_python, wait_until
 
 RUN, OTHER_RUN = "sec-run", "sec-other-run"
 REPO = Path(__file__).resolve().parents[1]
@@ -245,7 +245,7 @@ _UNSAFE_CALLS = frozenset(
 
 def unsafe_loads(source: str, filename: str = "<source>") -> list[str]:
     """Every import of a pickle-like module and every call of an unpickling loader in ``source``."""
-    tree = ast.parse(source, filename)
+    tree = parse_python(source, filename)
     aliases: dict[str, str] = {}
     found = []
     for node in ast.walk(tree):
