@@ -151,6 +151,9 @@ def _peer_figures(events: list[dict]) -> dict[str, Any]:
         "grouped_per_min": 60 * len(grouped) / max(last["t"] - first["t"], 1e-9),
         "work_checks": len(checks),
         "work_checks_passed": sum(bool(e.get("ok")) for e in checks),
+        # what an honest run must never have: each check that did not pass, and each exclusion, with its reason
+        "work_not_passed": [{k: e.get(k) for k in ("round", "prover", "reason")} for e in checks if not e.get("ok")],
+        "work_excluded": [{k: e.get(k) for k in ("peer", "reason")} for e in events if e["event"] == "work_excluded"],
         "round_s": statistics.median(e["duration_s"] for e in rounds),
         "phase_s": {phase: statistics.median(values) for phase, values in phases.items()},
         "val_loss": final[-1]["val_loss"] if final else None,
@@ -183,6 +186,9 @@ def _swarm(
             if proc.returncode != 0:
                 raise RuntimeError(f"a peer exited {proc.returncode}; see the logs in {work}")
     figures = [_peer_figures(read_events(work / f"peer{slot}.jsonl")) for slot in range(peers)]
+    for slot, f in enumerate(figures):
+        for item in f.get("work_not_passed", []) + f.get("work_excluded", []):
+            console.print(f"  [red]peer {slot}: a check did not pass or a peer was excluded: {item}[/]")
     if KEEP_LOGS:
         console.print(f"  logs kept in {work}")
     else:
@@ -197,6 +203,7 @@ def _swarm(
         "grouped_per_min": statistics.mean(f.get("grouped_per_min", 0.0) for f in figures),
         "work_checks": sum(f.get("work_checks", 0) for f in figures),
         "work_checks_passed": sum(f.get("work_checks_passed", 0) for f in figures),
+        "work_not_passed": [item for f in figures for item in f.get("work_not_passed", [])],
         "round_s": statistics.median(f["round_s"] for f in figures if "round_s" in f),
         "phase_s": {
             phase: statistics.median(f["phase_s"][phase] for f in figures if phase in f.get("phase_s", {}))

@@ -83,6 +83,14 @@ def params_digest(flat: torch.Tensor) -> str:
     return hashlib.sha256(flat.detach().to("cpu", torch.float32).contiguous().numpy()).hexdigest()  # no copy
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` hold the same bytes (what equal `params_digest` means: -0.0 is not 0.0, a NaN equals
+    the same NaN), at a sixth of the cost of hashing one of them."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
 def flat_params(params: Sequence[torch.Tensor]) -> torch.Tensor:
     """The parameters as one flat fp32 CPU tensor (a copy), in order."""
     return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
@@ -401,8 +409,7 @@ class WorkRecorder:
             phase.boundaries.append(Boundary(flat_params(params), InnerState.of(optimizer)))
         phase.hash_boundaries()
         end = phase.boundaries[-1].params
-        start = phase.boundaries[0].params
-        if start.shape != base.shape or not torch.equal(start, base):  # (its digest is digests[0]: not hashed again)
+        if not same_bits(phase.boundaries[0].params, base):  # (its digest is digests[0]: not hashed again)
             return None  # the phase did not start from this base (the state was reloaded meanwhile): nothing to claim
         commitment = Commitment(
             run=run,
@@ -721,6 +728,7 @@ __all__ = [
     "flat_params",
     "params_digest",
     "replay",
+    "same_bits",
     "sign_commitment",
     "verdict_of",
     "verify_commitment",

@@ -258,6 +258,14 @@ def test_a_verifier_checks_a_prover_less_once_it_passed_enough_of_its_checks_its
         WorkConfig(trusted_rate=1.5)
 
 
+def test_same_bits_is_what_equal_digests_mean() -> None:
+    a = torch.tensor([0.0, 1.5, float("nan")])
+    assert verify.same_bits(a, a.clone()) and verify.params_digest(a) == verify.params_digest(a.clone())
+    signed_zero = torch.tensor([-0.0, 1.5, float("nan")])  # equal values, other bytes: other digests
+    assert not verify.same_bits(a, signed_zero) and verify.params_digest(a) != verify.params_digest(signed_zero)
+    assert not verify.same_bits(a, a.double()) and not verify.same_bits(a, a[:2])
+
+
 def test_replay_inputs_travel_in_chunks_and_only_between_the_verifiers_rounds(monkeypatch) -> None:
     monkeypatch.setattr(work_module, "CHUNK_BYTES", 4096)  # teacher tiny's inputs are a few chunks of this
     ids = [Identity.generate(), Identity.generate()]
