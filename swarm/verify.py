@@ -588,18 +588,11 @@ class Streams:
 
 
 def replay(
-    task: Any,
-    commitment: Commitment,
-    segment: int,
-    start: Boundary,
-    *,
-    streams: Streams | None = None,
-    before_step: Callable[[], Any] | None = None,
+    task: Any, commitment: Commitment, segment: int, start: Boundary, *, streams: Streams | None = None
 ) -> Boundary:
     """Segment ``segment`` of ``commitment``'s phase replayed from ``start`` on this machine's CPU: the task's
     model and stream (``streams``: positioned streams of ``task`` to reuse), the committed optimizer class,
-    warm-up and RNG seed; ``before_step`` is called before each replayed step (a verifier waits there while
-    its own round runs). WorkRejected if ``start`` does not fit the task's model or optimizer."""
+    warm-up and RNG seed. WorkRejected if ``start`` does not fit the task's model or optimizer."""
     model = task.build_model(seed=0)
     model.train()
     params = trainable(model)
@@ -617,8 +610,6 @@ def replay(
     batches = (streams if streams is not None and streams.task is task else Streams(task)).take(commitment, first, end)
     torch.manual_seed(segment_seed(commitment.peer, commitment.stream_start, segment))
     for i, batch in enumerate(batches):
-        if before_step is not None:
-            before_step()
         task.loss(model, batch).backward()
         inner_step(optimizer, commitment.first_step + first + i, commitment.warmup_steps)
     return Boundary(flat_params(params), InnerState.of(optimizer))
@@ -633,11 +624,9 @@ def check(
     *,
     base: torch.Tensor,
     streams: Streams | None = None,
-    before_step: Callable[[], Any] | None = None,
 ) -> tuple[bool, str, str]:
     """Check segment ``segment`` of ``commitment`` against the round's ``base`` parameters (flat fp32), with
-    the prover's ``inputs`` (None: it refused or did not answer; ``before_step``: see `replay`). Returns (ok,
-    reason, replayed digest)."""
+    the prover's ``inputs`` (None: it refused or did not answer). Returns (ok, reason, replayed digest)."""
     if commitment.task != task_digest:
         return False, "another task", ""
     if (
@@ -659,7 +648,7 @@ def check(
     if params_digest(start.params) != commitment.params[segment] or start.inner.digest() != commitment.inner[segment]:
         return False, "served start differs from the commitment", ""
     try:
-        replayed = replay(task, commitment, segment, start, streams=streams, before_step=before_step)
+        replayed = replay(task, commitment, segment, start, streams=streams)
     except WorkRejected as e:
         return False, f"served start does not load: {e.reason}", ""
     got = params_digest(replayed.params)
@@ -696,16 +685,13 @@ def arbitrate(
     *,
     base: torch.Tensor,
     streams: Streams | None = None,
-    before_step: Callable[[], Any] | None = None,
 ) -> str:
     """A third replay of a disputed check: ``"prover"`` (the prover's work fails it too), ``"verifier"`` (the
     verdict is wrong: the work checks out, or the verdict is about another commitment) or ``"agree"``."""
     commitment = signed.commitment
     if verdict.commitment != commitment.digest() or verdict.prover != commitment.peer:
         return "verifier"
-    ok, _, _ = check(
-        task, task_digest, commitment, verdict.segment, inputs, base=base, streams=streams, before_step=before_step
-    )
+    ok, _, _ = check(task, task_digest, commitment, verdict.segment, inputs, base=base, streams=streams)
     if ok == verdict.ok:
         return "agree" if ok else "prover"
     return "verifier"

@@ -13,10 +13,10 @@ the verdicts, re-check every accusation, exclude whoever a replay shows wrong.
   its prover with probability ``check_rate`` while the prover is on probation with it, ``trusted_rate``
   once it has passed ``trust_after`` of that prover's checks itself (`_Standing`). The checks drawn to
   this peer run on one worker thread: fetch the prover's inputs (in `CHUNK_BYTES` chunks, each only
-  between this peer's rounds: `_Lag.quiet`), replay (each step also waits for the end of this peer's round),
-  sign a verdict, write it to the ledger (``work_check``). A failed check excludes the prover here at once
-  (ledger: ``work_excluded``, with the reason) and is published under the run's verdicts key (owner-bound:
-  subkey = the verifier), with the commitment.
+  between this peer's rounds: `_Lag.quiet`), replay (at niceness ``replay_nice``: it takes the CPU a round
+  leaves idle before it takes any from training), sign a verdict, write it to the ledger (``work_check``). A
+  failed check excludes the prover here at once (ledger: ``work_excluded``, with the reason) and is
+  published under the run's verdicts key (owner-bound: subkey = the verifier), with the commitment.
 * **Arbiter.** Each round the worker reads the verdicts key. A failing verdict this peer can re-check
   (it holds that round's base) is replayed a third time: if the prover's work fails again the prover
   is excluded; if it checks out the *verifier* lied, and is excluded (ledger: ``work_dispute``).
@@ -74,7 +74,7 @@ _MAX_SETTLED = 10_000
 """Committed phases a prover keeps to serve (and bases a verifier keeps for re-checks)."""
 TIMEOUT_S = 30.0
 """Bound on one chunk of replay inputs, one DHT read or store of verdicts, the handler's start, and on a
-check's wait for this peer's round to end before its next chunk or replayed step."""
+check's wait for this peer's round to end before its next chunk."""
 CHUNK_BYTES = 256 << 10
 """Replay inputs travel in chunks of this size, each sent between this peer's rounds (`_Lag.quiet`): 0.1 s
 at 20 Mbit/s, less than an inner step of charlm small here, so a chunk started before a phase's last step
@@ -392,11 +392,6 @@ class WorkChecks:
         self.counts["late"] += 1
         return True
 
-    def _between_rounds(self) -> None:
-        """Before each replayed step: wait while this peer's own round runs (`_Lag.quiet`, at most `TIMEOUT_S`),
-        so a replay takes the CPU between rounds only and never lengthens one."""
-        self._lag.quiet.wait(TIMEOUT_S)
-
     def _check_one(
         self, commitment: Commitment, work: dict, segment: int, base: torch.Tensor, asked_again: bool = False
     ) -> None:
@@ -423,9 +418,8 @@ class WorkChecks:
                 self._lag.owed[commitment.peer] = (commitment, work, segment, base)
             return
         outcome = verify.check(
-            self.spec.task, self.spec.task_digest, commitment, segment, inputs, base=base, streams=self.replays.streams,
-            before_step=self._between_rounds,
-        )  # fmt: skip
+            self.spec.task, self.spec.task_digest, commitment, segment, inputs, base=base, streams=self.replays.streams
+        )
         ok, reason, _ = outcome
         self.counts["checks"] += 1
         self.counts["passed" if ok else ("refused" if inputs is None else "failed")] += 1
@@ -635,9 +629,8 @@ class WorkChecks:
             self.counts["cannot recheck"] += 1
             return
         outcome = verify.arbitrate(
-            self.spec.task, self.spec.task_digest, signed, verdict, inputs, base=base, streams=self.replays.streams,
-            before_step=self._between_rounds,
-        )  # fmt: skip
+            self.spec.task, self.spec.task_digest, signed, verdict, inputs, base=base, streams=self.replays.streams
+        )
         self.counts["rechecked"] += 1
         self._record("work_dispute", {"verdict": entry["verdict"], "outcome": outcome})
         if outcome == "prover":

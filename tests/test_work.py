@@ -318,32 +318,6 @@ def test_replay_inputs_travel_in_chunks_and_only_between_the_verifiers_rounds(mo
         assert not fetch.is_alive() and fetched["inputs"].to_bytes() == expected
         assert prover.counts["served chunks"] == -(-len(expected) // 4096)
         assert verify.check(TASK, DIGEST, commitment, 1, fetched["inputs"], base=base)[:2] == (True, "match")
-        # the replay itself also steps only between the verifier's rounds: each step waits for `_Lag.quiet`
-        verifier._lag.quiet.clear()
-        steps: list[int] = []
-
-        def between_rounds() -> None:
-            verifier._between_rounds()
-            steps.append(1)
-
-        replayed: dict = {}
-        replay = threading.Thread(
-            target=lambda: replayed.update(
-                outcome=verify.check(
-                    TASK, DIGEST, commitment, 1, fetched["inputs"], base=base, before_step=between_rounds
-                )
-            )
-        )
-        replay.start()
-        replay.join(1.0)
-        assert replay.is_alive() and not steps and not replayed
-        verifier._lag.quiet.set()
-        replay.join(60)
-        assert replayed["outcome"][:2] == (True, "match") and len(steps) == commitment.segment_steps == 2
-        waits: list[int] = []  # and a verifier's own checks go through that wait, step by step
-        monkeypatch.setattr(verifier, "_between_rounds", lambda: waits.append(1))
-        verifier._check_one(commitment, signed, 1, base)
-        assert verifier.counts["passed"] == 1 and len(waits) == 2, verifier.counts
         assert verifier._fetch(ids[0].peer_id, 7, 0) is None  # a phase it does not have: refused, not unreachable
         assert ids[0].peer_id not in verifier._lag.unreachable
         # a phase it dropped for newer ones answers "forgotten": a refusal when asked at once (the verifier's own
