@@ -77,16 +77,14 @@ class Advertiser:
                 )
             except Exception as e:  # building or signing it failed
                 failure = repr(e)
-            ok = failure is None
-            if not ok:  # a failed heartbeat is retried on the next one
+            if failure is not None:  # a failed heartbeat is retried on the next one
                 logger.warning("could not publish this peer's capability record: %s", failure)
-            if ok:
-                self.published += 1
-                self.last_record = record
-                self._last_expires_at = expires_at
-            else:
                 self.failures += 1
-            return bool(ok)
+                return False
+            self.published += 1
+            self.last_record = record
+            self._last_expires_at = expires_at
+            return True
 
     def _loop(self) -> None:
         while not self._stop.is_set():

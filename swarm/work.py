@@ -405,6 +405,10 @@ class WorkChecks:
             if self._lag.newest_round >= commitment.round + 2:
                 self.counts["late"] += 1
                 return
+            logger.warning(
+                "round %s: %s answered 'forgotten' although this peer asked at round %s",
+                commitment.round, commitment.peer, self._lag.newest_round,
+            )  # fmt: skip
             inputs = None
         if self._worker.stopping.is_set():  # shutting down: the fetch was cancelled, nothing to hold against anyone
             return
@@ -417,6 +421,11 @@ class WorkChecks:
             if len(self._lag.owed) < _MAX_SETTLED:
                 self._lag.owed[commitment.peer] = (commitment, work, segment, base)
             return
+        if inputs is None:
+            logger.warning(
+                "round %s: no replay inputs from %s (segment %s, asked again: %s, this peer at round %s)",
+                commitment.round, commitment.peer, segment, asked_again, self._lag.newest_round,
+            )  # fmt: skip
         outcome = verify.check(
             self.spec.task, self.spec.task_digest, commitment, segment, inputs, base=base, streams=self.replays.streams
         )
@@ -435,7 +444,8 @@ class WorkChecks:
 
     def _fetch(self, prover: str, round_: int, segment: int, attempts: int = 2) -> ReplayInputs | None:
         """The prover's replay inputs; None if it answered that it has none (or sent malformed ones), or a chunk
-        could not be reached ``attempts`` times or the whole fetch outlasted `FETCH_DEADLINE_S` (then
+        could not be reached ``attempts`` times in a row (a reset or cut-off stream counts as not reached, never
+        as an answer) or the whole fetch outlasted `FETCH_DEADLINE_S` (then
         ``self._lag.unreachable`` holds it: it may have left the run). Chunk by chunk, each between this
         peer's rounds (`_Lag.quiet`, waited for at most `TIMEOUT_S`)."""
         self._lag.unreachable.discard(prover)
@@ -458,12 +468,16 @@ class WorkChecks:
                 logger.info("could not fetch replay inputs from %s (attempt %s): %r", prover, failures, e)
                 continue
             if answer is None:
+                logger.info(
+                    "%s has no replay inputs of round %s, segment %s (at offset %s)", prover, round_, segment, received
+                )
                 return None
             total, chunk = answer
             if size is not None and total != size:
                 self.counts["rejected:malformed"] += 1
+                logger.info("%s changed the size of its replay inputs: %s, then %s bytes", prover, size, total)
                 return None
-            size, received = total, received + len(chunk)
+            size, received, failures = total, received + len(chunk), 0  # ``attempts`` failures in a row
             parts.append(chunk)
         if size is None or received < size:
             self._lag.unreachable.add(prover)
@@ -472,6 +486,7 @@ class WorkChecks:
             return ReplayInputs.from_bytes(b"".join(parts))
         except WorkRejected as e:
             self.counts[f"rejected:{e.reason}"] += 1
+            logger.info("malformed replay inputs from %s: %s", prover, e)
             return None
 
     async def _request(self, prover: str, round_: int, segment: int, offset: int) -> tuple[int, bytes] | None:
@@ -492,7 +507,10 @@ class WorkChecks:
                 raise ProtocolError("malformed chunk", f"{len(chunk)} bytes at {offset} of {size}")
             return size, chunk
         except ProtocolError as e:
+            if e.reason == "truncated":  # the stream ended early (reset): a link failure, asked again, not an answer
+                raise ConnectionError(f"the answer was cut off: {e}") from None
             self.counts[f"rejected:{e.reason}"] += 1
+            logger.info("malformed replay inputs from %s: %s", prover, e)
             return None
         finally:
             writer.close()
@@ -506,12 +524,21 @@ class WorkChecks:
             data = await self._serialized(round_, segment)
             if data is None or offset >= len(data):
                 with self._lock:  # it had that phase, and dropped it for newer ones (KEEP_ROUNDS), or never had it
-                    forgot = data is None and bool(self.recorder.kept) and round_ < min(self.recorder.kept)
+                    kept = sorted(self.recorder.kept)
+                forgot = data is None and bool(kept) and round_ < kept[0]
+                logger.info(
+                    "asked for round %s, segment %s at offset %s by %s: %s (kept rounds %s)",
+                    round_, segment, offset, info.peer_id, "forgotten" if forgot else "missing", kept,
+                )  # fmt: skip
                 await write_frame(writer, {"status": "forgotten" if forgot else "missing"})
-                return
-            await write_frame(writer, {"status": "ok", "size": len(data)})
-            await asyncio.wait_for(write_blob(writer, data[offset : offset + CHUNK_BYTES]), TIMEOUT_S)
-            self.counts["served chunks"] += 1
+            else:
+                await write_frame(writer, {"status": "ok", "size": len(data)})
+                await asyncio.wait_for(write_blob(writer, data[offset : offset + CHUNK_BYTES]), TIMEOUT_S)
+                self.counts["served chunks"] += 1
+            # closing now could reset the stream while the answer's last bytes are still in flight (p2pd resets a
+            # stream whose local end vanished): linger until the verifier, having read it all, hangs up
+            with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
+                await asyncio.wait_for(reader.read(1), TIMEOUT_S)
         except ProtocolError as e:
             self.counts[f"rejected:{e.reason}"] += 1
         except (asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from bootstrap import stop_dht, visible_maddrs
+from bootstrap.framing import LENGTH, write_blob
 from bootstrap.identity import Identity
 from bootstrap.network import start_swarm_dht
 from swarm import verify
@@ -318,6 +319,23 @@ def test_replay_inputs_travel_in_chunks_and_only_between_the_verifiers_rounds(mo
         assert not fetch.is_alive() and fetched["inputs"].to_bytes() == expected
         assert prover.counts["served chunks"] == -(-len(expected) // 4096)
         assert verify.check(TASK, DIGEST, commitment, 1, fetched["inputs"], base=base)[:2] == (True, "match")
+        # a chunk cut off mid-stream (p2pd resets a stream whose serving end went away) is a link failure, asked
+        # again, never the prover's answer: before, it counted as malformed inputs, a refusal, and an exclusion
+        cuts: list[int] = []
+
+        async def cut_once(writer, data: bytes) -> None:
+            if cuts:
+                return await write_blob(writer, data)
+            cuts.append(len(data))
+            writer.write(LENGTH.pack(len(data)) + data[: len(data) // 2])
+            await writer.drain()
+            writer.transport.abort()
+
+        monkeypatch.setattr(work_module, "write_blob", cut_once)
+        assert verifier._fetch(ids[0].peer_id, 0, 1).to_bytes() == expected
+        assert cuts == [4096] and not any(key.startswith("rejected") for key in verifier.counts), verifier.counts
+        monkeypatch.undo()
+        monkeypatch.setattr(work_module, "CHUNK_BYTES", 4096)
         assert verifier._fetch(ids[0].peer_id, 7, 0) is None  # a phase it does not have: refused, not unreachable
         assert ids[0].peer_id not in verifier._lag.unreachable
         # a phase it dropped for newer ones answers "forgotten": a refusal when asked at once (the verifier's own
