@@ -71,7 +71,7 @@ from averaging.membership import (
     parse_entry,
     sign_entry,
 )
-from bootstrap.framing import ProtocolError, header_field, read_exactly, read_frame, write_frame
+from bootstrap.framing import ProtocolError, header_field, linger, read_exactly, read_frame, write_frame
 from bootstrap.identity import Identity
 from bootstrap.runtime import Handler
 
@@ -1177,18 +1177,13 @@ class GroupAverager:
             await write_frame(writer, {"status": "slice failed"})
             return
         await write_frame(writer, {"status": "ok", "payload_bytes": len(state.reply)}, state.reply)
-        # closing now could reset the stream while the reply is still in flight (p2pd resets a stream
-        # whose local end vanished): linger until the sender, having read it all, hangs up
-        with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
-            await asyncio.wait_for(reader.read(1), self.config.reducer_timeout_s)
+        await linger(reader, self.config.reducer_timeout_s)  # until the sender, having read it all, hangs up
 
 
 async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, status: str) -> None:
-    """A one-frame answer, then linger until the asker hangs up (p2pd resets a stream whose local end vanished,
-    which could drop the answer still in flight)."""
+    """A one-frame answer, then `linger` until the asker hangs up."""
     await write_frame(writer, {"status": status})
-    with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
-        await asyncio.wait_for(reader.read(1), 2.0)
+    await linger(reader, 2.0)
 
 
 def _derive_id(seed: str, members: tuple[str, ...]) -> str:

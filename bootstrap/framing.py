@@ -32,6 +32,19 @@ async def close_stream(writer: asyncio.StreamWriter, *, timeout_s: float = CLOSE
         await asyncio.wait_for(writer.wait_closed(), timeout_s)
 
 
+async def linger(reader: asyncio.StreamReader, timeout_s: float) -> None:
+    """After a server's last reply: wait (at most ``timeout_s``) until the client hangs up, discarding whatever it
+    still sends. Closing at once can lose the reply: p2pd resets a stream whose local end vanished, and the
+    reply's last bytes may still be in flight."""
+
+    async def drain() -> None:
+        while await reader.read(64 * 1024):
+            pass
+
+    with contextlib.suppress(asyncio.TimeoutError, OSError):  # the client may be gone already
+        await asyncio.wait_for(drain(), timeout_s)
+
+
 async def write_frame(writer: asyncio.StreamWriter, header: dict, payload: bytes = b"") -> int:
     """Write a header and its payload, then drain; returns the bytes written."""
     data = json.dumps(header, separators=(",", ":")).encode()

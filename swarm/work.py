@@ -56,7 +56,7 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from bootstrap.dhtcalls import latest_within, store_within
-from bootstrap.framing import ProtocolError, header_field, read_blob, read_frame, write_blob, write_frame
+from bootstrap.framing import ProtocolError, header_field, linger, read_blob, read_frame, write_blob, write_frame
 from bootstrap.identity import Identity
 from bootstrap.runtime import Handler, peer_id_of
 from swarm import verify
@@ -535,10 +535,7 @@ class WorkChecks:
                 await write_frame(writer, {"status": "ok", "size": len(data)})
                 await asyncio.wait_for(write_blob(writer, data[offset : offset + CHUNK_BYTES]), TIMEOUT_S)
                 self.counts["served chunks"] += 1
-            # closing now could reset the stream while the answer's last bytes are still in flight (p2pd resets a
-            # stream whose local end vanished): linger until the verifier, having read it all, hangs up
-            with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
-                await asyncio.wait_for(reader.read(1), TIMEOUT_S)
+            await linger(reader, TIMEOUT_S)  # until the verifier, having read it all, hangs up
         except ProtocolError as e:
             self.counts[f"rejected:{e.reason}"] += 1
         except (asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:

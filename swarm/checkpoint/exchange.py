@@ -59,7 +59,15 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from bootstrap.errors import NetworkError, Rejected, one_line
-from bootstrap.framing import CLOSE_TIMEOUT_S, ProtocolError, close_stream, read_exactly, read_frame, write_frame
+from bootstrap.framing import (
+    CLOSE_TIMEOUT_S,
+    ProtocolError,
+    close_stream,
+    linger,
+    read_exactly,
+    read_frame,
+    write_frame,
+)
 from bootstrap.runtime import Served, ServedFacade, StreamServer, peer_id_of
 
 __all__ = [
@@ -258,20 +266,6 @@ class ChunkReply:
     reason: str = ""
 
 
-# --- streams ------------------------------------------------------------------------------------
-
-
-async def _linger(reader: asyncio.StreamReader) -> None:
-    # closing right after a reply can make p2pd reset the stream while the reply is in flight:
-    # wait (bounded) for the client to hang up, discarding whatever it still sends
-    async def drain() -> None:
-        while await reader.read(64 * 1024):
-            pass
-
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(drain(), _LINGER_S)
-
-
 # --- server -------------------------------------------------------------------------------------
 
 
@@ -330,7 +324,7 @@ class ShardServer(StreamServer):
     async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: dict[str, Any]) -> None:
         with contextlib.suppress(Exception):  # the client may be gone; it was refused either way
             await asyncio.wait_for(write_frame(writer, reply), CLOSE_TIMEOUT_S)
-            await _linger(reader)
+            await linger(reader, _LINGER_S)
 
     async def _serve(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         timeout_s = self._config.timeout_s
