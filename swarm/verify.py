@@ -38,6 +38,7 @@ import itertools
 import json
 import math
 import struct
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -316,9 +317,14 @@ class Phase:
     steps: int = 0
     replayable: bool = True
     """False once the phase did something a replay would not (a batch drawn off the step count)."""
+    committed_at: float = 0.0
+    """When the phase was committed (monotonic seconds): `WorkRecorder.forget` keeps recent ones longer."""
     digests: list[tuple[str, str]] = field(default_factory=list)
     """The digests (parameters, inner state) of the boundaries hashed so far: each is hashed at the step after
     it was taken, so that the commitment at the sync point (inside the round) has little left to hash."""
+
+    def nbytes(self) -> int:
+        return sum(b.params.nbytes + sum(t.nbytes for t in b.inner.tensors.values()) for b in self.boundaries)
 
     def hash_boundaries(self) -> None:
         for boundary in self.boundaries[len(self.digests) :]:
@@ -430,6 +436,7 @@ class WorkRecorder:
             inner=tuple(i for _, i in phase.digests),
             pseudo=params_digest(base - end),
         )
+        phase.committed_at = time.monotonic()
         self.kept[round_] = phase
         return sign_commitment(commitment, identity)
 
@@ -440,9 +447,18 @@ class WorkRecorder:
             return None
         return ReplayInputs(start=phase.boundaries[segment], end_params=phase.boundaries[-1].params)
 
-    def forget(self, keep: int) -> None:
-        """Keep only the newest ``keep`` committed phases."""
-        for round_ in list(self.kept)[: max(len(self.kept) - keep, 0)]:
+    def forget(self, keep: int, *, keep_for_s: float = 0.0, max_bytes: int = 0) -> None:
+        """Keep the newest ``keep`` committed phases, and older ones while they were committed less than
+        ``keep_for_s`` ago and all kept phases take at most ``max_bytes`` (fast rounds: a verifier's check
+        or re-check of a published verdict still finds the phase a few rounds later)."""
+        rounds = list(self.kept)
+        size = sum(phase.nbytes() for phase in self.kept.values())
+        now = time.monotonic()
+        for round_ in rounds[: max(len(rounds) - keep, 0)]:
+            phase = self.kept[round_]
+            if now - phase.committed_at < keep_for_s and size <= max_bytes:
+                break
+            size -= phase.nbytes()
             del self.kept[round_]
 
 

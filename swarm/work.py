@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import queue
@@ -70,8 +71,14 @@ _VERDICTS_KEPT = 8
 """Failing verdicts a verifier keeps published (newest first)."""
 _VERDICT_EXPIRY_S = 600.0
 KEEP_ROUNDS = 3
-_MAX_SETTLED = 10_000
 """Committed phases a prover keeps to serve (and bases a verifier keeps for re-checks)."""
+KEEP_FOR_S = 30.0
+KEEP_BYTES = 256 << 20
+"""A prover keeps older phases too while they are younger than `KEEP_FOR_S` and all kept phases fit in
+`KEEP_BYTES`: with rounds of a fraction of a second, the few rounds that a verdict takes to be published,
+read and re-checked can outlast `KEEP_ROUNDS` (seen in tests/test_work.py's end-to-end run on a loaded
+machine: an honest peer that could re-check none of a liar's 6 accusations, and so never excluded it)."""
+_MAX_SETTLED = 10_000
 TIMEOUT_S = 30.0
 """Bound on one chunk of replay inputs, one DHT read or store of verdicts, the handler's start, and on a
 check's wait for this peer's round to end before its next chunk."""
@@ -98,18 +105,23 @@ class WorkSpec:
 
 
 class _Worker:
-    """One daemon thread that runs jobs in order. `close` stops it between jobs and waits for the job in
-    progress (a replay in torch on a thread the interpreter is tearing down aborts the process)."""
+    """One daemon thread that runs jobs, the urgent ones first (re-checks of published accusations: they settle
+    an exclusion, while a routine check may only start one), each kind in order of submission. `close` stops it
+    between jobs and waits for the job in progress (a replay in torch on a thread the interpreter is tearing
+    down aborts the process)."""
+
+    URGENT, ROUTINE = 0, 1
 
     def __init__(self, name: str, counts: Counter[str], nice: int = 0) -> None:
-        self.jobs: queue.Queue = queue.Queue(maxsize=64)
+        self.jobs: queue.PriorityQueue = queue.PriorityQueue(maxsize=64)
+        self.submitted = itertools.count()  # ties in priority run in order of submission
         self.stopping, self.counts, self.nice = threading.Event(), counts, nice
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
-    def submit(self, job: Callable, *args: Any) -> bool:
+    def submit(self, job: Callable, *args: Any, priority: int = ROUTINE) -> bool:
         try:
-            self.jobs.put_nowait((job, args))
+            self.jobs.put_nowait((priority, next(self.submitted), job, args))
         except queue.Full:  # checks pile up faster than they run: this one is skipped
             self.counts["skipped"] += 1
             return False
@@ -122,8 +134,8 @@ class _Worker:
                 os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.nice))
             except OSError as e:
                 logger.info("verified work: replays run at the trainer's priority: %r", e)
-        while (item := self.jobs.get()) is not None and not self.stopping.is_set():
-            job, args = item
+        while (item := self.jobs.get())[2] is not None and not self.stopping.is_set():
+            _, _, job, args = item
             try:
                 job(*args)
             except Exception as e:  # a check must never stop the others
@@ -133,7 +145,7 @@ class _Worker:
     def stop(self) -> None:
         self.stopping.set()
         with contextlib.suppress(queue.Full):
-            self.jobs.put_nowait(None)
+            self.jobs.put_nowait((-1, -1, None, ()))
 
     def join(self, timeout_s: float) -> None:
         self.thread.join(timeout_s)
@@ -234,7 +246,7 @@ class WorkChecks:
         )
         self.counts: Counter[str] = Counter()
         """checks / passed / failed / refused / late (skipped: `_late`) / unverified / rechecked / confirmed /
-        liars (false accusations found) / cannot recheck / refused members / rejected:REASON."""
+        liars (false accusations found) / cannot recheck: WHY / refused members / rejected:REASON."""
         self.standing = _Standing()
         self.replays = _Replays(verify.Streams(spec.task))
         self._lag, self._disputes = _Lag(), _Disputes(dht)
@@ -300,7 +312,7 @@ class WorkChecks:
             warmup_steps=self.warmup_steps,
         )
         with self._lock:
-            self.recorder.forget(KEEP_ROUNDS)
+            self.recorder.forget(KEEP_ROUNDS, keep_for_s=KEEP_FOR_S, max_bytes=KEEP_BYTES)
         if signed is None:
             return None
         self.replays.committed = (base, signed.commitment.params[0])
@@ -345,7 +357,7 @@ class WorkChecks:
         """After every round, grouped or not: re-check the run's published accusations (on the worker, once at a time)."""
         if not self._disputes.polling.is_set():
             self._disputes.polling.set()
-            if not self._submit(self._arbitrate_published):
+            if not self._submit(self._arbitrate_published, priority=_Worker.URGENT):
                 self._disputes.polling.clear()
 
     def _policy(self, peer: str, gathered: Any) -> str | None:
@@ -380,8 +392,8 @@ class WorkChecks:
         return commitment
 
     # ------------------------------------------------------------------------------------ worker thread
-    def _submit(self, job: Callable, *args: Any) -> bool:
-        return self._worker.submit(job, *args)
+    def _submit(self, job: Callable, *args: Any, priority: int = _Worker.ROUTINE) -> bool:
+        return self._worker.submit(job, *args, priority=priority)
 
     def _late(self, round_: int) -> bool:
         """A check of ``round_`` is late: the prover, which keeps its last `KEEP_ROUNDS` phases and may be a
@@ -396,6 +408,9 @@ class WorkChecks:
         self, commitment: Commitment, work: dict, segment: int, base: torch.Tensor, asked_again: bool = False
     ) -> None:
         if self._late(commitment.round):
+            return
+        if commitment.peer in self.standing.excluded:  # excluded meanwhile (a re-check ran first): nothing to learn
+            self.counts["excluded before checked"] += 1
             return
         try:
             inputs = self._fetch(commitment.peer, commitment.round, segment)
@@ -650,7 +665,7 @@ class WorkChecks:
             if first is not None and verify.params_digest(first.start.params) == commitment.params[0]:
                 base = first.start.params
         if base is None or inputs is None:  # not served (any more): no one is excluded on this verdict here
-            self.counts["cannot recheck"] += 1
+            self.counts["cannot recheck: " + ("inputs not served" if inputs is None else "no base")] += 1
             return
         outcome = verify.arbitrate(
             self.spec.task, self.spec.task_digest, signed, verdict, inputs, base=base, streams=self.replays.streams

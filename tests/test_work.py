@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import threading
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -265,6 +266,52 @@ def test_same_bits_is_what_equal_digests_mean() -> None:
     signed_zero = torch.tensor([-0.0, 1.5, float("nan")])  # equal values, other bytes: other digests
     assert not verify.same_bits(a, signed_zero) and verify.params_digest(a) != verify.params_digest(signed_zero)
     assert not verify.same_bits(a, a.double()) and not verify.same_bits(a, a[:2])
+
+
+def test_a_prover_keeps_its_last_phases_and_recent_older_ones_within_a_byte_budget(monkeypatch) -> None:
+    recorder = verify.WorkRecorder(TASK, peer="p", shard_index=0, num_shards=1)
+    now = [1000.0]
+    monkeypatch.setattr(verify.time, "monotonic", lambda: now[0])
+    boundary = verify.Boundary(torch.zeros(256), verify.InnerState({"0.exp_avg": torch.zeros(256)}, "[]"))  # 2 KiB
+    for round_, age_s in enumerate([50.0, 20.0, 10.0, 5.0, 1.0, 0.0]):
+        recorder.kept[round_] = verify.Phase(0, 0, [boundary], segment_steps=1, committed_at=now[0] - age_s)
+    recorder.forget(3)  # by count alone, as before
+    assert list(recorder.kept) == [3, 4, 5]
+    for round_, age_s in enumerate([50.0, 20.0, 10.0]):
+        recorder.kept[round_] = verify.Phase(0, 0, [boundary], segment_steps=1, committed_at=now[0] - age_s)
+    recorder.kept = dict(sorted(recorder.kept.items()))
+    recorder.forget(3, keep_for_s=30.0, max_bytes=1 << 20)  # the one older than 30 s goes
+    assert list(recorder.kept) == [1, 2, 3, 4, 5]
+    recorder.forget(3, keep_for_s=30.0, max_bytes=4 * 2048)  # over the byte budget: the oldest go first
+    assert list(recorder.kept) == [2, 3, 4, 5]
+    now[0] += 60.0
+    recorder.forget(3, keep_for_s=30.0, max_bytes=1 << 20)  # all old now: the last 3 stay whatever their age
+    assert list(recorder.kept) == [3, 4, 5]
+
+
+def test_the_worker_runs_re_checks_of_accusations_before_routine_checks_and_stops_between_jobs() -> None:
+    """A re-check settles an exclusion, a routine check may only start one: queued behind a round's routine
+    checks (one link window each), a re-check of a published verdict came rounds late (seen: a cheater in 6
+    of an honest peer's rounds, bar 5)."""
+    counts: Counter[str] = Counter()
+    worker = work_module._Worker("test worker", counts)
+    busy, ran = threading.Event(), []
+    worker.submit(busy.wait, 10.0)  # holds the worker while the others queue
+    for name in ("routine 1", "routine 2"):
+        worker.submit(ran.append, name)
+    worker.submit(ran.append, "re-check", priority=work_module._Worker.URGENT)
+    worker.submit(ran.append, "routine 3")
+    busy.set()
+    wait_until(lambda: len(ran) == 4, 10)
+    assert ran == ["re-check", "routine 1", "routine 2", "routine 3"]
+    started, release = threading.Event(), threading.Event()
+    worker.submit(lambda: (started.set(), release.wait(10.0)))
+    assert started.wait(10)
+    worker.submit(ran.append, "after stop")  # stop: the jobs still queued behind the one running are not run
+    worker.stop()
+    release.set()
+    worker.join(10)
+    assert not worker.thread.is_alive() and ran[-1] == "routine 3" and counts["internal error"] == 0
 
 
 def test_replay_inputs_travel_in_chunks_and_only_between_the_verifiers_rounds(monkeypatch) -> None:
