@@ -7,7 +7,8 @@ the verdicts, re-check every accusation, exclude whoever a replay shows wrong.
 * **Prover.** The trainer draws its batches from `batches` (the task's deterministic shard stream),
   calls `stepped` after each inner step and `commit` at the sync point; the signed commitment rides in
   the round's gathered metadata (``"work"``). This peer serves the replay inputs of its last
-  ``keep_rounds`` phases on the ``swarm_<run>.work`` stream handler.
+  `KEEP_ROUNDS` phases, and of older ones younger than `KEEP_FOR_S` within `KEEP_BYTES`, on the
+  ``swarm_<run>.work`` stream handler.
 * **Verifier.** After a grouped round, every member draws the same verifiers from the group's id and its
   commitments (`swarm.verify.draw_checks`: fixed only once every commitment was sent); a verifier checks
   its prover with probability ``check_rate`` while the prover is on probation with it, ``trusted_rate``
@@ -17,8 +18,8 @@ the verdicts, re-check every accusation, exclude whoever a replay shows wrong.
   leaves idle before it takes any from training), sign a verdict, write it to the ledger (``work_check``). A
   failed check excludes the prover here at once (ledger: ``work_excluded``, with the reason) and is
   published under the run's verdicts key (owner-bound: subkey = the verifier), with the commitment.
-* **Arbiter.** Each round the worker reads the verdicts key. A failing verdict this peer can re-check
-  (it holds that round's base) is replayed a third time: if the prover's work fails again the prover
+* **Arbiter.** Each round the worker reads the verdicts key, ahead of its routine checks (`_Worker`). A
+  failing verdict this peer can re-check (it holds that round's base) is replayed a third time: if the prover's work fails again the prover
   is excluded; if it checks out the *verifier* lied, and is excluded (ledger: ``work_dispute``).
   Nobody is excluded on hearsay: only on this peer's own replay.
 * **Evidence.** The ledger entries above feed ``swarm.report`` (a "Verified work" table: checks done,
