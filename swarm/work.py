@@ -19,8 +19,9 @@ the verdicts, re-check every accusation, exclude whoever a replay shows wrong.
   failed check excludes the prover here at once (ledger: ``work_excluded``, with the reason) and is
   published under the run's verdicts key (owner-bound: subkey = the verifier), with the commitment.
 * **Arbiter.** Each round the worker reads the verdicts key, ahead of its routine checks (`_Worker`). A
-  failing verdict this peer can re-check (it holds that round's base) is replayed a third time: if the prover's work fails again the prover
-  is excluded; if it checks out the *verifier* lied, and is excluded (ledger: ``work_dispute``).
+  failing verdict this peer can re-check (it holds that round's base) is replayed a third time: if the
+  prover's work fails again the prover is excluded; if it checks out the *verifier* lied, and is excluded
+  (ledger: ``work_dispute``).
   Nobody is excluded on hearsay: only on this peer's own replay.
 * **Evidence.** The ledger entries above feed ``swarm.report`` (a "Verified work" table: checks done,
   passed, failed, refused, disputes, who was excluded and why) and the status board (`tally`: each
