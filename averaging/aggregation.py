@@ -1,11 +1,13 @@
 """Robust aggregation of the contributions to one slice of a butterfly all-reduce.
 
 In a butterfly all-reduce of N members, member j receives slice j of every member's vector,
-combines them here, and sends the result back; so aggregation runs per slice, as in BTARD
-(Gorbunov, Borzunov, Diskin, Ryabinin, "Secure Distributed Training at Scale", ICML 2022), which
+combines them here, and sends the result back; so aggregation runs per slice, and within a slice per
+piece of at most ``AveragingConfig.piece_numel`` coordinates (averaging.group pipelines the pieces), as in
+BTARD (Gorbunov, Borzunov, Diskin, Ryabinin, "Secure Distributed Training at Scale", ICML 2022), which
 applies CenteredClip to each part. Consequences: a robust aggregator bounds an attacker's pull on
-each slice separately (its total pull is at most the sum over slices); the scale-aware default τ
-of :class:`CenteredClip` is computed per slice, so slices of different scale need no tuning; and a
+each piece separately; the scale-aware default τ of :class:`CenteredClip` is computed per piece, so pieces
+of different scale need no tuning, and the pulls, each bounded by its piece's spread, add up in squares to
+about the bound a whole-vector τ would give; and a
 dishonest *reducer* of a slice is not caught here (BTARD adds verification for that).
 
 :func:`aggregate` is the entry point for untrusted input: it runs :func:`validate_contribution` on

@@ -46,6 +46,11 @@ class AveragingConfig:
     (each holding shard_size/2 to shard_size of them on average), a peer's key drawn anew every `SHARD_EPOCH_S` from
     its peer ID, so the load on the DHT nodes that hold a key stays bounded as the run grows and groups
     still mix across the run over epochs (averaging.group). 0: one key, whatever the size."""
+    piece_numel: int = 1 << 18
+    """Coordinates per piece of a slice (0: one piece). Senders stream their parts piece by piece, and a
+    reducer aggregates each piece and sends it back as soon as every member's piece came, before the last
+    pieces arrive (a pipelined all-reduce); the robust rule runs per piece. Every member of a run must use
+    the same value."""
     max_attempts: int = 3
     """All-reduce attempts per round (a failed slice re-forms the group from the survivors)."""
     codec: Literal["fp32", "fp16", "int8"] = "int8"
@@ -98,6 +103,8 @@ class AveragingConfig:
             raise ValueError(
                 f"shard_size ({self.shard_size!r}) must be 0 or >= target_group_size ({self.target_group_size!r})"
             )
+        if not isinstance(self.piece_numel, int) or isinstance(self.piece_numel, bool) or self.piece_numel < 0:
+            raise ValueError(f"piece_numel must be an int >= 0, got {self.piece_numel!r}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts!r}")
         if self.codec not in ("fp32", "fp16", "int8"):

@@ -26,13 +26,14 @@ class Crashed(SwarmError):
 class FaultInjector:
     stall_s: float = 60.0
     plan: dict[tuple[str, int, str], str] = field(default_factory=dict)
-    """(peer name, round, phase) -> action; phase is matchmaking, send or reduce."""
+    """(peer name, round, phase) -> action; phase is matchmaking, send, piece (before each piece of a part but
+    the first) or reduce."""
     fired: Counter = field(default_factory=Counter)
     """(peer name, round, phase, action) -> times fired."""
     max_fires: dict[tuple[str, int, str], int] = field(default_factory=dict)
 
     def add(self, peer: str, round_: int, phase: str, action: str, *, times: int = 1) -> None:
-        if phase not in ("matchmaking", "send", "reduce") or action not in ("crash", "stall", "kill"):
+        if phase not in ("matchmaking", "send", "piece", "reduce") or action not in ("crash", "stall", "kill"):
             raise ValueError(f"unknown phase/action {phase!r}/{action!r}")
         self.plan[(peer, round_, phase)] = action
         self.max_fires[(peer, round_, phase)] = times

@@ -26,10 +26,20 @@ i (encoded as fp32, fp16 or 8-bit), member i validates each part and aggregates 
 robust rule (CenteredClip by default), and sends the result back on the same stream. Each peer
 therefore sends and receives 2(N-1)/N of the vector, the bandwidth floor.
 
-Faults. A sender silent past ``sender_timeout_s`` (a straggler or a dead peer) is dropped. Before
-aggregating, reducers exchange the lists of parts they received and all use their intersection,
-so every slice averages the *same* survivors: the result is the weighted mean of the surviving
-contributions, exactly. A reducer that never answers loses its slice: the members re-form a group
+Pipelined in pieces. A slice is cut into pieces of at most ``piece_numel`` coordinates
+(:func:`piece_bounds`), and a part is streamed piece by piece, each encoded on its own. As soon as every
+member's piece k has come, the reducer aggregates it (the rule runs per piece) and sends it back on every
+member's stream, while later pieces still arrive: the two halves of the round overlap, as a ring
+all-reduce's do, instead of the link idling while the slowest reducer finishes and aggregates. Those
+pieces are tentative: they assume every member survives. The reply on a stream is
+``(piece)* [revised (piece)*] final``; a member takes the pieces it holds when ``final`` comes.
+
+Faults. A sender silent past ``sender_timeout_s`` (a straggler or a dead peer) is dropped. Reducers
+exchange the lists of parts they received in full and all use their intersection, so every slice averages
+the *same* survivors: the result is the weighted mean of the surviving contributions, exactly. When the
+survivors are every member and no piece rejected a sender, the reducer confirms the pieces it sent
+(``final``); otherwise it sends ``revised`` and the survivors' aggregate, piece by piece (a second transfer
+of the slice, only in a round with a fault, counted in ``GroupAverager.revised_slices``). A reducer that never answers loses its slice: the members re-form a group
 from the survivors and retry, within the round's deadline. A member whose stream breaks or is refused
 is probed once on a fresh stream; one found gone (a killed peer's dial fails; a restarted one is in no
 round) is waited for no longer -- neither its part nor its list of senders -- so a SIGKILL costs the
@@ -57,7 +67,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
-from averaging.aggregation import Contribution, aggregate
+from averaging.aggregation import AggregationResult, Contribution, aggregate, validate_contribution
 from averaging.compression import get_codec, wire_bytes
 from averaging.config import AveragingConfig, RoundRecord
 from averaging.membership import (
@@ -85,6 +95,7 @@ _PROBE_TIMEOUT_S = 2.0
 _PROBE_ABSENT_AFTER_S = 0.5  # a leader probes the followers that have not joined by then
 _POLLERS: set[asyncio.Task] = set()
 _MAX_SHARDS = 1 << 16
+_MAX_PIECES = 256
 SHARD_EPOCH_S = 60.0
 """How long a peer keeps its matchmaking key when the run is sharded (AveragingConfig.shard_size): long
 beside a window (2 s), so few windows straddle a change, short beside a run, so groups mix across keys."""
@@ -161,7 +172,44 @@ def bandwidth_class(mbps: float | None) -> int:
     return 0 if not mbps or mbps <= 0 else max(1, int(math.log(mbps, 4)) + 1)
 
 
+def piece_bounds(numel: int, piece_numel: int) -> list[tuple[int, int]]:
+    """The pieces of a slice of ``numel`` coordinates: near-equal, at most ``piece_numel`` each (0: one piece)."""
+    count = 1 if piece_numel <= 0 or numel <= 0 else min(_MAX_PIECES, -(-numel // piece_numel))
+    return slice_bounds(numel, count)
+
+
 # --------------------------------------------------------------------------------------------- state
+@dataclass
+class _Pieces:
+    """The pieces of the slice a reducer aggregates (the pipelined all-reduce: see the module docstring)."""
+
+    bounds: list[tuple[int, int]]
+    weights: dict[str, float] = field(default_factory=dict)
+    """Sender -> the weight its part's header claimed."""
+    received: list[dict[str, torch.Tensor]] = field(init=False)
+    """Per piece: sender -> its decoded values (the reducer's own included)."""
+    ready: list[asyncio.Event] = field(init=False)
+    """Per piece: set once every member's piece came (or a member is known dead)."""
+    tentative: list[asyncio.Future] = field(init=False)
+    """Per piece: the encoded aggregate of every member's piece, sent before the survivors are agreed; None
+    from the first piece that could not be aggregated that way."""
+    final: list[bytes] = field(default_factory=list)
+    """The encoded pieces of the result (set before ``_ReduceState.result``)."""
+    confirmed: bool = False
+    """Whether ``final`` is what went out tentatively (every member survived, no piece rejected)."""
+
+    def __post_init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.received = [{} for _ in self.bounds]
+        self.ready = [asyncio.Event() for _ in self.bounds]
+        self.tentative = [loop.create_future() for _ in self.bounds]
+
+    def give_up_tentative(self) -> None:
+        for future in self.tentative:
+            if not future.done():
+                future.set_result(None)
+
+
 @dataclass
 class _ReduceState:
     """This peer's part of one all-reduce attempt: the slice it reduces."""
@@ -172,15 +220,16 @@ class _ReduceState:
     weight: float
     sender_deadline: float
     codec: str
+    pieces: _Pieces
     started: float = field(default_factory=time.monotonic)
     """When this attempt began (monotonic)."""
-    parts: dict[str, Contribution] = field(default_factory=dict)
+    parts: dict[str, float] = field(default_factory=dict)
+    """Sender -> its claimed weight, once every piece of its part came."""
     all_parts: asyncio.Event = field(default_factory=asyncio.Event)
     received_sets: dict[str, frozenset] = field(default_factory=dict)
     all_sets: asyncio.Event = field(default_factory=asyncio.Event)
     result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    reply: bytes = b""
-    """The aggregated slice, encoded (set before ``result``)."""
+    """The senders included in the slice's aggregate (its pieces in ``pieces.final``), or None: the slice failed."""
     arrivals: dict[str, float] = field(default_factory=dict)
     """When each member's part began to arrive (its header; monotonic): about when that member sent."""
     dead: set[str] = field(default_factory=set)
@@ -192,6 +241,10 @@ class _ReduceState:
 
     def update(self) -> None:
         """Wake the waits whose peers have all answered or are known dead."""
+        members = set(self.group.members)
+        for received, ready in zip(self.pieces.received, self.pieces.ready):
+            if self.dead or set(received) >= members:
+                ready.set()
         if set(self.parts) >= self.waiting_for():
             self.all_parts.set()
         if set(self.received_sets) >= self.waiting_for():
@@ -209,6 +262,8 @@ class _Activity:
 
     serves: int = 0
     rounds: int = 0
+    revised: int = 0
+    """Slices this peer reduced whose pieces went out before the survivors were agreed and then changed."""
     last_round_end: float = -math.inf
     left_groups: deque[str] = field(default_factory=lambda: deque(maxlen=16))
     """Groups this peer formed and then left before its all-reduce (it had no tensor): parts and probes for
@@ -419,6 +474,12 @@ class GroupAverager:
         if not (math.isfinite(weight) and 0 < weight <= self.config.max_weight):
             raise ValueError(f"weight must be in (0, {self.config.max_weight}], got {weight!r}")
         return tensor.detach().cpu().contiguous()
+
+    @property
+    def revised_slices(self) -> int:
+        """Slices this peer reduced whose pieces went out before the survivors were agreed and then changed
+        (a sender dropped or rejected after its first pieces were aggregated)."""
+        return self._activity.revised
 
     def interrupt(self) -> None:
         """Abandon the round in progress (e.g. on Ctrl+C): ``step`` returns at once with no result.
@@ -858,8 +919,12 @@ class GroupAverager:
             codec=codec,
             sender_deadline=min(deadline, started + cfg.sender_timeout_s),
             started=started,
+            pieces=_Pieces(piece_bounds(hi - lo, cfg.piece_numel)),
         )
-        state.parts[self.peer_id] = Contribution(sender=self.peer_id, tensor=tensor[lo:hi].clone(), weight=weight)
+        own = tensor[lo:hi].clone()
+        for (a, b), received in zip(state.pieces.bounds, state.pieces.received):
+            received[self.peer_id] = own[a:b]
+        state.pieces.weights[self.peer_id] = state.parts[self.peer_id] = weight
         self._states[group.group_id] = state
         self._state_added.set()
         self._state_added = asyncio.Event()
@@ -897,10 +962,16 @@ class GroupAverager:
         finally:
             self._activity.round_ended()
             self._states.pop(group.group_id, None)
+            state.pieces.give_up_tentative()
+            if not state.result.done():
+                state.result.set_result(None)
 
     async def _reduce(self, state: _ReduceState, record: RoundRecord) -> torch.Tensor | None:
-        """Collect parts for my slice, agree on the survivors with the other reducers, aggregate."""
+        """Collect the parts of my slice, aggregating and sending back each piece as soon as every member's
+        piece came; agree on the survivors with the other reducers; confirm those pieces, or send the
+        survivors' aggregate instead (see the module docstring)."""
         expected = set(state.group.members)
+        tentative = await self._reduce_tentatively(state)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(state.all_parts.wait(), max(0.0, state.sender_deadline - time.monotonic()))
         record.phase_s["parts"] = time.monotonic() - state.started
@@ -935,30 +1006,92 @@ class GroupAverager:
         )
         record.phase_s["agreement"] = time.monotonic() - started
         await self._fault("reduce", self.peer_id)
-        contributions = [state.parts[s] for s in sorted(survivors)]
-        try:
-            result = await asyncio.to_thread(
-                aggregate,
-                contributions,
-                numel=state.numel,
-                aggregator=self.config.aggregator,
-                max_weight=self.config.max_weight,
-                max_weight_ratio=self.config.max_weight_ratio,
-            )
-        except ValueError as e:
-            record.fail(self.peer_id, "reduce", f"nothing to aggregate: {e}")
-            state.result.set_result(None)
-            return None
-        record.included = sorted(result.included)
-        for sender, reason in result.rejected.items():
+        pieces = state.pieces
+        if len(tentative) == len(pieces.bounds) and survivors == expected:
+            pieces.final, pieces.confirmed = [future.result() for future in pieces.tentative], True
+            included, rejected = sorted(survivors), {}
+        else:
+            if tentative:
+                self._activity.revised += 1  # members hold pieces that are not the survivors' aggregate
+            try:
+                included, rejected, pieces.final = await asyncio.to_thread(
+                    self._aggregate_slice, state, sorted(survivors)
+                )
+            except ValueError as e:
+                record.fail(self.peer_id, "reduce", f"nothing to aggregate: {e}")
+                state.result.set_result(None)
+                return None
+        record.included = included
+        for sender, reason in rejected.items():
             record.rejected[sender] = reason
             self.rejected[reason] += 1
-        # encoded once, for every member; the reducer's own copy is decoded from the same bytes, so that with a
-        # lossy codec the members' results (and checkpoints) are the same
+        state.result.set_result(included)
+        # the reducer's own copy is decoded from the bytes every member gets, so that with a lossy codec the
+        # members' results (and checkpoints) are the same
         codec = get_codec(state.codec)
-        state.reply = await asyncio.to_thread(codec.encode, result.tensor.contiguous())
-        state.result.set_result(result)
-        return await asyncio.to_thread(codec.decode, state.reply, numel=state.numel)
+
+        def decoded() -> torch.Tensor:
+            return torch.cat([codec.decode(data, numel=b - a) for data, (a, b) in zip(pieces.final, pieces.bounds)])
+
+        return await asyncio.to_thread(decoded)
+
+    async def _reduce_tentatively(self, state: _ReduceState) -> list[AggregationResult]:
+        """Aggregate every member's pieces in order as they come, each encoded for the members at once (they
+        hold it until the survivors are agreed); stop at the first piece a member misses by the sender deadline
+        or whose aggregate rejects a sender. Returns the pieces' aggregates so far."""
+        pieces, members = state.pieces, sorted(state.group.members)
+        done: list[AggregationResult] = []
+        try:
+            for k, ready in enumerate(pieces.ready):
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(ready.wait(), max(0.0, state.sender_deadline - time.monotonic()))
+                if state.dead or not set(pieces.received[k]) >= set(members):
+                    break
+                result, data = await asyncio.to_thread(self._aggregate_piece, state, k, members)
+                if result.rejected:
+                    break
+                pieces.tentative[k].set_result(data)
+                done.append(result)
+        finally:
+            pieces.give_up_tentative()
+        return done
+
+    def _aggregate_piece(self, state: _ReduceState, k: int, senders: list[str]) -> tuple[AggregationResult, bytes]:
+        """Piece ``k`` aggregated from ``senders`` (validated), and encoded; runs in a worker thread."""
+        a, b = state.pieces.bounds[k]
+        contributions = [
+            Contribution(sender=s, tensor=state.pieces.received[k][s], weight=state.pieces.weights[s]) for s in senders
+        ]
+        result = aggregate(
+            contributions,
+            numel=b - a,
+            aggregator=self.config.aggregator,
+            max_weight=self.config.max_weight,
+            max_weight_ratio=self.config.max_weight_ratio,
+        )
+        return result, get_codec(state.codec).encode(result.tensor.contiguous())
+
+    def _aggregate_slice(
+        self, state: _ReduceState, survivors: list[str]
+    ) -> tuple[list[str], dict[str, str], list[bytes]]:
+        """The survivors' aggregate, piece by piece, encoded: (included, rejected with reasons, pieces). A sender
+        with an invalid piece is rejected from every piece. Raises ValueError when nobody is left. Runs in a
+        worker thread."""
+        rejected: dict[str, str] = {}
+        for s in survivors:
+            for k, (a, b) in enumerate(state.pieces.bounds):
+                contribution = Contribution(
+                    sender=s, tensor=state.pieces.received[k][s], weight=state.pieces.weights[s]
+                )
+                reason = validate_contribution(contribution, numel=b - a, max_weight=self.config.max_weight)
+                if reason is not None:
+                    rejected[s] = reason
+                    break
+        accepted = [s for s in survivors if s not in rejected]
+        if not accepted:
+            raise ValueError(f"no valid contribution out of {len(survivors)}; rejected: {rejected}")
+        encoded = [self._aggregate_piece(state, k, accepted)[1] for k in range(len(state.pieces.bounds))]
+        return accepted, rejected, encoded
 
     async def _send_received_set(self, peer: str, state: _ReduceState, received: frozenset) -> None:
         """Tell ``peer`` which senders' parts this reducer took; retried until acknowledged, within the
@@ -993,36 +1126,38 @@ class GroupAverager:
         reply_deadline: float,
         codec_name: str,
     ) -> torch.Tensor | None:
+        """Stream my part of ``peer``'s slice piece by piece and read its aggregate back on the same stream,
+        both at once: (piece)* [revised (piece)*] final (see the module docstring)."""
         codec = get_codec(codec_name)
-        payload = await asyncio.to_thread(codec.encode, part.contiguous())  # CPU work off the event loop
+        bounds = piece_bounds(part.numel(), self.config.piece_numel)
+        header = {
+            "op": "part",
+            "group_id": group.group_id,
+            "index": index,
+            "numel": part.numel(),
+            "weight": weight,
+            "codec": codec_name,
+            "pieces": len(bounds),
+            "payload_bytes": sum(wire_bytes(codec, b - a) for a, b in bounds),
+        }
+        tasks: list[asyncio.Task] = []
         try:
             async with asyncio.timeout(max(0.1, reply_deadline - time.monotonic())):
                 await self._fault("send", peer)
                 _, reader, writer = await self._open(peer)
                 try:
-                    record.bytes_sent += await write_frame(
-                        writer,
-                        {
-                            "op": "part",
-                            "group_id": group.group_id,
-                            "index": index,
-                            "numel": part.numel(),
-                            "weight": weight,
-                            "codec": codec_name,
-                            "payload_bytes": len(payload),
-                        },
-                        payload,
-                    )
-                    reply = await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)
-                    if reply.get("status") != "ok":
-                        raise ProtocolError("refused", str(reply.get("status"))[:100])
-                    size = header_field(reply, "payload_bytes", int, low=0, high=2**31)
-                    if size != wire_bytes(codec, part.numel()):
-                        raise ProtocolError("bad size", f"{size} bytes")
-                    data = await read_exactly(reader, size)
-                    record.bytes_received += size
-                    return await asyncio.to_thread(codec.decode, data, numel=part.numel())
+                    tasks = [
+                        asyncio.create_task(self._write_pieces(writer, header, part, bounds, codec, record, peer)),
+                        asyncio.create_task(self._read_pieces(reader, part.numel(), bounds, codec, record)),
+                    ]
+                    await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                    if tasks[0].done() and tasks[0].exception() is not None:
+                        raise tasks[0].exception()
+                    return await tasks[1]
                 finally:
+                    for task in tasks:
+                        task.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
                     writer.close()
         except (ProtocolError, ValueError) as e:
             self.rejected[getattr(e, "reason", "bad slice")] += 1
@@ -1034,6 +1169,54 @@ class GroupAverager:
             record.fail(peer, "gather", f"{type(e).__name__}: {e}"[:200])
         await self._probe_after_failure(peer, group.group_id, reply_deadline)
         return None
+
+    async def _write_pieces(
+        self,
+        writer: asyncio.StreamWriter,
+        header: dict,
+        part: torch.Tensor,
+        bounds: list[tuple[int, int]],
+        codec: Any,
+        record: RoundRecord,
+        peer: str,
+    ) -> None:
+        """The part's header, then its pieces in order, each encoded (off the event loop) while the last drains."""
+        record.bytes_sent += await write_frame(writer, header)
+        for k, (a, b) in enumerate(bounds):
+            if k:
+                await self._fault("piece", peer)
+            payload = await asyncio.to_thread(codec.encode, part[a:b].contiguous())
+            writer.write(payload)
+            await writer.drain()
+            record.bytes_sent += len(payload)
+
+    async def _read_pieces(
+        self, reader: asyncio.StreamReader, numel: int, bounds: list[tuple[int, int]], codec: Any, record: RoundRecord
+    ) -> torch.Tensor:
+        """The reducer's aggregate of the slice: its pieces in order, once more after a ``revised`` frame (the
+        survivors' aggregate replacing what came before it), taken when ``final`` comes after the last piece."""
+        out = torch.empty(numel, dtype=torch.float32)
+        got, revised = 0, False
+        while True:
+            frame = await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)
+            status = frame.get("status")
+            if status == "piece":
+                if header_field(frame, "k", int, low=0, high=len(bounds) - 1) != got:
+                    raise ProtocolError("bad reply", f"piece {frame.get('k')} where {got} was due")
+                a, b = bounds[got]
+                size = header_field(frame, "payload_bytes", int, low=0, high=2**31)
+                if size != wire_bytes(codec, b - a):
+                    raise ProtocolError("bad size", f"{size} bytes")
+                data = await read_exactly(reader, size)
+                record.bytes_received += size
+                out[a:b] = await asyncio.to_thread(codec.decode, data, numel=b - a)
+                got += 1
+            elif status == "revised" and not revised:
+                got, revised = 0, True
+            elif status == "final" and got == len(bounds):
+                return out
+            else:
+                raise ProtocolError("refused", str(status)[:100])
 
     async def _probe_after_failure(self, peer: str, group_id: str, deadline: float) -> None:
         """A stream to ``peer`` broke or was refused: if a probe finds it gone, it is marked dead in this
@@ -1145,7 +1328,9 @@ class GroupAverager:
             raise ProtocolError("wrong slice", f"index {header.get('index')}, numel {header.get('numel')}")
         if header.get("codec") != state.codec:
             raise ProtocolError("wrong codec", str(header.get("codec"))[:20])
-        codec = get_codec(state.codec)
+        pieces, codec = state.pieces, get_codec(state.codec)
+        if header_field(header, "pieces", int, low=1, high=_MAX_PIECES) != len(pieces.bounds):
+            raise ProtocolError("wrong pieces", f"{header.get('pieces')} pieces, expected {len(pieces.bounds)}")
         weight = header.get("weight")
         if not isinstance(weight, (int, float)) or isinstance(weight, bool):
             raise ProtocolError("malformed header", "weight")
@@ -1154,30 +1339,64 @@ class GroupAverager:
         except OverflowError:  # an int beyond float range (NaN, inf and 1e30 are the aggregator's to reject)
             raise ProtocolError("malformed header", "weight out of float range") from None
         size = header_field(header, "payload_bytes", int, low=0, high=2**31)
-        if size != wire_bytes(codec, state.numel):
+        if size != sum(wire_bytes(codec, b - a) for a, b in pieces.bounds):
             raise ProtocolError("bad size", f"{size} bytes")
-        payload = await asyncio.wait_for(
-            read_exactly(reader, size), max(0.01, state.sender_deadline - time.monotonic())
-        )
-        try:
-            part = await asyncio.to_thread(codec.decode, payload, numel=state.numel)
-        except ValueError as e:
-            raise ProtocolError("undecodable part", str(e)[:100]) from None
-        if time.monotonic() > state.sender_deadline or self.peer_id in state.received_sets:
-            raise ProtocolError("late part", peer)  # this reducer already closed its list of senders
-        if peer in state.parts:
+        if peer in state.arrivals or peer in state.parts:
             raise ProtocolError("duplicate part", peer)
-        state.parts[peer] = Contribution(sender=peer, tensor=part, weight=weight)
         state.arrivals[peer] = arrived
-        state.update()
+        pieces.weights[peer] = weight
+        replying = asyncio.create_task(self._reply(state, writer))
+        try:
+            for k, (a, b) in enumerate(pieces.bounds):
+                payload = await asyncio.wait_for(
+                    read_exactly(reader, wire_bytes(codec, b - a)), max(0.01, state.sender_deadline - time.monotonic())
+                )
+                try:
+                    piece = await asyncio.to_thread(codec.decode, payload, numel=b - a)
+                except ValueError as e:
+                    raise ProtocolError("undecodable part", str(e)[:100]) from None
+                if time.monotonic() > state.sender_deadline or self.peer_id in state.received_sets:
+                    raise ProtocolError("late part", peer)  # this reducer already closed its list of senders
+                pieces.received[k][peer] = piece
+                state.update()
+            state.parts[peer] = weight
+            state.update()
+            await replying
+        finally:
+            replying.cancel()
+            await asyncio.gather(replying, return_exceptions=True)
+        await linger(reader, self.config.reducer_timeout_s)  # until the sender, having read it all, hangs up
+
+    async def _reply(self, state: _ReduceState, writer: asyncio.StreamWriter) -> None:
+        """Send a sender the pieces of my slice's aggregate as they are made, then ``final`` once the survivors
+        are agreed: at once if those pieces stand, else after ``revised`` and the survivors' pieces."""
+        pieces = state.pieces
+        sent = 0
+        deadline = state.sender_deadline + self.config.reducer_timeout_s
+        for future in pieces.tentative:
+            # set or given up by _reduce (it waits for pieces no longer than the sender deadline), or the slice ended
+            await asyncio.wait(
+                (future, state.result),
+                timeout=max(0.01, deadline - time.monotonic()),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            data = future.result() if future.done() else None
+            if data is None or self._dead:
+                break
+            await write_frame(writer, {"status": "piece", "k": sent, "payload_bytes": len(data)}, data)
+            sent += 1
         result = await asyncio.wait_for(asyncio.shield(state.result), self.config.reducer_timeout_s)
         if self._dead:
             return  # a crashed peer answers nothing, not even on streams opened before it died
         if result is None:
             await write_frame(writer, {"status": "slice failed"})
             return
-        await write_frame(writer, {"status": "ok", "payload_bytes": len(state.reply)}, state.reply)
-        await linger(reader, self.config.reducer_timeout_s)  # until the sender, having read it all, hangs up
+        if not (pieces.confirmed and sent == len(pieces.bounds)):
+            if sent:
+                await write_frame(writer, {"status": "revised"})
+            for k, data in enumerate(pieces.final):
+                await write_frame(writer, {"status": "piece", "k": k, "payload_bytes": len(data)}, data)
+        await write_frame(writer, {"status": "final"})
 
 
 async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, status: str) -> None:

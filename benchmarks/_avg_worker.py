@@ -143,6 +143,7 @@ class _Ours(_Peer):
                 sender_timeout_s=args.sender_timeout_s,
                 reducer_timeout_s=2 * args.sender_timeout_s,
                 round_timeout_s=args.timeout_s,
+                **({} if args.piece_numel is None else {"piece_numel": args.piece_numel}),
             )
         else:  # the old benchmark's figure: a dead sender costs about the sender timeout
             config = AveragingConfig(
@@ -176,6 +177,7 @@ class _Ours(_Peer):
             "members": len(record.members),
             "included": len(record.included),
             "failures": record.failures,
+            "revised_slices": self.averager.revised_slices,
         }
 
     def close(self):
@@ -317,6 +319,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=30.0,
         help="ours' sender_timeout_s; hivemind's sender_timeout and next_chunk_timeout (reducer: 2x)",
     )
+    parser.add_argument("--piece-numel", type=int, default=None, help="ours' piece_numel (default: AveragingConfig's)")
     parser.add_argument(
         "--victim", type=int, default=None, help="this rank SIGKILLs itself at its first send of the last repeat"
     )

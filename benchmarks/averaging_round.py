@@ -5,7 +5,9 @@
         [--repeats 2] [--warmup 1] [--out PATH] [--work-dir DIR] [--sender-death]
 
 Methods, all averaging the same seeded fp32 vectors (worker i: `make_tensor(seed, i, numel)`):
-  * ours-fp32 / ours-fp16 / ours-int8: our GroupAverager round (aggregator mean), matchmaking included;
+  * ours-fp32 / ours-fp16 / ours-int8: our GroupAverager round (aggregator mean), matchmaking included,
+    pipelined in pieces of `AveragingConfig.piece_numel` (the default); ours-fp32/whole and ours-int8/whole:
+    the same with one piece a slice (each reducer aggregates once every part came, as before 2026-12-05);
   * hivemind: hivemind's plain DecentralizedAverager (target_group_size = N), matchmaking included;
   * gloo: torch.distributed gloo all_reduce (the centralized baseline), timed from a barrier's exit;
   * floor (shaped links only): each peer must send and receive 2(N-1)/N of the fp32 payload S, so
@@ -48,7 +50,8 @@ from rich.console import Console
 from rich.table import Table
 
 from averaging.compression import get_codec, wire_bytes
-from averaging.group import slice_bounds
+from averaging.config import AveragingConfig
+from averaging.group import piece_bounds, slice_bounds
 from benchmarks._avg_worker import make_tensor, sample_indices, wait_json, write_json
 from benchmarks._common import save_result
 from benchmarks.netlab import Lab, LabUnavailable, loopback_lab, netns_lab
@@ -56,6 +59,17 @@ from benchmarks.netlab import Lab, LabUnavailable, loopback_lab, netns_lab
 RESULTS = Path(__file__).parent / "results" / "averaging_round.json"
 REPO = Path(__file__).resolve().parent.parent
 METHODS = ("ours-fp32", "ours-fp16", "ours-int8", "hivemind", "gloo")
+VARIANTS = ("ours-fp32/whole", "ours-int8/whole")
+"""Methods run only when named: ours with one piece a slice (no pipelining), for a side-by-side comparison."""
+
+
+def method_parts(method: str) -> tuple[str, str, int | None]:
+    """(mode, codec, piece_numel: None for the default, 0 for one piece a slice) of a method name."""
+    name, _, variant = method.partition("/")
+    mode, _, codec = name.partition("-")
+    return mode, codec or "fp32", 0 if variant == "whole" else None
+
+
 FP32_REL_TOL = 1e-5
 LOSSY_SLACK = 1.01
 """The codec bound of the returned slice is computed on the exact mean; 1% covers the rounding of the mean."""
@@ -124,16 +138,26 @@ _REFERENCES: dict[tuple, Reference] = {}
 
 
 def _sliced_bound(codec, x: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
-    # a butterfly encodes slice by slice, so int8 blocks start at each slice's first element
+    # a butterfly encodes piece by piece, so int8 blocks start at each piece's first element
     return torch.cat([codec.error_bound(x[a:b]) for a, b in bounds])
 
 
-def reference(numel: int, ranks: tuple[int, ...], num_slices: int, codec_name: str) -> Reference:
+def _piece_bounds(numel: int, num_slices: int, piece_numel: int) -> list[tuple[int, int]]:
+    """Every piece of every slice, as (start, end) in the whole vector."""
+    return [
+        (lo + a, lo + b) for lo, hi in slice_bounds(numel, num_slices) for a, b in piece_bounds(hi - lo, piece_numel)
+    ]
+
+
+def reference(
+    numel: int, ranks: tuple[int, ...], num_slices: int, codec_name: str, piece_numel: int | None = None
+) -> Reference:
     """Mean of the ranks' vectors; tolerance = 1e-5 x the largest contribution, plus for a lossy codec
-    the mean of the parts' encoding bounds and the bound of the encoded result (slices of `num_slices`)."""
-    key = (numel, ranks, num_slices if codec_name != "fp32" else 0, codec_name)
+    the mean of the parts' encoding bounds and the bound of the encoded result (pieces of slices of `num_slices`)."""
+    piece_numel = AveragingConfig().piece_numel if piece_numel is None else piece_numel
+    key = (numel, ranks, num_slices if codec_name != "fp32" else 0, codec_name, piece_numel)
     if key not in _REFERENCES:
-        codec, bounds = get_codec(codec_name), slice_bounds(numel, num_slices)
+        codec, bounds = get_codec(codec_name), _piece_bounds(numel, num_slices, piece_numel)
         total = torch.zeros(numel, dtype=torch.float64)
         maxabs = torch.zeros(numel)
         parts_bound = torch.zeros(numel, dtype=torch.float64)
@@ -185,6 +209,7 @@ class _Run:
     repeats: int
     run_dir: Path
     victim: int | None = None
+    piece_numel: int | None = None
 
     def __post_init__(self) -> None:
         self.budget_s = _budget_s(self.num_peers, self.numel, self.lab.rate_mbit)
@@ -222,6 +247,7 @@ class _Run:
             "--sender-timeout-s",
             f"{_sender_timeout_s(self.num_peers, self.numel, self.lab.rate_mbit):.1f}",
         ]
+        argv += ["--piece-numel", str(self.piece_numel)] if self.piece_numel is not None else []
         return argv + (["--victim", str(self.victim)] if self.victim is not None else [])
 
     def _wait(self, rank: int, name: str, deadline: float) -> Any:
@@ -284,8 +310,8 @@ def run_method(
 ) -> dict[str, Any]:
     """`warmup` untimed rounds then `repeats` timed ones of one method; raw results plus the result
     check of every round (warm-up included) against the reference mean."""
-    mode, _, codec = method.partition("-")
-    run = _Run(lab, num_peers, numel, mode, codec or "fp32", warmup + repeats, run_dir)
+    mode, codec, piece_numel = method_parts(method)
+    run = _Run(lab, num_peers, numel, mode, codec, warmup + repeats, run_dir, piece_numel=piece_numel)
     raw: list[dict[str, Any]] = []
     error = None
     try:
@@ -296,7 +322,7 @@ def run_method(
         error = str(e)
     finally:
         run.stop()
-    ref = reference(numel, tuple(range(num_peers)), num_peers, codec or "fp32")
+    ref = reference(numel, tuple(range(num_peers)), num_peers, codec, piece_numel)
     for r in raw:
         r["check"] = check(r["workers"], ref)
         _drop_samples(r)
@@ -353,7 +379,7 @@ def sender_death(lab: Lab, num_peers: int, numel: int, run_dir: Path) -> dict[st
 def summarize(
     setting: str, rate_mbit: float | None, num_peers: int, numel: int, method: str, run: dict[str, Any]
 ) -> dict[str, Any]:
-    codec = method.partition("-")[2] or "fp32"
+    codec = method_parts(method)[1]
     times = [r["round_s"] for r in run["repeats"]]
     tx = [sum(c["tx_bytes"] for c in r["counters"]) / num_peers for r in run["repeats"] if r["counters"]]
     rx = [sum(c["rx_bytes"] for c in r["counters"]) / num_peers for r in run["repeats"] if r["counters"]]
@@ -463,7 +489,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=["loopback", "100", "1000"],
         help="'loopback' or a link rate in Mbit/s (netns lab, tbf-shaped)",
     )
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", choices=METHODS + VARIANTS, default=list(METHODS))
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument(
         "--warmup",

@@ -21,7 +21,15 @@ from averaging.aggregation import Contribution, aggregate
 from averaging.compression import get_codec
 from averaging.config import AveragingConfig
 from averaging.faults import Crashed, FaultInjector
-from averaging.group import GroupAverager, draw_groups, matchmaking_key, shard_count, shard_of, slice_bounds
+from averaging.group import (
+    GroupAverager,
+    draw_groups,
+    matchmaking_key,
+    piece_bounds,
+    shard_count,
+    shard_of,
+    slice_bounds,
+)
 from averaging.membership import EntryRejected, parse_entry, sign_entry
 from bootstrap import start_dht, stop_dht, visible_maddrs
 from bootstrap.identity import Identity
@@ -171,15 +179,17 @@ def test_a_group_formed_before_its_tensors_averages_them_when_they_come(make_gro
     assert took < 3.0, f"the others waited {took:.1f} s for the member that left"
 
 
-def _per_slice(tensors, weights, aggregator):
-    """The single-process reference of a round: every slice of the butterfly aggregated from every member's part."""
+def _per_slice(tensors, weights, aggregator, piece_numel=0):
+    """The single-process reference of a round: every piece of every slice of the butterfly aggregated from every
+    member's part."""
     numel, parts = tensors[0].numel(), []
     for start, end in slice_bounds(numel, len(tensors)):
-        contributions = [
-            Contribution(sender=f"p{i}", tensor=t[start:end].contiguous(), weight=w)
-            for i, (t, w) in enumerate(zip(tensors, weights))
-        ]
-        parts.append(aggregate(contributions, numel=end - start, aggregator=aggregator).tensor)
+        for a, b in piece_bounds(end - start, piece_numel):
+            contributions = [
+                Contribution(sender=f"p{i}", tensor=t[start + a : start + b].contiguous(), weight=w)
+                for i, (t, w) in enumerate(zip(tensors, weights))
+            ]
+            parts.append(aggregate(contributions, numel=b - a, aggregator=aggregator).tensor)
     return torch.cat(parts)
 
 
@@ -202,6 +212,47 @@ def test_fp32_round_equals_the_single_process_aggregate(make_group, aggregator):
 
 
 @pytest.mark.timeout(120)
+def test_a_pipelined_round_aggregates_piece_by_piece_and_equals_the_single_process_reference(make_group):
+    """Pieces of 1000 coordinates (3 a slice): every member's result is the per-piece CenteredClip of the
+    reference, which differs from the whole-slice one (so pieces were aggregated), and no reducer had to
+    revise the pieces it sent before the survivors were agreed."""
+    tensors, weights = _inputs()
+    tensors[3] = tensors[3] * 3  # an outlier, so that clipping per piece and per slice differ
+    averagers = make_group(aggregator="centered_clip", piece_numel=1000)
+    results = _run(averagers, tensors, weights)
+    reference = _per_slice(tensors, weights, "centered_clip", piece_numel=1000)
+    assert (reference - _per_slice(tensors, weights, "centered_clip")).abs().max().item() > 1e-3
+    for i, (out, record, group) in enumerate(results):
+        assert record.outcome == "ok" and len(group.members) == NUM_PEERS, (SEED, record.to_dict())
+        err = (out - reference).abs().max().item()
+        assert err < 1e-5, f"seed {SEED}, peer {i}: max abs error {err:.3g}"
+    assert all(torch.equal(results[0][0], r[0]) for r in results), "every member must hold the same result"
+    assert [a.revised_slices for a in averagers] == [0] * NUM_PEERS
+
+
+@pytest.mark.timeout(120)
+def test_a_sender_that_stalls_after_its_first_piece_is_dropped_and_the_pieces_sent_are_revised(make_group):
+    """Every member's first piece came, so every reducer aggregated it with the straggler's and sent it on; the
+    straggler's second piece never comes, the survivors are agreed without it, and every reducer replaces the
+    pieces it sent with the survivors' aggregate: the result is exactly the survivors' weighted mean."""
+    tensors, weights = _inputs()
+    averagers = make_group(aggregator="mean", sender_timeout_s=3.0, piece_numel=1000)
+    faults = FaultInjector(stall_s=60)
+    for i, averager in enumerate(averagers):
+        faults.attach(averager, f"peer{i}")
+    faults.add("peer3", 1, "piece", "stall", times=NUM_PEERS)
+    results = _run(averagers, tensors, weights, timeout_s=20)
+    assert faults.fired[("peer3", 1, "piece", "stall")] >= 1
+    assert sum(a.revised_slices for a in averagers[:3]) >= 1, "no reducer revised a piece it had sent"
+    reference = _weighted_mean(tensors, weights, [0, 1, 2])
+    for i in range(3):
+        out, record, _ = results[i]
+        assert out is not None and (out - reference).abs().max().item() < 1e-5, record.to_dict()
+        assert sorted(record.included) == sorted(a.peer_id for a in averagers[:3]), record.to_dict()
+    assert all(torch.equal(results[0][0], results[i][0]) for i in range(3))
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("codec", ["fp16", "int8"])
 def test_compressed_rounds_stay_within_the_codec_bound(make_group, codec):
     tensors, weights = _inputs()
@@ -221,9 +272,10 @@ def test_compressed_rounds_stay_within_the_codec_bound(make_group, codec):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("phase", ["matchmaking", "send", "reduce"])
 def test_a_crashed_peer_never_hangs_the_survivors(make_group, phase):
-    """TESTMATRIX rows 1-3: the survivors average exactly their own contributions, within the deadline."""
+    """TESTMATRIX rows 1-3: the survivors average exactly their own contributions, within the deadline. Pieces of
+    1000 coordinates: a reducer that crashes after the agreement has sent its first pieces, not ``final``."""
     tensors, weights = _inputs()
-    averagers = make_group(aggregator="mean")
+    averagers = make_group(aggregator="mean", piece_numel=1000)
     faults = FaultInjector()
     for i, averager in enumerate(averagers):
         faults.attach(averager, f"peer{i}")

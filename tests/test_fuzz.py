@@ -69,7 +69,7 @@ from safetensors.torch import save as safetensors_save
 
 from averaging.compression import get_codec
 from averaging.config import AveragingConfig, RoundRecord
-from averaging.group import Group, GroupAverager, _Activity, _ReduceState
+from averaging.group import Group, GroupAverager, _Activity, _Pieces, _ReduceState
 from averaging.membership import Admission
 from bootstrap import start_dht, stop_dht, visible_maddrs
 from bootstrap.framing import ProtocolError, read_frame
@@ -878,6 +878,7 @@ _AVG_REASONS = {
     "not a member",
     "wrong slice",
     "wrong codec",
+    "wrong pieces",
     "bad size",
     "undecodable part",
     "late part",
@@ -895,6 +896,7 @@ def _valid_part(codec: str) -> tuple[dict, bytes]:
             "numel": AVG_NUMEL,
             "weight": 2.0,
             "codec": codec,
+            "pieces": 1,
             "payload_bytes": len(payload),
         },
         payload,
@@ -939,7 +941,13 @@ def _bare_averager(codec: str) -> tuple[GroupAverager, _ReduceState]:
     averager.peer_id = OWNER.peer_id
     group = Group(group_id=AVG_GROUP, members=(OTHER.peer_id, OWNER.peer_id), gathered={})
     state = _ReduceState(
-        group=group, my_index=1, numel=AVG_NUMEL, weight=1.0, codec=codec, sender_deadline=time.monotonic() + 60
+        group=group,
+        my_index=1,
+        numel=AVG_NUMEL,
+        weight=1.0,
+        codec=codec,
+        sender_deadline=time.monotonic() + 60,
+        pieces=_Pieces([(0, AVG_NUMEL)]),
     )
     state.result.set_result(None)  # the slice "failed": a valid part is answered at once
     averager._states[AVG_GROUP] = state
@@ -975,6 +983,40 @@ def test_averaging_handler_rejects_every_bad_stream_with_one_counted_reason(stre
         writer.sent[:200],
     )
     assert writer.closed
+
+
+def _valid_reply(codec: str) -> bytes:
+    """A reducer's reply to a part of 2 pieces: one tentative piece, ``revised``, both pieces, ``final``."""
+    encode, out = get_codec(codec).encode, b""
+    pieces = [encode(torch.linspace(-1, 1, AVG_NUMEL // 2)), encode(torch.linspace(1, 2, AVG_NUMEL // 2))]
+    for k, data in (0, pieces[0]), ("revised", b""), (0, pieces[0]), (1, pieces[1]):
+        header = {"status": "revised"} if k == "revised" else {"status": "piece", "k": k, "payload_bytes": len(data)}
+        out += frame(canonical_json(header), data)
+    return out + frame(canonical_json({"status": "final"}))
+
+
+@fuzz(200, codec=st.sampled_from(("fp32", "int8")), data=st.data())
+def test_a_senders_read_of_a_reducers_reply_takes_a_valid_one_and_refuses_the_rest_with_a_protocol_error(codec, data):
+    """What a reducer sends back (pieces, perhaps revised, then final) is untrusted: a mutated reply ends in a
+    ProtocolError (or a truncated stream), never a hang, a crash or a piece out of order or of the wrong size."""
+    valid = _valid_reply(codec)
+    reply = data.draw(st.one_of(st.just(valid), mutated_bytes(valid), st.binary(max_size=96)))
+    bounds, codec_obj = [(0, AVG_NUMEL // 2), (AVG_NUMEL // 2, AVG_NUMEL)], get_codec(codec)
+
+    async def read() -> torch.Tensor:
+        return await GroupAverager._read_pieces(
+            None, reader_of(reply), AVG_NUMEL, bounds, codec_obj, RoundRecord(round=1)
+        )
+
+    try:
+        out = run_bounded(read, HANG_MARGIN_S)
+    except (ProtocolError, asyncio.IncompleteReadError, ValueError):
+        assert reply != valid, "the valid reply was refused"
+        return
+    assert out.shape == (AVG_NUMEL,) and bool(torch.isfinite(out).all())
+    if reply == valid:
+        expected = torch.cat([torch.linspace(-1, 1, AVG_NUMEL // 2), torch.linspace(1, 2, AVG_NUMEL // 2)])
+        assert (out - expected).abs().max().item() <= 2 * codec_obj.max_abs_error(expected) + 1e-6
 
 
 @fuzz(100, data=st.one_of(st.binary(max_size=64), mutated_bytes(frame(json.dumps(_valid_part("fp32")[0]).encode()))))
@@ -1354,6 +1396,7 @@ def test_live_averaging_handler_survives_garbage_and_still_averages(live_dhts, c
         "numel": 4,
         "weight": 1.0,
         "codec": "fp32",
+        "pieces": 1,
         "payload_bytes": 16,
     }
     cases = [
