@@ -40,6 +40,7 @@ PEER_FLAGS = [
     "--suspect-s",
     "--guard-s",
     "--shard-size",
+    "--piece-numel",
     "--max-attempts",
     "--codec",
     "--aggregator",
