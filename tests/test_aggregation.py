@@ -22,6 +22,7 @@ from averaging.aggregation import (
     Contribution,
     Mean,
     TrimmedMean,
+    _coordinate_median,
     aggregate,
     get_aggregator,
     validate_contribution,
@@ -360,3 +361,14 @@ def test_centered_clip_equals_the_plain_iteration(num: int, seed: int) -> None:
         rule = CenteredClip(tau_scale=tau_scale, exclude_scale=exclude_scale)
         reference = _centered_clip_reference(contributions, tau_scale=tau_scale, exclude_scale=exclude_scale)
         assert _relative_error(rule(contributions).tensor, reference) < 1e-6, (num, seed, tau_scale, exclude_scale)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 8, 16, 17])
+def test_the_coordinate_median_equals_the_sorted_middle_exactly(count: int) -> None:
+    """The min/max network (up to 16 inputs) and the sort (beyond) give the sorted middle values, ties included."""
+    generator = torch.Generator().manual_seed(count)
+    tensors = [torch.randn(5000, generator=generator).round(decimals=1) for _ in range(count)]  # many ties
+    values = torch.stack(tensors).double().sort(dim=0).values
+    middle = count // 2
+    expected = values[middle] if count % 2 else (values[middle - 1] + values[middle]) / 2
+    assert torch.equal(_coordinate_median(tensors), expected)
