@@ -77,6 +77,10 @@ class Recipe:
     x the progress it just sent (1: swarm.overlap's rule; below 1 it also mixes toward the global state)."""
     overlap_delay: int = 0
     """Local steps a round takes to land (0: at the next sync point, a whole phase late)."""
+    eager: bool = False
+    """Overlapped: at a sync point each worker resumes from the outer step its own pseudo-gradient alone would
+    give (the global state and the outer momentum as they are), not from its local state; when the round
+    lands it keeps its progress since then on the true global state ("eager updates", Kale et al. 2025)."""
     phase_from_landing: bool = False
     """Overlapped: the next sync point comes ``sync_every`` steps after the round lands (not after the last sync
     point), so a phase is ``sync_every`` plus the steps taken while the round ran."""
@@ -107,6 +111,12 @@ def grid(name: str, *, warmup: int) -> list[Recipe]:
             *(
                 Recipe(name=f"overlapped, lands after {d} steps, own x0.5", overlap=0.5, overlap_delay=d, **base)
                 for d in (2, 5)
+            ),
+            *(
+                Recipe(
+                    name=f"overlapped, lands after {d} steps, eager", overlap=1.0, overlap_delay=d, eager=True, **base
+                )
+                for d in (1, 2, 5)
             ),
             *(
                 Recipe(
@@ -262,7 +272,13 @@ def _sync_overlapped(
         _outer_step(base, outer, pending)
         for worker, start, delta in zip(workers, starts, deltas):
             for param, s, g, d in zip(worker, start, base, delta):
-                param.copy_(g - recipe.overlap * d)
+                if recipe.eager:  # SGD's Nesterov step on g with d for the gradient, the optimizer untouched
+                    lr, mu = outer.defaults["lr"], outer.defaults["momentum"]
+                    buffer = outer.state.get(g, {}).get("momentum_buffer")
+                    velocity = d if buffer is None or not mu else mu * buffer + d
+                    param.copy_(g - lr * (d + mu * velocity if mu else d))
+                else:
+                    param.copy_(g - recipe.overlap * d)
                 s.copy_(param)
         return [_quantize(torch.stack(ds).mean(0), recipe.codec) for ds in zip(*deltas)]
 

@@ -7,7 +7,8 @@ For each preset and number of peers, in one run:
   if the swarm cost nothing. Sharing the cores cancels out; the swarm's daemons, codecs and DHT work
   count against it.
 * for each link (netns test hosts shaped to ``--links`` Mbit/s, 0 unshaped) and each mode (``blocking``,
-  ``overlapped``, ``verified``: blocking with ``--verify-work``): a bootstrap node and the peers (``swarm.peer``, their defaults otherwise) train
+  ``overlapped``, ``overlapped-plain``: overlapped with ``--no-overlap-eager``, ``verified``: blocking with
+  ``--verify-work``): a bootstrap node and the peers (``swarm.peer``, their defaults otherwise) train
   ``--steps`` steps each. A peer's rate is its steps from its first grouped round to its last step, over
   that time; utilization is the mean peer rate over the mean plain rate. Also: each round's time by
   phase (median), the share of rounds that grouped, and the validation loss once training has ended
@@ -82,7 +83,12 @@ def _plain(preset: str, peers: int, steps: int, work: Path, timeout_s: float) ->
     return statistics.mean(json.loads(out.read_text())["steps_per_s"] for out in outs)
 
 
-MODE_FLAGS = {"blocking": [], "overlapped": ["--overlap"], "verified": ["--verify-work"]}
+MODE_FLAGS = {
+    "blocking": [],
+    "overlapped": ["--overlap"],
+    "overlapped-plain": ["--overlap", "--no-overlap-eager"],  # the phase starts from the local parameters
+    "verified": ["--verify-work"],
+}
 """swarm.peer flags of each mode: ``verified`` is blocking rounds with verified work (its default check rate)."""
 
 

@@ -223,6 +223,10 @@ class TrainerConfig:
     the first step after it ends, under the progress made meanwhile (swarm.overlap), so training waits on
     the network only when a round takes longer than a phase; off: each round blocks training until it is
     done."""
+    overlap_eager: bool = True
+    """Overlapped rounds: each phase starts from the outer step this peer's own pseudo-gradient would make
+    (standing in for the group's mean until the round lands: "eager updates"), not from its local parameters.
+    It makes a late round cost less (benchmarks/README.md, section 11)."""
     inner_warmup_steps: int = INNER_WARMUP_STEPS
     """Linear warm-up of the inner optimizer's learning rate over this peer's first local steps (0: off).
     A fresh inner optimizer (AdamW with no statistics yet) takes large steps, and replicas that start

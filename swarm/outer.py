@@ -125,16 +125,28 @@ class DiLoCo:
         with self._lock:
             return torch.cat([b.reshape(-1) for b in self._global])
 
-    def rebase(self, delta: torch.Tensor) -> torch.Tensor:
-        """model <- global - ``delta`` (flat); returns that flat start of the next overlapped phase."""
+    def rebase(self, delta: torch.Tensor, *, eager: bool = False) -> torch.Tensor:
+        """model <- global - ``delta`` (flat), or with ``eager`` global - the update the outer step would make
+        with ``delta`` alone for the gradient (the momentum as it is, nothing stepped; "eager updates": this
+        peer's own pseudo-gradient standing in for the group's mean until the round lands); returns that flat
+        start of the next overlapped phase."""
         with self._lock:
-            start = torch.cat([b.reshape(-1) for b in self._global]) - delta
+            start = torch.cat([b.reshape(-1) for b in self._global]) - (self._update(delta) if eager else delta)
             offset, self.model_writes = 0, self.model_writes + 1
             with torch.no_grad():
                 for param in self.params:
                     param.copy_(start[offset : offset + param.numel()].view_as(param))
                     offset += param.numel()
         return start
+
+    def _update(self, delta: torch.Tensor) -> torch.Tensor:
+        """What `step` would subtract from the global parameters for the gradient ``delta`` (flat): torch's SGD
+        with this lr and momentum (Nesterov when momentum > 0), from the current momentum buffer."""
+        lr, momentum = self.settings.lr, self.settings.momentum
+        if momentum <= 0:
+            return lr * delta
+        buffer = torch.cat([self._momentum(b).reshape(-1) for b in self._global])
+        return lr * (delta + momentum * (momentum * buffer + delta))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """``param/NAME`` and ``momentum/NAME`` for every parameter (copies): what a checkpoint seals."""

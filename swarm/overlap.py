@@ -8,7 +8,12 @@ all of its own progress). With ``G`` the global parameters (`swarm.outer.DiLoCo`
     at sync point j:
         delta_j = S - Y                      the progress since S: the pseudo-gradient round j averages
         if round j-1 is still running:       wait for it (it averages delta_{j-1} into D, steps G <- outer(G, D))
-        S = model = G - delta_j              the global state plus the progress just sent
+        S = model = G - u(delta_j)           eager (the default, `TrainerConfig.overlap_eager`): u(d) is what the
+                                             outer step would subtract from G for the gradient d alone, with its
+                                             momentum as it is (Nesterov SGD: lr (d + mu (mu m + d))); this
+                                             peer's own progress stands in for the mean until the round lands
+                                             ("eager updates", Kale et al. 2025); off: u(d) = d, the global
+                                             state plus the progress just sent
         start round j on delta_j             in the background, against G's digest (as a blocking round)
     after any other inner step, once round j has ended (it lands):
         model = G - (S - Y)                  the new global state plus the progress made since sync point j
@@ -23,7 +28,8 @@ all of its own progress). With ``G`` the global parameters (`swarm.outer.DiLoCo`
         ahead of the members' mean (from when their parts began to arrive, at the last phase's pace; a member
         behind gets a shorter phase), so phases stay sync_every long on average and the members in step
 
-A round lands after the first inner step it has ended by, so its update is as stale as the round is long
+A round lands after the first inner step it has ended by, so its update is as stale as the round is long;
+the eager start halves what that staleness costs (measured: section 11 of benchmarks/README.md)
 (prelaunched: as its all-reduce after the last member's sync point)
 (``python -m benchmarks.recipe_sweep --grid overlap`` measures the cost of each step of delay); a round
 slower than a whole phase lands at the next sync point. A round that finds no group applies the peer's

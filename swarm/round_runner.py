@@ -233,16 +233,19 @@ class RoundRunner:
 
     def start_phase(self, pseudo: Any, samples: int, step: int, started: float) -> None:
         """Overlapped, at a sync point: hand ``pseudo`` to this phase's prelaunched round (its group formed
-        already) or, with none waiting, start the round now; the next phase begins at global - delta."""
+        already) or, with none waiting, start the round now; the next phase begins at global - delta, or with
+        `overlap_eager` at global - the outer step of delta alone (`swarm.overlap`)."""
         overlap = self.overlap
         if overlap is None:
             raise RuntimeError("start_phase() is for overlapped rounds")
         if overlap.pending is not None:
-            if overlap.deliver(self.outer.rebase(pseudo.delta), (pseudo, samples, step, started)):
+            start = self.outer.rebase(pseudo.delta, eager=self.config.overlap_eager)
+            if overlap.deliver(start, (pseudo, samples, step, started)):
                 return
             self.join()  # it gave up waiting (no result): this phase's round runs as a fresh one
         args = (pseudo, samples, step)
-        overlap.launch(self.outer.rebase(pseudo.delta), lambda: self.run(*args, time.perf_counter()))
+        start = self.outer.rebase(pseudo.delta, eager=self.config.overlap_eager)
+        overlap.launch(start, lambda: self.run(*args, time.perf_counter()))
 
     def join(self) -> RoundResult | None:
         """Overlapped: wait for the round in flight (`Overlap.join`) and evaluate the new global parameters."""

@@ -103,9 +103,10 @@ def test_a_lone_overlapped_trainer_trains_on_and_leaves_with_no_round_thread(tmp
 
 @pytest.mark.timeout(120)
 def test_a_round_that_ends_between_sync_points_lands_under_the_progress_made_since(tmp_path) -> None:
-    """Alone, with outer lr 0.5 (no momentum) and an inner step of exactly -0.1 per step: the solo round of sync
-    point 2 halves that phase's progress in the global state; when it lands at step 3 the model is the new
-    global state plus step 3's progress, and the next pseudo-gradient is measured from the global state."""
+    """Alone, with outer lr 0.5 (no momentum) and an inner step of exactly -0.1 per step: at each sync point the
+    model moves to where the outer step of its own progress puts it (the eager start; alone, where the round will
+    land), the solo round halves that phase's progress in the global state; when it lands at step 5 the model is
+    the new global state plus step 5's progress, and the next pseudo-gradient is measured from the global state."""
     from swarm.trainer import Trainer
 
     model = torch.nn.Linear(2, 1, bias=False)
@@ -136,7 +137,7 @@ def test_a_round_that_ends_between_sync_points_lands_under_the_progress_made_sin
 
     try:
         assert [step() for _ in range(4)] == [None] * 4  # the sync point: progress 0.4 sent, nothing to join
-        torch.testing.assert_close(model.weight.detach(), torch.full((1, 2), 0.6))  # the model stayed put
+        torch.testing.assert_close(model.weight.detach(), torch.full((1, 2), 0.8))  # eager: 1 - 0.5 x 0.4
         overlap = trainer._runner.overlap
         wait_until(lambda: overlap.ended, 30.0, message="the solo round did not end")
         landed = step()  # step 5 is no sync point: the round lands here
@@ -144,9 +145,9 @@ def test_a_round_that_ends_between_sync_points_lands_under_the_progress_made_sin
         # global: 1 - 0.5 x 0.4 = 0.8; the model: 0.8 - 0.1 (step 5's progress)
         torch.testing.assert_close(trainer.outer.global_flat(), torch.full((2,), 0.8))
         torch.testing.assert_close(model.weight.detach(), torch.full((1, 2), 0.7))
-        assert [step() for _ in range(3)][-1] is None  # steps 6-8; 8 is a sync point with nothing to join
-        torch.testing.assert_close(model.weight.detach(), torch.full((1, 2), 0.4))
-        torch.testing.assert_close(overlap.start, torch.full((2,), 0.4))  # round 2 carries 0.8 - 0.4
+        assert [step() for _ in range(3)][-1] is None  # steps 6-8 (to 0.4); 8 is a sync point, nothing to join
+        torch.testing.assert_close(model.weight.detach(), torch.full((1, 2), 0.6))  # eager: 0.8 - 0.5 x 0.4
+        torch.testing.assert_close(overlap.start, torch.full((2,), 0.6))  # round 2 carries 0.8 - 0.4
         assert trainer.finish() is not None  # it lands: 0.8 - 0.5 x 0.4, and finish leaves it in the model
         torch.testing.assert_close(model.weight.detach(), torch.full((1, 2), 0.6))
     finally:

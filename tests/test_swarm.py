@@ -98,9 +98,11 @@ def _reference_rounds(tmp_path: Path, *, outer_lr: float, outer_momentum: float)
 def _reference_overlapped(tmp_path: Path, *, outer_lr: float, outer_momentum: float) -> list[dict[str, torch.Tensor]]:
     """Single-process replay of the overlapped algorithm (swarm/overlap.py): at sync point j each peer's
     progress is delta_j = start_j - local_j; round j-1 steps the global state with the mean of the deltas of
-    sync point j-1; the next phase starts at global - delta_j. A round that landed before sync point j (its
-    `round` event has a `landed_step`) moved the peer's start to the global state it made. Phases differ in
-    length (a phase counts from when its round's group formed), so the mean weighs each phase's steps."""
+    sync point j-1; the next phase starts at global - u(delta_j), u(d) the update the outer step would make
+    with d alone for the gradient (eager, the default: Nesterov SGD from the momentum as it is). A round that
+    landed before sync point j (its `round` event has a `landed_step`) moved the peer's start to the global
+    state it made. Phases differ in length (a phase counts from when its round's group formed), so the mean
+    weighs each phase's steps."""
     model = get_task("charlm", preset="tiny").build_model(seed=0)
     names = [n for n, _ in model.named_parameters()]
     base = [p.detach().clone().float() for _, p in model.named_parameters()]
@@ -130,7 +132,13 @@ def _reference_overlapped(tmp_path: Path, *, outer_lr: float, outer_momentum: fl
                 if landed[i][sync_point - 1] is not None:  # between sync points: the phase went on from global
                     starts[i] = {name: param.detach().clone() for name, param in zip(names, base)}
         deltas = [{name: starts[i][name] - local[i][name] for name in names} for i in range(NUM_PEERS)]
-        starts = [{name: param.detach() - d[name] for name, param in zip(names, base)} for d in deltas]
+
+        def eager(param: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+            buffer = optimizer.state.get(param, {}).get("momentum_buffer")
+            velocity = d if buffer is None else outer_momentum * buffer + d
+            return outer_lr * (d + outer_momentum * velocity)
+
+        starts = [{name: param.detach() - eager(param, d[name]) for name, param in zip(names, base)} for d in deltas]
         pending = deltas, [now - before for now, before in zip(with_steps, steps)]
         steps = with_steps
     outer_step(*pending)
