@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -80,6 +81,14 @@ KEEP_BYTES = 256 << 20
 `KEEP_BYTES`: with rounds of a fraction of a second, the few rounds that a verdict takes to be published,
 read and re-checked can outlast `KEEP_ROUNDS` (seen in tests/test_work.py's end-to-end run on a loaded
 machine: an honest peer that could re-check none of a liar's 6 accusations, and so never excluded it)."""
+CHECK_LAG_ROUNDS = 1
+"""A round does not start while this peer's checks of rounds more than this many before it are pending."""
+CHECK_WAIT_S = 10.0
+"""The longest a round's start waits for this peer's late checks (`WorkChecks._wait_for_checks`)."""
+LATE_AFTER_S = KEEP_FOR_S / 2
+"""A check drawn this long ago, for a phase older than the prover's last `KEEP_ROUNDS`, is skipped as late: the
+prover keeps such phases for `KEEP_FOR_S` (within `KEEP_BYTES`), so younger ones are still asked for (under
+load this peer's checks fall rounds behind: skipped, they let a cheater through for rounds more)."""
 _MAX_SETTLED = 10_000
 TIMEOUT_S = 30.0
 """Bound on one chunk of replay inputs, one DHT read or store of verdicts, the handler's start, and on a
@@ -173,6 +182,16 @@ class _Lag:
     """Provers the last fetch could not reach."""
     owed: dict[str, tuple] = field(default_factory=dict)
     """Checks whose prover was unreachable, by prover: run again if it is in a later group of this peer."""
+    pending: Counter[int] = field(default_factory=Counter)
+    """Checks and re-checks on the worker (queued or running), by the round they belong to (`commit` waits)."""
+    settled: threading.Condition = field(default_factory=threading.Condition)
+    """Notified whenever one of ``pending`` ends."""
+    gave_up_below: int = -1
+    """Checks of rounds before this one were waited for until `CHECK_WAIT_S` once: not waited for again."""
+
+    def behind(self, limit: int) -> bool:
+        """Checks of rounds before ``limit`` (and not given up on) are pending; call holding ``settled``."""
+        return any(self.gave_up_below <= r < limit for r in self.pending)
 
 
 @dataclass
@@ -298,7 +317,9 @@ class WorkChecks:
     def commit(self, pseudo: Any, samples: int, round_: int) -> dict | None:
         """The phase's signed commitment, as it goes into the round's gathered metadata (None: not replayable).
         ``pseudo``: the round's `swarm.outer.PseudoGradient` (its state begins with the base parameters). A
-        round starts: checks' transfers wait for its end (`begin`)."""
+        round starts: checks' transfers wait for its end (`begin`). First, if this peer's checks of rounds
+        before ``round_ - CHECK_LAG_ROUNDS`` are still pending, it waits for them (`_wait_for_checks`)."""
+        self._wait_for_checks(round_)
         self._lag.quiet.clear()
         self._lag.newest_round = max(self._lag.newest_round, round_)  # this peer's own round: `_late`
         base = pseudo.state[: pseudo.delta.numel()]
@@ -319,6 +340,33 @@ class WorkChecks:
             return None
         self.replays.committed = (base, signed.commitment.params[0])
         return signed.to_dict()
+
+    def _wait_for_checks(self, round_: int) -> None:
+        """Backpressure: a round does not start while this peer's checks of provers on probation, and its
+        re-checks of published accusations, of rounds before ``round_ - CHECK_LAG_ROUNDS`` are pending (for at
+        most `CHECK_WAIT_S`). A cheater is then out of this peer's groups within a bounded number of rounds, not
+        seconds: on a loaded machine checks fall rounds behind rounds of a fraction of a second (seen: a cheater
+        in 7 of an honest peer's rounds, bar 5). When the checks keep up, nothing waits; checks of trusted
+        provers never hold a round (on a slow link they lag, and late ones are skipped). The link is the
+        checks' meanwhile."""
+        limit, lag = round_ - CHECK_LAG_ROUNDS, self._lag
+        with lag.settled:
+            if not lag.behind(limit):
+                return
+        began, deadline = time.monotonic(), time.monotonic() + CHECK_WAIT_S
+        lag.quiet.set()
+        try:
+            with lag.settled:
+                while lag.behind(limit) and not self._worker.stopping.is_set():
+                    if time.monotonic() >= deadline:  # e.g. a prover that went away: its fetch takes longer
+                        self.counts["check wait timed out"] += 1
+                        lag.gave_up_below = limit
+                        break
+                    lag.settled.wait(min(0.5, deadline - time.monotonic()))
+        finally:
+            lag.quiet.clear()
+        self.counts["waits for checks"] += 1
+        self.counts["waited for checks ms"] += round(1000 * (time.monotonic() - began))
 
     # ------------------------------------------------------------------------------------ after a round
     def after_round(self, group: Any, base: torch.Tensor) -> None:
@@ -353,13 +401,18 @@ class WorkChecks:
         mine = [a for a in draws if a.verifier == self.identity.peer_id]
         for assignment in mine:
             prover = assignment.prover
-            self._submit(self._check_one, commitments[prover], raw[prover], assignment.segment, base)
+            # a prover on probation (this peer has not passed `trust_after` of its checks): rounds wait for it
+            probation = self.standing.passed[prover] < self.config.trust_after
+            drawn, round_ = time.monotonic(), commitments[prover].round if probation else None
+            self._submit(
+                self._check_one, commitments[prover], raw[prover], assignment.segment, base, False, drawn, round_=round_
+            )
 
     def poll(self) -> None:
         """After every round, grouped or not: re-check the run's published accusations (on the worker, once at a time)."""
         if not self._disputes.polling.is_set():
             self._disputes.polling.set()
-            if not self._submit(self._arbitrate_published, priority=_Worker.URGENT):
+            if not self._submit(self._arbitrate_published, priority=_Worker.URGENT, round_=self._lag.newest_round):
                 self._disputes.polling.clear()
 
     def _policy(self, peer: str, gathered: Any) -> str | None:
@@ -394,22 +447,56 @@ class WorkChecks:
         return commitment
 
     # ------------------------------------------------------------------------------------ worker thread
-    def _submit(self, job: Callable, *args: Any, priority: int = _Worker.ROUTINE) -> bool:
-        return self._worker.submit(job, *args, priority=priority)
+    def _submit(self, job: Callable, *args: Any, priority: int = _Worker.ROUTINE, round_: int | None = None) -> bool:
+        """Queue ``job`` on the worker; with ``round_``, counted in ``_lag.pending`` until it ends."""
+        if round_ is None:
+            return self._worker.submit(job, *args, priority=priority)
+        lag = self._lag
 
-    def _late(self, round_: int) -> bool:
-        """A check of ``round_`` is late: the prover, which keeps its last `KEEP_ROUNDS` phases and may be a
-        round ahead of this peer, may rightly have forgotten it. Late checks are skipped, never held against
-        the prover (this peer's checks could not keep up: a slow link, a busy core)."""
+        def settle() -> None:
+            with lag.settled:
+                lag.pending[round_] -= 1
+                if lag.pending[round_] <= 0:
+                    del lag.pending[round_]
+                lag.settled.notify_all()
+
+        @functools.wraps(job)
+        def tracked(*job_args: Any) -> None:
+            try:
+                job(*job_args)
+            finally:
+                settle()
+
+        with lag.settled:
+            lag.pending[round_] += 1
+        if not self._worker.submit(tracked, *args, priority=priority):
+            settle()
+            return False
+        return True
+
+    def _late(self, round_: int, drawn_at: float | None = None) -> bool:
+        """A check of ``round_`` (drawn at ``drawn_at``, monotonic) is late: the prover, which keeps its last
+        `KEEP_ROUNDS` phases and may be a round ahead of this peer, may rightly have forgotten it, and it was
+        drawn `LATE_AFTER_S` ago or more (younger phases are kept too, within `KEEP_BYTES`). Late checks are
+        skipped, never held against the prover (this peer's checks could not keep up: a slow link, a busy core);
+        one the prover answers "forgotten" to is counted late too."""
         if round_ >= self._lag.newest_round - (KEEP_ROUNDS - 2):
+            return False
+        if drawn_at is not None and time.monotonic() - drawn_at < LATE_AFTER_S:
             return False
         self.counts["late"] += 1
         return True
 
     def _check_one(
-        self, commitment: Commitment, work: dict, segment: int, base: torch.Tensor, asked_again: bool = False
+        self,
+        commitment: Commitment,
+        work: dict,
+        segment: int,
+        base: torch.Tensor,
+        asked_again: bool = False,
+        drawn_at: float | None = None,
     ) -> None:
-        if self._late(commitment.round):
+        if self._late(commitment.round, drawn_at):
             return
         if commitment.peer in self.standing.excluded:  # excluded meanwhile (a re-check ran first): nothing to learn
             self.counts["excluded before checked"] += 1
@@ -429,7 +516,7 @@ class WorkChecks:
             inputs = None
         if self._worker.stopping.is_set():  # shutting down: the fetch was cancelled, nothing to hold against anyone
             return
-        if inputs is None and self._late(commitment.round):  # fell behind while fetching
+        if inputs is None and self._late(commitment.round, drawn_at):  # fell behind while fetching
             return
         if inputs is None and commitment.peer in self._lag.unreachable and not asked_again:
             # gone (left, killed, restarted) or a link failed: no verdict now; asked again if it shows up in

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -287,6 +288,23 @@ def test_a_prover_keeps_its_last_phases_and_recent_older_ones_within_a_byte_budg
     now[0] += 60.0
     recorder.forget(3, keep_for_s=30.0, max_bytes=1 << 20)  # all old now: the last 3 stay whatever their age
     assert list(recorder.kept) == [3, 4, 5]
+
+
+def test_a_check_rounds_behind_is_still_run_while_the_prover_keeps_its_phase() -> None:
+    """Under load a verifier's checks fall rounds behind its own rounds. Skipped as late after `KEEP_ROUNDS`
+    rounds, they let a cheater into rounds more (seen: a stale update in 6 of an honest peer's rounds, bar 5);
+    a prover keeps phases younger than `KEEP_FOR_S` too, so a check is late only once it also waited
+    `LATE_AFTER_S`."""
+    checks = object.__new__(WorkChecks)
+    checks._lag, checks.counts = work_module._Lag(newest_round=10), Counter()
+    now = time.monotonic()
+    assert not checks._late(9, now - 1000)  # one round behind: never late
+    assert not checks._late(5, now)  # five rounds behind, drawn just now: asked for
+    assert not checks._late(5, now - work_module.LATE_AFTER_S + 1)
+    assert checks.counts["late"] == 0
+    assert checks._late(5, now - work_module.LATE_AFTER_S - 1)  # waited too long: the prover may have dropped it
+    assert checks._late(5)  # a check with no time (one asked again): by rounds alone
+    assert checks.counts["late"] == 2
 
 
 def test_the_worker_runs_re_checks_of_accusations_before_routine_checks_and_stops_between_jobs() -> None:
