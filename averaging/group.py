@@ -223,8 +223,8 @@ class _ReduceState:
     pieces: _Pieces
     started: float = field(default_factory=time.monotonic)
     """When this attempt began (monotonic)."""
-    parts: dict[str, float] = field(default_factory=dict)
-    """Sender -> its claimed weight, once every piece of its part came."""
+    parts: set[str] = field(default_factory=set)
+    """Senders every piece of whose part came (their weights: ``pieces.weights``)."""
     all_parts: asyncio.Event = field(default_factory=asyncio.Event)
     received_sets: dict[str, frozenset] = field(default_factory=dict)
     all_sets: asyncio.Event = field(default_factory=asyncio.Event)
@@ -245,7 +245,7 @@ class _ReduceState:
         for received, ready in zip(self.pieces.received, self.pieces.ready):
             if self.dead or set(received) >= members:
                 ready.set()
-        if set(self.parts) >= self.waiting_for():
+        if self.parts >= self.waiting_for():
             self.all_parts.set()
         if set(self.received_sets) >= self.waiting_for():
             self.all_sets.set()
@@ -924,7 +924,8 @@ class GroupAverager:
         own = tensor[lo:hi].clone()
         for (a, b), received in zip(state.pieces.bounds, state.pieces.received):
             received[self.peer_id] = own[a:b]
-        state.pieces.weights[self.peer_id] = state.parts[self.peer_id] = weight
+        state.pieces.weights[self.peer_id] = weight
+        state.parts.add(self.peer_id)
         self._states[group.group_id] = state
         self._state_added.set()
         self._state_added = asyncio.Event()
@@ -971,7 +972,7 @@ class GroupAverager:
         piece came; agree on the survivors with the other reducers; confirm those pieces, or send the
         survivors' aggregate instead (see the module docstring)."""
         expected = set(state.group.members)
-        tentative = await self._reduce_tentatively(state)
+        await self._reduce_tentatively(state)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(state.all_parts.wait(), max(0.0, state.sender_deadline - time.monotonic()))
         record.phase_s["parts"] = time.monotonic() - state.started
@@ -979,7 +980,7 @@ class GroupAverager:
         offsets = [0.0] + [t - state.started for t in state.arrivals.values()]
         record.phase_s["last_sender"] = max(offsets)
         record.phase_s["mean_sender"] = sum(offsets) / len(offsets)
-        for missing in expected - set(state.parts):
+        for missing in expected - state.parts:
             reason = (
                 "gone (a broken stream, then a probe)"
                 if missing in state.dead
@@ -1007,11 +1008,12 @@ class GroupAverager:
         record.phase_s["agreement"] = time.monotonic() - started
         await self._fault("reduce", self.peer_id)
         pieces = state.pieces
-        if len(tentative) == len(pieces.bounds) and survivors == expected:
-            pieces.final, pieces.confirmed = [future.result() for future in pieces.tentative], True
+        tentative = [future.result() for future in pieces.tentative]  # all done: _reduce_tentatively gave up the rest
+        if None not in tentative and survivors == expected:
+            pieces.final, pieces.confirmed = tentative, True
             included, rejected = sorted(survivors), {}
         else:
-            if tentative:
+            if tentative[0] is not None:
                 self._activity.revised += 1  # members hold pieces that are not the survivors' aggregate
             try:
                 included, rejected, pieces.final = await asyncio.to_thread(
@@ -1035,12 +1037,11 @@ class GroupAverager:
 
         return await asyncio.to_thread(decoded)
 
-    async def _reduce_tentatively(self, state: _ReduceState) -> list[AggregationResult]:
+    async def _reduce_tentatively(self, state: _ReduceState) -> None:
         """Aggregate every member's pieces in order as they come, each encoded for the members at once (they
         hold it until the survivors are agreed); stop at the first piece a member misses by the sender deadline
-        or whose aggregate rejects a sender. Returns the pieces' aggregates so far."""
+        or whose aggregate rejects a sender. On return every ``pieces.tentative`` is done (None from there)."""
         pieces, members = state.pieces, sorted(state.group.members)
-        done: list[AggregationResult] = []
         try:
             for k, ready in enumerate(pieces.ready):
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -1051,10 +1052,8 @@ class GroupAverager:
                 if result.rejected:
                     break
                 pieces.tentative[k].set_result(data)
-                done.append(result)
         finally:
             pieces.give_up_tentative()
-        return done
 
     def _aggregate_piece(self, state: _ReduceState, k: int, senders: list[str]) -> tuple[AggregationResult, bytes]:
         """Piece ``k`` aggregated from ``senders`` (validated), and encoded; runs in a worker thread."""
@@ -1359,7 +1358,7 @@ class GroupAverager:
                     raise ProtocolError("late part", peer)  # this reducer already closed its list of senders
                 pieces.received[k][peer] = piece
                 state.update()
-            state.parts[peer] = weight
+            state.parts.add(peer)
             state.update()
             await replying
         finally:

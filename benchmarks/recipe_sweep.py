@@ -267,16 +267,17 @@ def _sync_overlapped(
     resumes from the global state plus ``overlap`` x the progress just sent."""
     import torch
 
+    from swarm.outer import outer_update
+
     with torch.no_grad():
         deltas = [[_quantize(s - p, recipe.codec) for s, p in zip(start, w)] for start, w in zip(starts, workers)]
         _outer_step(base, outer, pending)
         for worker, start, delta in zip(workers, starts, deltas):
             for param, s, g, d in zip(worker, start, base, delta):
-                if recipe.eager:  # SGD's Nesterov step on g with d for the gradient, the optimizer untouched
-                    lr, mu = outer.defaults["lr"], outer.defaults["momentum"]
+                if recipe.eager:  # the outer step on g with d for the gradient, the optimizer untouched
                     buffer = outer.state.get(g, {}).get("momentum_buffer")
-                    velocity = d if buffer is None or not mu else mu * buffer + d
-                    param.copy_(g - lr * (d + mu * velocity if mu else d))
+                    lr, momentum = outer.defaults["lr"], outer.defaults["momentum"]
+                    param.copy_(g - outer_update(d, buffer, lr=lr, momentum=momentum))
                 else:
                     param.copy_(g - recipe.overlap * d)
                 s.copy_(param)

@@ -21,6 +21,15 @@ import torch
 from swarm.recipe import OuterSettings
 
 
+def outer_update(delta: torch.Tensor, buffer: torch.Tensor | None, *, lr: float, momentum: float) -> torch.Tensor:
+    """What torch's SGD (Nesterov when ``momentum`` > 0, no dampening or weight decay) subtracts from the
+    parameters for the gradient ``delta``, from the momentum ``buffer`` (None: its first step)."""
+    if momentum <= 0:
+        return lr * delta
+    velocity = delta if buffer is None else momentum * buffer + delta
+    return lr * (delta + momentum * velocity)
+
+
 @dataclass(frozen=True, slots=True)
 class PseudoGradient:
     """One round's input: this peer's pseudo-gradient and the global state it was taken against."""
@@ -142,11 +151,8 @@ class DiLoCo:
     def _update(self, delta: torch.Tensor) -> torch.Tensor:
         """What `step` would subtract from the global parameters for the gradient ``delta`` (flat): torch's SGD
         with this lr and momentum (Nesterov when momentum > 0), from the current momentum buffer."""
-        lr, momentum = self.settings.lr, self.settings.momentum
-        if momentum <= 0:
-            return lr * delta
         buffer = torch.cat([self._momentum(b).reshape(-1) for b in self._global])
-        return lr * (delta + momentum * (momentum * buffer + delta))
+        return outer_update(delta, buffer, lr=self.settings.lr, momentum=self.settings.momentum)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """``param/NAME`` and ``momentum/NAME`` for every parameter (copies): what a checkpoint seals."""
