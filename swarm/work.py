@@ -81,7 +81,7 @@ KEEP_BYTES = 256 << 20
 `KEEP_BYTES`: with rounds of a fraction of a second, the few rounds that a verdict takes to be published,
 read and re-checked can outlast `KEEP_ROUNDS` (seen in tests/test_work.py's end-to-end run on a loaded
 machine: an honest peer that could re-check none of a liar's 6 accusations, and so never excluded it)."""
-CHECK_LAG_ROUNDS = 1
+CHECK_LAG_ROUNDS = 0
 """A round does not start while this peer's checks of rounds more than this many before it are pending."""
 CHECK_WAIT_S = 10.0
 """The longest a round's start waits for this peer's late checks (`WorkChecks._wait_for_checks`)."""
