@@ -15,6 +15,8 @@ Owns
   * one network runtime per process and DHT (`runtime`: one event loop and one P2P replica hosting every
     stream handler and client call; `Handler`, `Served`, `StreamServer` for the protocols on it) and
     the one message framing of every stream protocol (`framing`, with its one `ProtocolError`);
+  * GossipSub through the daemon (`pubsub`: a `P2P` whose p2pd runs ``-pubsub``, and the control-protocol
+    client hivemind does not wrap); measured against our push gossip, used by no component yet;
   * config dataclasses mapped one-to-one onto command-line flags (`cli`);
   * signed capability records and their DHT validator (`records`): every Swarm DHT node, this one
     included, refuses a forged or replayed capability record;

@@ -7,6 +7,11 @@ a forged or stale manifest dies at the first honest hop. Every peer also keeps i
 manifest in the DHT under the run's index key (subkey = its peer ID), so a peer that was offline,
 or a joiner, finds the newest one with a single lookup (and verifies it like any other).
 
+Why not libp2p GossipSub (which p2pd runs with ``-pubsub``; `bootstrap.pubsub`): measured side by side
+(benchmarks/README.md section 5b), it spreads 6-7x faster but relays every message before any check,
+since the daemon has no validator hook, so one forged publish reaches every subscriber; here a forgery
+costs its sender one send per peer it reaches and dies at the first honest hop.
+
 The gossip layer treats manifests as opaque bytes: ``verify(data) -> (digest, step)`` raises
 ``ValueError`` for anything unacceptable (signatures, quorum, run, lineage are its business).
 """
