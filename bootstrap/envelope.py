@@ -9,7 +9,8 @@ subclass (``rejected``) with a short reason:
 * `expect_keys`: an object with exactly the expected keys;
 * `unwrap_signed`: a DHT value ``{"p": payload bytes, "s": signature bytes}`` within a size bound;
 * `from_dict`: a (nested) frozen dataclass from untrusted JSON, exact fields and types;
-  `as_dict` is its inverse (the JSON-ready fields that get signed), `JsonFields.to_dict` the method;
+  `as_dict` is its inverse (the JSON-ready fields that get signed), `JsonFields.to_dict` the method,
+  and `Signable.payload` / `Signable.digest` the canonical bytes a writer signs and their SHA-256;
 * `check_int` / `check_str` / `check_hex`: field checks for ``__post_init__`` (ValueError);
 * `RejectionLog`: counts each refusal in a counter the caller passes in, logs it once per
   (reason, source).
@@ -18,6 +19,7 @@ subclass (``rejected``) with a short reason:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import re
@@ -28,6 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from bootstrap.errors import Rejected
+from bootstrap.identity import canonical_json
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +116,20 @@ class JsonFields:
 
     def to_dict(self) -> dict[str, Any]:
         return as_dict(self)
+
+
+class Signable(JsonFields):
+    """Mixin of a record its writer signs: ``payload()`` is what is signed, ``digest()`` names the record."""
+
+    __slots__ = ()
+
+    def payload(self) -> bytes:
+        """Canonical JSON of the fields (`canonical_json`): what is signed."""
+        return canonical_json(self.to_dict())
+
+    def digest(self) -> str:
+        """SHA-256 hex of `payload`."""
+        return hashlib.sha256(self.payload()).hexdigest()
 
 
 def _plain(value: Any) -> Any:

@@ -79,9 +79,9 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 
 from bootstrap import DHTStartError, StopSignal, parse_initial_peers, stop_dht
 from bootstrap.dhtcalls import latest_within, store_within
-from bootstrap.envelope import INT64_MAX, JsonFields, check_int, check_str, expect_keys, unwrap_signed
+from bootstrap.envelope import INT64_MAX, JsonFields, Signable, check_int, check_str, expect_keys, unwrap_signed
 from bootstrap.errors import Rejected
-from bootstrap.identity import Identity, canonical_json, verify
+from bootstrap.identity import Identity, verify
 from bootstrap.records import PeerRecord
 from peers.graph import ResourceGraph
 from swarm.checkpoint.gossip import index_key
@@ -207,7 +207,7 @@ class WorkTally(JsonFields):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class PeerStatus(JsonFields):
+class PeerStatus(Signable):
     """One peer's status, exactly as signed (see the module docstring)."""
 
     v: int = STATUS_VERSION
@@ -255,10 +255,6 @@ class PeerStatus(JsonFields):
             raise ValueError("events must hold StatusEvent items")
         if self.work is not None and not isinstance(self.work, WorkTally):
             raise ValueError(f"work must be a WorkTally or None, got {self.work!r:.80}")
-
-    def payload(self) -> bytes:
-        """Canonical JSON bytes: what is signed."""
-        return canonical_json(self.to_dict())
 
 
 def sign_status(status: PeerStatus, identity: Identity) -> dict[str, bytes]:

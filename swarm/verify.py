@@ -48,9 +48,9 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from bootstrap.envelope import JsonFields, check_hex, check_int, check_str, from_dict, strict_json
+from bootstrap.envelope import Signable, check_hex, check_int, check_str, from_dict, strict_json
 from bootstrap.errors import Rejected
-from bootstrap.identity import Identity, canonical_json, public_key_from_peer_id, verify
+from bootstrap.identity import Identity, public_key_from_peer_id, verify
 from swarm.recipe import inner_step
 
 COMMITMENT_KIND = "swarm/work"
@@ -174,7 +174,7 @@ class Boundary:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Commitment(JsonFields):
+class Commitment(Signable):
     """What a peer signs about one phase of inner steps (see the module docstring)."""
 
     v: int = VERSION
@@ -239,12 +239,6 @@ class Commitment(JsonFields):
     def segment(self, k: int) -> tuple[int, int]:
         """Steps ``[first, end)`` of segment ``k``, counted from the phase's start."""
         return k * self.segment_steps, min((k + 1) * self.segment_steps, self.steps)
-
-    def payload(self) -> bytes:
-        return canonical_json(self.to_dict())
-
-    def digest(self) -> str:
-        return hashlib.sha256(self.payload()).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -536,7 +530,7 @@ def draw_checks(
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Verdict(JsonFields):
+class Verdict(Signable):
     """A verifier's signed result of one check."""
 
     v: int = VERSION
@@ -552,9 +546,6 @@ class Verdict(JsonFields):
     """``"match"``, or what failed (see `check`)."""
     replayed: str
     """Digest of the replayed end of the segment's parameters ("" when nothing was replayed)."""
-
-    def payload(self) -> bytes:
-        return canonical_json(self.to_dict())
 
 
 def sign_verdict(verdict: Verdict, identity: Identity) -> dict[str, Any]:

@@ -17,7 +17,6 @@ schema) and :func:`verify_manifest` (run, signers, quorum, replay); each refusal
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 from collections import Counter
@@ -25,7 +24,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bootstrap.envelope import INT64_MAX, JsonFields, check_hex, check_int, check_str, expect_keys, strict_json
+from bootstrap.envelope import (
+    INT64_MAX,
+    JsonFields,
+    Signable,
+    check_hex,
+    check_int,
+    check_str,
+    expect_keys,
+    strict_json,
+)
 from bootstrap.errors import Rejected
 from bootstrap.identity import Identity, canonical_json, public_key_from_peer_id, verify
 from swarm.ledger.receipts import ReceiptRejected, SignedReceipt, verify_receipt
@@ -103,7 +111,7 @@ class ShardInfo(JsonFields):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Manifest(JsonFields):
+class Manifest(Signable):
     """The canonical, signable description of one checkpoint."""
 
     version: int = MANIFEST_VERSION
@@ -170,14 +178,6 @@ class Manifest(JsonFields):
             check_str("participant", peer_id, max_chars=_MAX_ID_CHARS)
         if list(self.participants) != sorted(set(self.participants)):
             raise ValueError("participants must be sorted and unique")
-
-    def payload(self) -> bytes:
-        """Canonical JSON bytes: what is signed and digested."""
-        return canonical_json(self.to_dict())
-
-    def digest(self) -> str:
-        """SHA-256 hex of :meth:`payload`: the manifest's address and its children's ``parent``."""
-        return hashlib.sha256(self.payload()).hexdigest()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

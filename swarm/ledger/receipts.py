@@ -17,7 +17,6 @@ strict schema, sizes, signature, run. Each refusal raises :class:`ReceiptRejecte
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 from collections import Counter, defaultdict
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bootstrap.envelope import JsonFields, check_hex, check_int, check_str, expect_keys, strict_json
+from bootstrap.envelope import Signable, check_hex, check_int, check_str, expect_keys, strict_json
 from bootstrap.errors import Rejected
 from bootstrap.identity import Identity, canonical_json, public_key_from_peer_id, verify
 from swarm.ledger.chain import GENESIS, LedgerEntry, LedgerVerdict
@@ -68,7 +67,7 @@ class ReceiptRejected(Rejected):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Receipt(JsonFields):
+class Receipt(Signable):
     """One peer's signed account of its part in one round. Invalid fields raise ReceiptRejected (a ValueError)."""
 
     v: int = RECEIPT_VERSION
@@ -123,14 +122,6 @@ class Receipt(JsonFields):
             raise ReceiptRejected("members not sorted and unique", f"{len(self.members)} members")
         if self.peer not in self.members:
             raise ReceiptRejected("peer not a member", f"{self.peer} is not among the {len(self.members)} members")
-
-    def payload(self) -> bytes:
-        """Canonical JSON of the fields: what is signed."""
-        return canonical_json(self.to_dict())
-
-    def digest(self) -> str:
-        """SHA-256 hex of :meth:`payload`."""
-        return hashlib.sha256(self.payload()).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
