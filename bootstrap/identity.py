@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import stat
@@ -49,10 +50,19 @@ _MAX_PEER_ID_CHARS = 128
 _LIBP2P_ED25519_PRIVATE_PREFIX = b"\x08\x01\x12\x40"
 
 
+_CONVERSIONS_CACHED = 4096
+"""Peer ID <-> key conversions kept (base58 in pure Python: every signature check and seal converts)."""
+
+
 def peer_id_from_public_key(public_key: bytes) -> str:
     """The libp2p peer ID (base58) of an Ed25519 public key: an identity multihash of the framed key."""
     if not isinstance(public_key, bytes) or len(public_key) != 32:
         raise ValueError("an Ed25519 public key is 32 bytes")
+    return _peer_id_of(public_key)
+
+
+@functools.lru_cache(maxsize=_CONVERSIONS_CACHED)
+def _peer_id_of(public_key: bytes) -> str:
     framed = _LIBP2P_ED25519_PUBLIC_PREFIX + public_key
     return base58.b58encode(b"\x00" + bytes([len(framed)]) + framed).decode()
 
@@ -64,6 +74,11 @@ def public_key_from_peer_id(peer_id: str) -> bytes:
     """
     if not isinstance(peer_id, str) or not 0 < len(peer_id) <= _MAX_PEER_ID_CHARS:
         raise ValueError(f"not an Ed25519 peer ID: {peer_id!r:.140}")
+    return _public_key_of(peer_id)
+
+
+@functools.lru_cache(maxsize=_CONVERSIONS_CACHED)  # a refusal (ValueError) is not cached
+def _public_key_of(peer_id: str) -> bytes:
     try:
         raw = base58.b58decode(peer_id)
     except ValueError:

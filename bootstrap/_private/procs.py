@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterable
 
@@ -23,11 +24,46 @@ def is_gone(proc: psutil.Process) -> bool:
 
 
 def descendants(proc: psutil.Process) -> list[psutil.Process]:
-    """All live descendants of `proc`; empty if `proc` itself is gone."""
-    try:
-        return proc.children(recursive=True)
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return []
+    """All live descendants of `proc`; empty if `proc` itself is gone.
+
+    Reads each process's ``/proc/PID/task/*/children`` where the kernel has them: a tree of a few
+    processes then costs ~0.1 ms, where psutil scans every process on the machine (~1 ms for 70); the
+    watchdog of every peer does this 4 times a second.
+    """
+    pids = _descendant_pids(proc.pid)
+    if pids is None:
+        try:
+            return proc.children(recursive=True)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return []
+    found = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            found.append(psutil.Process(pid))
+    return found
+
+
+def _descendant_pids(root: int) -> list[int] | None:
+    """Pids below `root` from /proc's children lists; None where the kernel has none (then ask psutil)."""
+    if not os.path.exists(f"/proc/{root}/task/{root}/children"):
+        return None
+    found: list[int] = []
+    stack = [root]
+    while stack:
+        pid = stack.pop()
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # exited meanwhile
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    children = [int(child) for child in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            found.extend(children)
+            stack.extend(children)
+    return found
 
 
 def wait_gone(procs: Iterable[psutil.Process], timeout_s: float) -> list[psutil.Process]:

@@ -93,6 +93,9 @@ class CheckpointStore:
         self.manifests_dir.mkdir(parents=True, exist_ok=True)
         self.rejected: Counter[str] = Counter()
         """Refusals by reason (shards, and manifests found corrupt in the store)."""
+        self._parsed: dict[str, tuple[bytes, Manifest]] = {}
+        """Manifest files already parsed and checked, by name: (their bytes, the manifest). A file whose
+        bytes changed since is parsed and checked again."""
 
     # ---- shards ----
 
@@ -264,17 +267,25 @@ class CheckpointStore:
 
     def _manifest_index(self) -> list[tuple[str, Manifest]]:
         index = []
+        parsed: dict[str, tuple[bytes, Manifest]] = {}
         for path in _final_files(self.manifests_dir, _MANIFEST_SUFFIX):
             digest = path.name.removesuffix(_MANIFEST_SUFFIX)
             try:
-                manifest = SignedManifest.from_bytes(path.read_bytes()).manifest
+                data = path.read_bytes()
+                known = self._parsed.get(path.name)
+                if known is not None and known[0] == data:
+                    manifest = known[1]  # checked already: sealing prunes every round, reading each file again
+                else:
+                    manifest = SignedManifest.from_bytes(data).manifest
+                    if manifest.digest() != digest:
+                        self._count("manifest digest mismatch", f"skipping stored manifest {path}: contents changed")
+                        continue
             except (ManifestRejected, OSError) as e:
                 self._count("corrupt manifest", f"skipping stored manifest {path}: {e}")
                 continue
-            if manifest.digest() != digest:
-                self._count("manifest digest mismatch", f"skipping stored manifest {path}: contents changed")
-                continue
+            parsed[path.name] = (data, manifest)
             index.append((digest, manifest))
+        self._parsed = parsed
         index.sort(key=lambda item: (item[1].step, item[1].created_at, item[0]))
         return index
 
