@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 from rich.console import Console
 from rich.table import Table
 
@@ -61,17 +62,19 @@ def plain_worker(preset: str, steps: int, shard: int, num_shards: int, out: Path
     model = task.build_model(seed=config.seed)
     optimizer = make_inner_optimizer(config, model.parameters())
     batches = task.train_batches(shard_index=shard, num_shards=num_shards, seed=config.seed)
-    began = None
+    began = cpu_began = None
     for step in range(steps + _WARMUP_STEPS):
         if step == _WARMUP_STEPS:
-            began = time.perf_counter()
+            began, cpu_began = time.perf_counter(), time.process_time()
         task.loss(model, next(batches)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    out.write_text(json.dumps({"steps_per_s": steps / (time.perf_counter() - began)}))
+    rate = steps / (time.perf_counter() - began)
+    out.write_text(json.dumps({"steps_per_s": rate, "cpu_s_per_step": (time.process_time() - cpu_began) / steps}))
 
 
-def _plain(preset: str, peers: int, steps: int, work: Path, timeout_s: float) -> float:
+def _plain(preset: str, peers: int, steps: int, work: Path, timeout_s: float) -> tuple[float, float]:
+    """Steps/s of each of ``peers`` plain loops running at once (mean), and their CPU seconds per step."""
     import subprocess
 
     outs = [work / f"plain{i}.json" for i in range(peers)]
@@ -80,7 +83,8 @@ def _plain(preset: str, peers: int, steps: int, work: Path, timeout_s: float) ->
     for proc in procs:
         if proc.wait(timeout=timeout_s) != 0:
             raise RuntimeError(f"a plain loop failed (exit {proc.returncode})")
-    return statistics.mean(json.loads(out.read_text())["steps_per_s"] for out in outs)
+    results = [json.loads(out.read_text()) for out in outs]
+    return statistics.mean(r["steps_per_s"] for r in results), statistics.mean(r["cpu_s_per_step"] for r in results)
 
 
 MODE_FLAGS = {
@@ -136,6 +140,50 @@ def _base_argv(slot: int, peers: int, preset: str, steps: int, maddrs: list[str]
     ]
 
 
+class CpuMeter:
+    """CPU seconds of each peer's process tree by part: the peer's own process (training and the round),
+    its DHT process, its p2pd and the rest (the watchdog), sampled every half second while the peers run,
+    so that the CPU of a window (from the first grouped round to the last step) can be taken apart."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self._roots = pids
+        self._series: dict[int, tuple[int, str, list[tuple[float, float]]]] = {}  # pid -> (peer, part, samples)
+
+    def sample(self) -> None:
+        now = time.time()  # the clock of the peers' events
+        for peer, pid in enumerate(self._roots):
+            try:
+                root = psutil.Process(pid)
+                tree = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for proc in tree:
+                try:
+                    times = proc.cpu_times()
+                    if proc.pid not in self._series:
+                        self._series[proc.pid] = (peer, self._part(proc, root), [])
+                except psutil.Error:
+                    continue
+                self._series[proc.pid][2].append((now, times.user + times.system))
+
+    @staticmethod
+    def _part(proc: psutil.Process, root: psutil.Process) -> str:
+        if proc.pid == root.pid:
+            return "peer"
+        if proc.name() == "p2pd":
+            return "p2pd"
+        return "other" if "lifetime" in " ".join(proc.cmdline()) else "dht"
+
+    def window(self, peer: int, begin: float, end: float) -> dict[str, float]:
+        """CPU seconds of ``peer``'s processes, by part, between the samples nearest ``begin`` and ``end``."""
+        out: dict[str, float] = {}
+        for owner, part, samples in self._series.values():
+            inside = [cpu for t, cpu in samples if begin <= t <= end]
+            if owner == peer and len(inside) >= 2:
+                out[part] = out.get(part, 0.0) + inside[-1] - inside[0]
+        return out
+
+
 def _peer_figures(events: list[dict]) -> dict[str, Any]:
     rounds = [e for e in events if e["event"] == "round"]
     grouped = [e for e in rounds if (e.get("group_size") or 0) >= 2]
@@ -145,6 +193,7 @@ def _peer_figures(events: list[dict]) -> dict[str, Any]:
         return {"steps_per_s": None, "grouped": 0, "rounds": len(rounds)}
     first, last = grouped[0], train[-1]
     rate = (last["step"] - first["step"]) / max(last["t"] - first["t"], 1e-9)
+    window = (first["t"], last["t"])
     phases: dict[str, list[float]] = {}
     for e in rounds:
         for phase, seconds in ((e.get("record") or {}).get("phase_s") or {}).items():
@@ -152,6 +201,8 @@ def _peer_figures(events: list[dict]) -> dict[str, Any]:
     checks = [e for e in events if e["event"] == "work_check"]
     return {
         "steps_per_s": rate,
+        "window": window,
+        "window_steps": max(1, last["step"] - first["step"]),
         "rounds": len(rounds),
         "grouped": len(grouped),
         "grouped_per_min": 60 * len(grouped) / max(last["t"] - first["t"], 1e-9),
@@ -184,14 +235,20 @@ def _swarm(
             for slot in range(peers)
         ]
         deadline = time.monotonic() + 60 + steps * peers  # generous: a peer makes >= 1 step/s here
+        meter = CpuMeter([proc.pid for proc in procs])
         for proc in procs:
             while proc.poll() is None:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the peers did not finish {steps} steps in time; see the logs in {work}")
+                meter.sample()
                 time.sleep(0.5)
             if proc.returncode != 0:
                 raise RuntimeError(f"a peer exited {proc.returncode}; see the logs in {work}")
     figures = [_peer_figures(read_events(work / f"peer{slot}.jsonl")) for slot in range(peers)]
+    for slot, figure in enumerate(figures):
+        if figure.get("window"):
+            cpu = meter.window(slot, *figure["window"])
+            figure["cpu_s_per_step"] = {part: seconds / figure["window_steps"] for part, seconds in cpu.items()}
     for slot, f in enumerate(figures):
         for item in f.get("work_not_passed", []) + f.get("work_excluded", []):
             console.print(f"  [red]peer {slot}: a check did not pass or a peer was excluded: {item}[/]")
@@ -217,6 +274,10 @@ def _swarm(
             if any(phase in f.get("phase_s", {}) for f in figures)
         },
         "val_loss": statistics.mean(losses) if losses else None,
+        "cpu_s_per_step": {
+            part: statistics.mean(f.get("cpu_s_per_step", {}).get(part, 0.0) for f in figures)
+            for part in sorted({part for f in figures for part in f.get("cpu_s_per_step", {})})
+        },
         "per_peer": figures,
     }
 
@@ -229,8 +290,8 @@ def run(
     for preset in presets:
         for peers in peer_counts:
             with tempfile.TemporaryDirectory(prefix="swarm-plain-") as tmp:
-                plain = _plain(preset, peers, steps, Path(tmp), timeout_s=60 + steps * peers)
-            console.print(f"{preset}, {peers} plain loops: {plain:.2f} steps/s each")
+                plain, plain_cpu = _plain(preset, peers, steps, Path(tmp), timeout_s=60 + steps * peers)
+            console.print(f"{preset}, {peers} plain loops: {plain:.2f} steps/s each, {plain_cpu:.3f} CPU s a step")
             for link in links:
                 for mode in modes:
                     arm = _swarm(
@@ -243,13 +304,16 @@ def run(
                         "link_mbit": link,
                         "mode": mode,
                         "plain_steps_per_s": plain,
+                        "plain_cpu_s_per_step": plain_cpu,
                     }
                     row.update(arm)
                     row["utilization"] = rate / plain if rate else None
                     rows.append(row)
                     console.print(
                         f"  {link or 'unshaped'} Mbit/s, {mode}: {rate or 0:.2f} steps/s,"
-                        f" utilization {row['utilization'] or 0:.3f}, val loss {arm['val_loss']}"
+                        f" utilization {row['utilization'] or 0:.3f}, val loss {arm['val_loss']}; CPU s a step: "
+                        + ", ".join(f"{part} {seconds:.3f}" for part, seconds in arm["cpu_s_per_step"].items())
+                        + f" (plain loop {plain_cpu:.3f})"
                     )
     return {"steps": steps, "peer_flags": list(PEER_FLAGS), "rows": rows}
 
