@@ -81,6 +81,10 @@ class Recipe:
     """Overlapped: at a sync point each worker resumes from the outer step its own pseudo-gradient alone would
     give (the global state and the outer momentum as they are), not from its local state; when the round
     lands it keeps its progress since then on the true global state ("eager updates", Kale et al. 2025)."""
+    eager_mix: bool = False
+    """With ``eager``: the stand-in gradient is the last round's mean with this worker's share in it replaced by
+    its new pseudo-gradient (the last mean + (d - d_last) / M), not ``d`` alone: the paper's mixture of the
+    current local outer gradient with the delayed ones of the other replicas."""
     phase_from_landing: bool = False
     """Overlapped: the next sync point comes ``sync_every`` steps after the round lands (not after the last sync
     point), so a phase is ``sync_every`` plus the steps taken while the round ran."""
@@ -115,6 +119,17 @@ def grid(name: str, *, warmup: int) -> list[Recipe]:
             *(
                 Recipe(
                     name=f"overlapped, lands after {d} steps, eager", overlap=1.0, overlap_delay=d, eager=True, **base
+                )
+                for d in (1, 2, 5)
+            ),
+            *(
+                Recipe(
+                    name=f"overlapped, lands after {d} steps, eager mix",
+                    overlap=1.0,
+                    overlap_delay=d,
+                    eager=True,
+                    eager_mix=True,
+                    **base,
                 )
                 for d in (1, 2, 5)
             ),
@@ -260,11 +275,18 @@ def _land(
 
 
 def _sync_overlapped(
-    workers: list[list[Any]], base: list[Any], outer: Any, starts: list[list[Any]], pending: Any, recipe: Recipe
+    workers: list[list[Any]],
+    base: list[Any],
+    outer: Any,
+    starts: list[list[Any]],
+    pending: Any,
+    recipe: Recipe,
+    last: dict[str, Any],
 ) -> list[Any]:
     """A sync point of the overlapped algorithm (one group of every worker): each worker's pseudo-gradient
     ``start - local`` goes into this round (returned, pending); a round still pending lands now; each worker
-    resumes from the global state plus ``overlap`` x the progress just sent."""
+    resumes from the global state plus ``overlap`` x the progress just sent. ``last`` keeps the last round's
+    mean and pseudo-gradients (for ``eager_mix``)."""
     import torch
 
     from swarm.outer import outer_update
@@ -272,16 +294,20 @@ def _sync_overlapped(
     with torch.no_grad():
         deltas = [[_quantize(s - p, recipe.codec) for s, p in zip(start, w)] for start, w in zip(starts, workers)]
         _outer_step(base, outer, pending)
-        for worker, start, delta in zip(workers, starts, deltas):
-            for param, s, g, d in zip(worker, start, base, delta):
+        for w, (worker, start, delta) in enumerate(zip(workers, starts, deltas)):
+            for k, (param, s, g, d) in enumerate(zip(worker, start, base, delta)):
                 if recipe.eager:  # the outer step on g with d for the gradient, the optimizer untouched
+                    if recipe.eager_mix and last:
+                        d = last["mean"][k] + (d - last["deltas"][w][k]) / len(workers)
                     buffer = outer.state.get(g, {}).get("momentum_buffer")
                     lr, momentum = outer.defaults["lr"], outer.defaults["momentum"]
                     param.copy_(g - outer_update(d, buffer, lr=lr, momentum=momentum))
                 else:
                     param.copy_(g - recipe.overlap * d)
                 s.copy_(param)
-        return [_quantize(torch.stack(ds).mean(0), recipe.codec) for ds in zip(*deltas)]
+        mean = [_quantize(torch.stack(ds).mean(0), recipe.codec) for ds in zip(*deltas)]
+        last.update(mean=mean, deltas=deltas)
+        return mean
 
 
 def _evaluate(task: Any, model: Any) -> float:
@@ -346,6 +372,7 @@ def simulate(
         outer = torch.optim.SGD(base, lr=recipe.outer_lr, momentum=momentum, nesterov=momentum > 0)
         starts = [[p.detach().clone() for p in worker] for worker in params]
         pending: list[Any] | None = None
+        last: dict[str, Any] = {}
         lands = -1
         probe = task.build_model(seed=0)
         curve.append((0, _evaluate(task, models[0])))
@@ -366,7 +393,7 @@ def simulate(
             if since < interval and step + 1 < steps:
                 continue
             if recipe.overlap is not None:
-                pending = _sync_overlapped(params, base, outer, starts, pending, recipe)
+                pending = _sync_overlapped(params, base, outer, starts, pending, recipe, last)
                 lands = step + 1 + (recipe.overlap_delay or interval)
                 rounds += 1
                 since, interval = 0, recipe.sync_interval(step + 1)
