@@ -3,7 +3,9 @@
 * the validator alone: a record verifies only as its owner signed it (key, subkey, value, expiry);
   every other form is refused with its counted reason; capability records pass to their own validator;
 * real DHTs: an outsider (plain hivemind, forging signatures with its own key) cannot replace or hide a
-  Swarm peer's record; the same attacks on nodes without the validator do (the negative control).
+  Swarm peer's record, under a test key and under every key a run writes (status, receipts, seal
+  signatures, manifest index, matchmaking); the same attacks on nodes without the validator do (the
+  negative control).
 """
 
 from __future__ import annotations
@@ -18,15 +20,28 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
+from averaging.group import matchmaking_key
 from bootstrap import start_dht, stop_dht, visible_maddrs
 from bootstrap.identity import Identity
 from bootstrap.network import start_swarm_dht
 from bootstrap.owned import OwnerBoundValidator, dht_owned_rejections
 from bootstrap.records import PEERS_KEY
+from swarm.checkpoint.gossip import index_key
+from swarm.checkpoint.sync import receipts_key, seal_key
+from swarm.status import status_key
 from tests.helpers import wait_until
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 KEY = "swarm/test/status"
+RUN = "owned-test"
+RUN_KEYS = {
+    "status": status_key(RUN),
+    "receipts": receipts_key(RUN, "g" * 16),
+    "seal": seal_key(RUN, "d" * 64),
+    "manifest index": index_key(RUN),
+    "matchmaking": matchmaking_key(RUN, 1, 0),
+}
+"""Every kind of record a run writes, under the names the code gives them."""
 
 
 def _record(owner: Identity, value: object = None, *, key: str = KEY, expiration: float = 1e9) -> DHTRecord:
@@ -100,14 +115,16 @@ class _Forger(OwnerBoundValidator):
         return True
 
 
-def _attack(victim_dht: hivemind.DHT, reader: hivemind.DHT, outsider: hivemind.DHT, victim: Identity) -> dict:
+def _attack(
+    victim_dht: hivemind.DHT, reader: hivemind.DHT, outsider: hivemind.DHT, victim: Identity, key: str = KEY
+) -> dict:
     """The victim stores its record; the outsider overwrites it (forged, later expiry) and tries to hide
     the whole key behind a plain value; what the reader then finds under the key."""
     now = get_dht_time()
-    assert victim_dht.store(KEY, {"round": 3}, expiration_time=now + 60, subkey=victim.peer_id)
-    outsider.store(KEY, {"round": 999}, expiration_time=now + 90, subkey=victim.peer_id)
-    outsider.store(KEY, "nothing to see", expiration_time=now + 120)
-    found = reader.get(KEY, latest=True, return_future=True).result(timeout=30)
+    assert victim_dht.store(key, {"round": 3}, expiration_time=now + 60, subkey=victim.peer_id)
+    outsider.store(key, {"round": 999}, expiration_time=now + 90, subkey=victim.peer_id)
+    outsider.store(key, "nothing to see", expiration_time=now + 120)
+    found = reader.get(key, latest=True, return_future=True).result(timeout=30)
     if found is None or not isinstance(found.value, dict):
         return {"hidden": found.value if found is not None else None}
     return {subkey: item.value for subkey, item in found.value.items()}
@@ -133,8 +150,12 @@ def test_an_outsider_can_neither_replace_nor_hide_a_peers_record(owner_bound):
         )
         dhts.append(outsider)
         found = _attack(dhts[0], dhts[1], outsider, victim)
+        # and the same under every key a run writes: no status, receipt, seal signature, manifest-index entry
+        # or matchmaking entry can be replaced or hidden either (the validator knows no key names)
+        by_key = {kind: _attack(dhts[0], dhts[1], outsider, victim, key) for kind, key in RUN_KEYS.items()}
         if owner_bound:
             assert found == {victim.peer_id: {"round": 3}}, found
+            assert by_key == {kind: {victim.peer_id: {"round": 3}} for kind in RUN_KEYS}, by_key
             # the fault fired: both Swarm nodes were asked to store the forgery and the plain value
             for dht in dhts[:2]:
                 refused = wait_until(
@@ -145,6 +166,7 @@ def test_an_outsider_can_neither_replace_nor_hide_a_peers_record(owner_bound):
                 assert refused["bad signature"] >= 1 and refused["no owner"] >= 1, refused
         else:
             assert found == {"hidden": "nothing to see"}, found  # the attack works where nothing checks owners
+            assert by_key == {kind: {"hidden": "nothing to see"} for kind in RUN_KEYS}, by_key
     finally:
         for dht in reversed(dhts):
             stop_dht(dht)

@@ -52,6 +52,16 @@ DHT_TIMEOUT_S = 5.0
 """Bound on one DHT store or read of seal signatures and receipts (a DHT whose process died never answers)."""
 
 
+def seal_key(run_id: str, manifest_digest: str) -> str:
+    """Where a group's members post their signatures of the manifest they are sealing (subkey: signer)."""
+    return f"swarm/{run_id}/seal/{manifest_digest}"
+
+
+def receipts_key(run_id: str, group_id: str) -> str:
+    """Where a group's members post their signed receipts of one round (subkey: the receipt's peer)."""
+    return f"swarm/{run_id}/receipts/{group_id}"
+
+
 def _dht_store(dht: hivemind.DHT, key: str, value: Any, *, subkey: str, expiry_s: float = 120.0) -> bool:
     """Store ``value`` under ``key``/``subkey`` for ``expiry_s``; False (logged) if the DHT refused it or did
     not answer within `DHT_TIMEOUT_S`."""
@@ -277,7 +287,7 @@ class CheckpointManager:
             created_at=seal.created_at,
             contributions=seal.contributions,
         )
-        key = f"swarm/{self.run_id}/seal/{manifest.digest()}"
+        key = seal_key(self.run_id, manifest.digest())
         peer_id, signature = sign_manifest(manifest, self.identity)
         _dht_store(self.dht, key, signature, subkey=peer_id)
         quorum = default_quorum(len(manifest.participants))
@@ -442,7 +452,7 @@ class _ReceiptSwap:
 
     def __init__(self, manager: CheckpointManager, own: SignedReceipt):
         self.manager, self.own = manager, own
-        self.key = f"swarm/{manager.run_id}/receipts/{own.receipt.group_id}"
+        self.key = receipts_key(manager.run_id, own.receipt.group_id)
         self.found: dict[str, SignedReceipt] = {own.receipt.peer: own}
         _dht_store(manager.dht, self.key, own.to_dict(), subkey=own.receipt.peer)
 
