@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import statistics
 import sys
 import threading
@@ -36,7 +35,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks._common import run_metadata, save_result
+from benchmarks._common import run_metadata, save_result, signals_unwind
 from benchmarks.gossip import LOOPBACK, RUN, TARGET_S, _sealed, _verify, check_memory
 from bootstrap import stop_dht
 from bootstrap.identity import Identity
@@ -362,18 +361,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         console.print(f"[bold red]error:[/] {e}")
         return 2
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        result = {
-            **run_metadata("gossipsub", argv, memory_total_bytes=psutil.virtual_memory().total),
-            "config": {"peers": args.peers, "repeats": args.repeats, "junk": args.junk},
-            **run(args.peers, args.repeats, args.junk, console),
-        }
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+        with signals_unwind():  # SIGTERM unwinds too: every DHT and daemon stops
+            result = {
+                **run_metadata("gossipsub", argv, memory_total_bytes=psutil.virtual_memory().total),
+                "config": {"peers": args.peers, "repeats": args.repeats, "junk": args.junk},
+                **run(args.peers, args.repeats, args.junk, console),
+            }
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]")
+        return 130
     print_table(result, console)
-    out = save_result(args.out, result)
-    console.print(f"wrote {out}")
+    console.print(f"wrote {save_result(args.out, result)}")
     return 0
 
 
