@@ -44,7 +44,9 @@ from the survivors and retry, within the round's deadline. A member whose stream
 is probed once on a fresh stream; one found gone (a killed peer's dial fails; a restarted one is in no
 round) is waited for no longer -- neither its part nor its list of senders -- so a SIGKILL costs the
 survivors the retry, not the deadlines; a leader probes the followers that have not joined 0.5 s in.
-Every outcome is in the RoundRecord.
+Halfway through a matchmaking window, the expected members that are not looking are probed once; one
+whose dial or stream fails is not waited for in that window (a slow or missing answer is no proof: it
+is still waited for). Every outcome is in the RoundRecord.
 """
 
 from __future__ import annotations
@@ -286,6 +288,9 @@ class _Window:
     """The matchmaking key it looked on (its entry is there; a "gone" entry goes there too)."""
     lonely: bool = False
     """Nobody else was looking."""
+    unreachable: frozenset = frozenset()
+    """Expected members it stopped waiting for: not looking halfway through, and a probe's dial or stream
+    failed (killed, crashed, or restarted with its averager not up yet)."""
 
 
 @dataclass
@@ -619,22 +624,35 @@ class GroupAverager:
         # group fills up); otherwise peers wait the whole window, so that everyone draws the groups from
         # the same list
         window_end = time.monotonic() + cfg.matchmaking_time_s
+        probe_at = window_end - cfg.matchmaking_time_s / 2
+        probing: asyncio.Task | None = None
         previous: set[str] | None = None
         poll_s = 0.0  # read at once (the others may all be looking already), then every 0.1 s
-        while True:
-            await asyncio.sleep(min(poll_s, max(0.0, window_end - time.monotonic())))
-            poll_s = 0.1
-            candidates = await self._read_candidates(key, my_class, suspects)
-            # one that said it left is not waited for, nor one that looks on another key this epoch
-            live = {p for p in self._admission.live_expected() if in_my_shard(p)} | {self.peer_id}
-            expected = live if len(live) >= cfg.min_group_size else None
-            everyone = len(candidates) == cfg.target_group_size or (
-                expected is not None and expected <= set(candidates)
-            )
-            full_and_stable = everyone and set(candidates) == previous
-            if full_and_stable or time.monotonic() >= window_end:
-                break
-            previous = set(candidates)
+        try:
+            while True:
+                await asyncio.sleep(min(poll_s, max(0.0, window_end - time.monotonic())))
+                poll_s = 0.1
+                candidates = await self._read_candidates(key, my_class, suspects)
+                # one that said it left is not waited for, nor one that looks on another key this epoch, nor
+                # one that a probe halfway through found unreachable (a killed or restarting member)
+                live = {p for p in self._admission.live_expected() if in_my_shard(p)} | {self.peer_id}
+                if probing is None and time.monotonic() >= probe_at and live - set(candidates):
+                    timeout_s = min(_PROBE_TIMEOUT_S, max(0.05, window_end - time.monotonic()))
+                    probing = asyncio.create_task(self._unreachable(live - set(candidates), timeout_s))
+                if probing is not None and probing.done():
+                    live -= probing.result()
+                expected = live if len(live) >= cfg.min_group_size else None
+                everyone = len(candidates) == cfg.target_group_size or (
+                    expected is not None and expected <= set(candidates)
+                )
+                full_and_stable = everyone and set(candidates) == previous
+                if full_and_stable or time.monotonic() >= window_end:
+                    break
+                previous = set(candidates)
+        finally:
+            if probing is not None and not probing.done():
+                probing.cancel()
+        self._window.unreachable = probing.result() if probing is not None and probing.done() else frozenset()
         self._window.lonely = len(candidates) <= 1
         guard = self._admission.guard
         drawn = guard.core(candidates, self.peer_id)
@@ -1242,6 +1260,31 @@ class GroupAverager:
             logger.debug("probe of %s failed: %r", peer[-6:], e)
             return False
         return reply.get("status") == "ok"
+
+    async def _unreachable(self, peers: set[str], timeout_s: float) -> frozenset[str]:
+        """Those of ``peers`` that cannot take part now: a probe's dial or stream failed (killed, crashed, or
+        restarted and its averager not up yet). One that answers anything, or nothing within ``timeout_s``
+        (slow is not proof), is not among them."""
+
+        async def fails(peer: str) -> bool:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    _, reader, writer = await self._open(peer)
+                    try:
+                        await write_frame(writer, {"op": "probe", "group_id": ""})
+                        await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)
+                    finally:
+                        writer.close()
+            except TimeoutError:
+                return False
+            except Exception as e:  # a dial that fails, no averaging handler, a reset
+                logger.debug("window probe of %s failed: %r", peer[-6:], e)
+                return True
+            return False
+
+        ordered = sorted(peers)
+        failed = await asyncio.gather(*(fails(peer) for peer in ordered))
+        return frozenset(peer for peer, bad in zip(ordered, failed) if bad)
 
     async def _open(self, peer: str) -> Any:
         if self._dead:

@@ -599,16 +599,21 @@ def test_a_sharded_run_groups_within_each_key_and_closes_each_window_early(make_
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("left", [True, False], ids=["said it left", "silent (negative control)"])
-def test_a_member_that_left_is_neither_waited_for_nor_drawn(make_group, left):
+@pytest.mark.parametrize("how", ["said it left", "crashed", "silent (negative control)"], ids=lambda how: how)
+def test_a_member_that_left_is_neither_waited_for_nor_drawn(make_group, how):
     """4 members, a 6 s window: one leaves before the round (closing its averager writes a signed "gone"
     entry), the other 3 still count it a live member (its record is cached) and stop gathering once the
-    3 are looking; a member that vanished without a word is waited for the whole window."""
+    3 are looking. One that crashed (its streams fail) is not waited for past the probe halfway through
+    the window. A live member that is just not looking answers the probe and is waited for the whole
+    window."""
     averagers = make_group(aggregator="mean", matchmaking_time_s=6.0)
     tensors, weights = _inputs()
     members = {a.peer_id for a in averagers}
+    left = how == "said it left"
     if left:
         averagers[-1].close()
+    elif how == "crashed":
+        averagers[-1]._dead = True  # fault injection: every stream to it is closed at once, it dials nobody
 
     def one(i):
         return averagers[i].step(tensors[i], weight=weights[i], timeout_s=40.0, expected=members)
@@ -620,10 +625,15 @@ def test_a_member_that_left_is_neither_waited_for_nor_drawn(make_group, left):
         assert record.outcome == "ok" and len(group.members) == NUM_PEERS - 1, record.to_dict()
         assert (out - reference).abs().max().item() < 1e-5
         matchmaking = record.phase_s["matchmaking"]
-        assert matchmaking < 3.0 if left else matchmaking >= 6.0, record.to_dict()
+        if how == "crashed":  # the probe 3 s in found it gone: the window closed then, not at 6 s
+            assert 3.0 <= matchmaking < 5.0, record.to_dict()
+        else:
+            assert matchmaking < 3.0 if left else matchmaking >= 6.0, record.to_dict()
         assert (
             averagers[-1].peer_id in averagers[i]._admission.departed
         ) is left  # the fault fired: its entry was read
+        # the probe's verdict: only the crashed member was found unreachable (the silent one answered)
+        assert averagers[i]._window.unreachable == ({averagers[-1].peer_id} if how == "crashed" else set())
 
 
 # --------------------------------------------------------------------------- an open network (issue 15)
