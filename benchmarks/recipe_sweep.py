@@ -118,28 +118,12 @@ def grid(name: str, *, warmup: int) -> list[Recipe]:
             ),
             *(
                 Recipe(
-                    name=f"overlapped, lands after {d} steps, eager", overlap=1.0, overlap_delay=d, eager=True, **base
+                    name=f"overlapped, lands after {d} steps, {label}", overlap=1.0, overlap_delay=d, **flags, **base
                 )
-                for d in (1, 2, 5)
-            ),
-            *(
-                Recipe(
-                    name=f"overlapped, lands after {d} steps, eager mix",
-                    overlap=1.0,
-                    overlap_delay=d,
-                    eager=True,
-                    eager_mix=True,
-                    **base,
-                )
-                for d in (1, 2, 5)
-            ),
-            *(
-                Recipe(
-                    name=f"overlapped, lands after {d} steps, phase from landing",
-                    overlap=1.0,
-                    overlap_delay=d,
-                    phase_from_landing=True,
-                    **base,
+                for label, flags in (
+                    ("eager", {"eager": True}),
+                    ("eager mix", {"eager": True, "eager_mix": True}),
+                    ("phase from landing", {"phase_from_landing": True}),
                 )
                 for d in (1, 2, 5)
             ),
