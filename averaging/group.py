@@ -636,9 +636,10 @@ class GroupAverager:
                 # one that said it left is not waited for, nor one that looks on another key this epoch, nor
                 # one that a probe halfway through found unreachable (a killed or restarting member)
                 live = {p for p in self._admission.live_expected() if in_my_shard(p)} | {self.peer_id}
-                if probing is None and time.monotonic() >= probe_at and live - set(candidates):
+                absent = live - set(candidates)
+                if probing is None and time.monotonic() >= probe_at and absent:
                     timeout_s = min(_PROBE_TIMEOUT_S, max(0.05, window_end - time.monotonic()))
-                    probing = asyncio.create_task(self._unreachable(live - set(candidates), timeout_s))
+                    probing = asyncio.create_task(self._unreachable(absent, timeout_s))
                 if probing is not None and probing.done():
                     live -= probing.result()
                 expected = live if len(live) >= cfg.min_group_size else None
@@ -1244,18 +1245,23 @@ class GroupAverager:
         if not await self._probe(peer, group_id, min(_PROBE_TIMEOUT_S, deadline - time.monotonic())):
             state.mark_dead(peer)
 
+    async def _ask_probe(self, peer: str, group_id: str, timeout_s: float) -> dict:
+        """``peer``'s answer to a probe for ``group_id`` on a fresh stream; raises what the dial, the stream or
+        the ``timeout_s`` deadline raised."""
+        async with asyncio.timeout(max(0.05, timeout_s)):
+            _, reader, writer = await self._open(peer)
+            try:
+                await write_frame(writer, {"op": "probe", "group_id": group_id})
+                return await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)
+            finally:
+                writer.close()
+
     async def _probe(self, peer: str, group_id: str, timeout_s: float) -> bool:
         """Whether ``peer`` still takes part in a round (``group_id``'s attempt, or any while a group forms),
         asked on a fresh stream. False for a killed peer (the dial fails) and a restarted one (it is in no
         round), and for one that does not answer within ``timeout_s``."""
         try:
-            async with asyncio.timeout(max(0.05, timeout_s)):
-                _, reader, writer = await self._open(peer)
-                try:
-                    await write_frame(writer, {"op": "probe", "group_id": group_id})
-                    reply = await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)
-                finally:
-                    writer.close()
+            reply = await self._ask_probe(peer, group_id, timeout_s)
         except Exception as e:  # a dial that fails, a reset, a timeout: gone
             logger.debug("probe of %s failed: %r", peer[-6:], e)
             return False
@@ -1268,13 +1274,7 @@ class GroupAverager:
 
         async def fails(peer: str) -> bool:
             try:
-                async with asyncio.timeout(timeout_s):
-                    _, reader, writer = await self._open(peer)
-                    try:
-                        await write_frame(writer, {"op": "probe", "group_id": ""})
-                        await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)
-                    finally:
-                        writer.close()
+                await self._ask_probe(peer, "", timeout_s)
             except TimeoutError:
                 return False
             except Exception as e:  # a dial that fails, no averaging handler, a reset
