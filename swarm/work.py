@@ -353,7 +353,8 @@ class WorkChecks:
         with lag.settled:
             if not lag.behind(limit):
                 return
-        began, deadline = time.monotonic(), time.monotonic() + CHECK_WAIT_S
+        began = time.monotonic()
+        deadline = began + CHECK_WAIT_S
         lag.quiet.set()
         try:
             with lag.settled:
