@@ -14,7 +14,6 @@ message a subscriber yields is therefore untrusted input to its reader.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -130,10 +129,3 @@ async def subscribe(p2p: P2P, topic: str, *, timeout_s: float = _CALL_TIMEOUT_S)
     request = pb.PSRequest(type=pb.PSRequest.SUBSCRIBE, topic=topic)
     reader, writer, _ = await asyncio.wait_for(_request(p2p, request), timeout_s)
     return Subscription(reader, writer, topic)
-
-
-async def close_all(subscriptions: list[Subscription]) -> None:
-    """Close every subscription, ignoring ones already gone."""
-    for subscription in subscriptions:
-        with contextlib.suppress(Exception):
-            await subscription.close()
