@@ -50,10 +50,11 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+from bootstrap.dhtcalls import latest_many
 from bootstrap.envelope import check_int, check_str, unwrap_signed
 from bootstrap.errors import Rejected
 from bootstrap.identity import Identity, canonical_json, public_key_from_peer_id, verify
-from bootstrap.records import PEERS_KEY, RecordRejected, live_records
+from bootstrap.records import PEERS_KEYS, RecordRejected, live_records
 
 ENTRY_KIND = "swarm/mm"
 MAX_ENTRY_BYTES = 512
@@ -141,7 +142,7 @@ class RunMembers:
     async def _read(self, dht: Any) -> None:
         self._read_at = time.monotonic()
         try:
-            found = await dht.get(PEERS_KEY, latest=True, return_future=True)
+            found = await latest_many(dht, PEERS_KEYS)
         except Exception:  # the DHT hiccupped: keep the last known members
             return
 

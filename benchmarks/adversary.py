@@ -57,7 +57,7 @@ from benchmarks._common import run_metadata, save_result, signals_unwind, start_
 from benchmarks.netlab import loopback_lab
 from bootstrap.identity import Identity
 from bootstrap.owned import OwnerBoundValidator
-from bootstrap.records import PEERS_KEY, sign_record
+from bootstrap.records import peers_key, sign_record
 from peers.testing import make_record
 from swarm.checkpoint.gossip import index_key
 from swarm.events import read_events
@@ -91,7 +91,12 @@ class Adversary:
         if self.kind == "sybils":  # real identities, each with a valid, signed capability record of the run
             for identity in self.identities:
                 record = make_record(identity, run=self.run, lifetime_s=_RECORD_LIFETIME_S)
-                self.dht.store(PEERS_KEY, sign_record(record, identity), record.expires_at, subkey=identity.peer_id)
+                self.dht.store(
+                    peers_key(identity.peer_id),
+                    sign_record(record, identity),
+                    record.expires_at,
+                    subkey=identity.peer_id,
+                )
         self._thread.start()
 
     def stop(self) -> None:

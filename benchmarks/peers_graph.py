@@ -4,7 +4,8 @@ per peer, and how long a SIGKILLed peer stays visible (must be <= record expiry 
     python -m benchmarks.peers_graph [--peers 50] [--refresh-s 15] [--expiry-s 45] [--queries 10]
 
 Every peer is a real DHT node (its own DHT process and p2pd) publishing a signed record on a
-heartbeat; their advertisers live in this process. Memory per peer is its DHT process plus its p2pd
+heartbeat (under its shard's key, `bootstrap.records.peers_key`); their advertisers live in this
+process, and ``refresh_failures`` counts the heartbeats whose store did not complete within its 10 s. Memory per peer is its DHT process plus its p2pd
 (psutil; see benchmarks.gossip). The killed peer is a separate OS process, so nothing of it survives
 to withdraw its record. Above 50 peers the benchmark first checks that the machine has the memory.
 """
@@ -31,7 +32,7 @@ from benchmarks.gossip import check_memory, memory_rows, peer_memory
 from bootstrap import stop_dht, visible_maddrs
 from bootstrap.identity import Identity
 from bootstrap.network import start_swarm_dht
-from peers import Advertiser, ResourceGraph, sign_record
+from peers import PEERS_SHARDS, Advertiser, ResourceGraph, sign_record
 from peers.testing import record_builder
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
@@ -84,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     table.add_column("value", justify="right")
     for key in (
         "record_bytes",
+        "shards",
+        "refreshes",
+        "refresh_failures",
         "all_visible_s",
         "failed_queries",
         "completeness_min",
@@ -150,6 +154,9 @@ def run(num_peers: int, refresh_s: float, expiry_s: float, num_queries: int, con
                 time.sleep(0.2)
         vanish_s = time.monotonic() - killed_at
         return {
+            "shards": PEERS_SHARDS,
+            "refreshes": sum(a.published for a in advertisers),
+            "refresh_failures": sum(a.failures for a in advertisers),
             "peers": num_peers,
             "record_bytes": record_bytes,
             "queries": num_queries,

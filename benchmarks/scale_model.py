@@ -20,10 +20,11 @@ The model (no processes; seconds even for 10,000 peers) follows what the code do
   seconds, the one free parameter, fitted to the measured 50-peer median time to half the peers.
 * **Bytes per peer per round**: the butterfly all-reduce (2(g-1)/g of the model in int8), the
   matchmaking reads (every node holding the key returns all its entries), a sealed manifest pushed to
-  ``fanout + 1`` peers, and one capability query (the run's records under one key: every holder
-  returns all of them). A record refresh (every 15 s) costs what a query does: a store's traversal
-  is answered with the whole value too. The capability key is the wall this model shows next: it grows
-  with the run (70 MB a query at 10,000 peers), where sharded matchmaking does not.
+  ``fanout + 1`` peers, and one capability query (the records live under
+  `bootstrap.records.PEERS_SHARDS` keys by peer ID; a query reads them all, and every holder returns
+  all of its key's records). A record refresh (every 15 s) is a store, whose traversal is answered
+  with the whole value of the record's one key: a shard's worth of records. A complete query still grows
+  with the network (70 MB at 10,000 peers), as any list of every peer does.
 
 The check (``--measure``): N real DHT nodes on loopback (each its DHT process and p2pd, as in
 benchmarks.gossip), a counter inside each DHT process on its local storage's ``get`` (every find
@@ -55,6 +56,7 @@ from rich.table import Table
 
 from averaging.config import AveragingConfig
 from averaging.group import matchmaking_key, shard_count, shard_of
+from bootstrap.records import PEERS_SHARDS
 from benchmarks._common import run_metadata, save_result
 
 RESULTS = Path(__file__).parent / "results" / "scale_model.json"
@@ -238,16 +240,17 @@ def bytes_per_round(n: int, load: Load, *, params: float, group: int, gets: int,
     matchmaking = (gets + 1) * (find + holders * per_key * ENTRY_BYTES)
     allreduce = 2 * 2 * (group - 1) / group * params * (1 + 4 / 4096)  # int8 + absmax per block; sent + received
     gossip = 2 * (fanout + 1) * MANIFEST_BYTES
-    capability = find + holders * n * RECORD_BYTES
+    capability = PEERS_SHARDS * find + holders * n * RECORD_BYTES
+    refresh = find + holders * math.ceil(n / PEERS_SHARDS) * RECORD_BYTES
     return {
         "allreduce": allreduce,
         "matchmaking": matchmaking,
         "gossip": gossip,
         "capability_query": capability,
         "total": allreduce + matchmaking + gossip + capability,
-        # not per round: every record refresh (15 s) is a store, whose traversal is answered with the key's
-        # whole value by every holder it visits, as a query is
-        "capability_refresh_per_15_s": capability,
+        # not per round: every record refresh (15 s) is a store, whose traversal is answered with its shard
+        # key's whole value by every holder it visits
+        "capability_refresh_per_15_s": refresh,
     }
 
 
@@ -447,6 +450,7 @@ def print_tables(result: dict[str, Any], console: Console) -> None:
         "finds/node one key (mean/max)",
         "sharded (mean/max)",
         "MB/peer/round (allreduce+mm+gossip+caps)",
+        "MB/record refresh",
     ):
         table.add_column(column, justify="right")
     for r in result["table"]:
@@ -462,6 +466,7 @@ def print_tables(result: dict[str, Any], console: Console) -> None:
             f"{r['mm_per_node_sharded']['mean']:.0f}/{r['mm_per_node_sharded']['max']:.0f}",
             f"{b['total'] / 1e6:.1f} ({b['allreduce'] / 1e6:.1f}+{b['matchmaking'] / 1e6:.2f}+"
             f"{b['gossip'] / 1e6:.2f}+{b['capability_query'] / 1e6:.2f})",
+            f"{b['capability_refresh_per_15_s'] / 1e6:.3f}",
         )
     console.print(table)
 

@@ -2,11 +2,13 @@
 
 A hivemind DHT answers through its own process; when that process dies (or its node is frozen) a plain
 ``dht.store(...)`` or ``dht.get(...)`` never returns. Every synchronous caller of Swarm (heartbeats, seals,
-receipts, verdicts, the CLIs) goes through these two, so each such wait has its bound.
+receipts, verdicts, the CLIs) goes through these, so each such wait has its bound.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
 from typing import Any
 
 from hivemind import DHT
@@ -31,4 +33,20 @@ def latest_within(dht: DHT, key: str, *, timeout_s: float) -> ValueWithExpiratio
     return dht.get(key, latest=True, return_future=True).result(timeout=timeout_s)
 
 
-__all__ = ["latest_within", "store_within"]
+async def _latest_many(_dht: DHT, node: Any, keys: tuple[str, ...]) -> dict[str, ValueWithExpiration | None]:
+    return await node.get_many(keys, sufficient_expiration_time=float("inf"))
+
+
+def latest_many(dht: DHT, keys: Iterable[str]) -> Any:
+    """A future of the newest value under each of ``keys`` (key -> value, None where nothing is stored), read
+    in one DHT traversal (hivemind batches the keys of each request to a node). Await it, or call
+    ``result(timeout)``."""
+    return dht.run_coroutine(functools.partial(_latest_many, keys=tuple(keys)), return_future=True)
+
+
+def latest_many_within(dht: DHT, keys: Iterable[str], *, timeout_s: float) -> dict[str, ValueWithExpiration | None]:
+    """`latest_many`, waited for at most ``timeout_s`` (TimeoutError), or the DHT's own error."""
+    return latest_many(dht, keys).result(timeout=timeout_s)
+
+
+__all__ = ["latest_many", "latest_many_within", "latest_within", "store_within"]

@@ -14,7 +14,7 @@ this without a lookup. :class:`OwnerBoundValidator` does both halves, as hivemin
   one, and a record cannot be kept alive past the expiry it was signed with;
 * ``strip_value`` removes the signature before the application sees the value.
 
-The capability records of :data:`bootstrap.records.PEERS_KEY` carry their own signed payload (bound to
+The capability records of :data:`bootstrap.records.PEERS_KEYS` carry their own signed payload (bound to
 the same subkey and to their own expiry, :class:`bootstrap.records.PeerRecordValidator`); they pass
 here untouched, so anyone may still relay a peer's genuine record.
 
@@ -29,21 +29,20 @@ import struct
 from collections import OrderedDict
 from typing import Any
 
-from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.serializer import MSGPackSerializer
 
 from bootstrap.envelope import RejectionLog
 from bootstrap.errors import Rejected
 from bootstrap.identity import Identity, public_key_from_peer_id, verify
-from bootstrap.records import PEERS_KEY, validator_rejections
+from bootstrap.records import capability_key_ids, validator_rejections
 
 OWNED_KIND = "swarm/dht-record"
 _SIGNATURE_BYTES = 64
 _CACHE_SIZE = 4096
 """Verified records remembered, so that a key polled many times a second is not verified each time."""
-_CAPABILITY_KEY = DHTID.generate(source=PEERS_KEY).to_bytes()
-"""The capability records' key: they carry their own owner-bound signature (PeerRecordValidator)."""
+_CAPABILITY_KEYS = frozenset(capability_key_ids())
+"""The capability records' keys: they carry their own owner-bound signature (PeerRecordValidator)."""
 _REGULAR_VALUE = MSGPackSerializer.dumps(None)
 """hivemind's subkey marker for a plain (subkey-less) value."""
 
@@ -102,7 +101,7 @@ class OwnerBoundValidator(RecordValidatorBase):
         return self._identities.get(peer_id) if isinstance(peer_id, str) else None
 
     def sign_value(self, record: DHTRecord) -> bytes:
-        if record.key == _CAPABILITY_KEY:
+        if record.key in _CAPABILITY_KEYS:
             return record.value
         identity = self._signer(record.subkey)
         if identity is None:  # not ours to sign: validate() refuses it, here and on every other node
@@ -111,12 +110,12 @@ class OwnerBoundValidator(RecordValidatorBase):
         return record.value + identity.sign(kind=OWNED_KIND, run_id=record.key.hex(), payload=payload)
 
     def strip_value(self, record: DHTRecord) -> bytes:
-        if record.key == _CAPABILITY_KEY:
+        if record.key in _CAPABILITY_KEYS:
             return record.value
         return record.value[:-_SIGNATURE_BYTES]
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key == _CAPABILITY_KEY:
+        if record.key in _CAPABILITY_KEYS:
             return True
         cache_key = (record.key, record.subkey, record.value, record.expiration_time)
         if cache_key in self._verified:

@@ -1,13 +1,21 @@
 """Signed capability records: what one peer can do, as published in the DHT.
 
-A record lives under the DHT key :data:`PEERS_KEY` with the peer's own peer ID as subkey. Its value
+A record lives under one of the :data:`PEERS_SHARDS` DHT keys :data:`PEERS_KEYS`, the one `peers_key` picks
+from the peer's ID, with the peer's own peer ID as subkey. Its value
 is ``{"p": payload, "s": signature}``: ``payload`` is canonical JSON (sorted keys, ints and strings
 only), ``signature`` is the peer's Ed25519 signature over it (domain ``swarm/record``). The peer ID is
 derived from the public key inside the payload, so a record is accepted only when
 
 * the signature verifies, and the public key derives the payload's peer ID, and the subkey is it;
 * it is not expired, not issued in the future, and lives at most :data:`MAX_LIFETIME_S`;
-* it is at most :data:`MAX_RECORD_BYTES` and matches the schema exactly (no missing or extra field).
+* it is at most :data:`MAX_RECORD_BYTES` and matches the schema exactly (no missing or extra field);
+* it is stored under its own shard's key (`peers_key`).
+
+Why shards: with one key, the few nodes nearest it answer every capability query and every record
+refresh of the whole network with all of its records (a store's traversal is answered with the value
+too), so their load grows with the network. Spread over 16 keys, a refresh is answered with a
+sixteenth of the records, and the load of queries falls on 16 neighbourhoods of the DHT. A query reads
+all the shards in one traversal (`bootstrap.dhtcalls.latest_many_within`).
 
 :class:`PeerRecordValidator` applies the same rules inside every Swarm DHT node, on store and on
 get, so no peer can overwrite, withdraw or replay another peer's record: only the key's owner can
@@ -19,10 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +46,10 @@ from bootstrap.identity import Identity, canonical_json, peer_id_from_public_key
 
 logger = logging.getLogger(__name__)
 
-PEERS_KEY = "swarm/peers"
+PEERS_SHARDS = 16
+"""How many DHT keys the capability records are spread over (by the hash of the peer ID)."""
+PEERS_KEYS = tuple(f"swarm/peers/{shard:x}" for shard in range(PEERS_SHARDS))
+"""Every capability-record key: a complete query reads them all."""
 RECORD_KIND = "swarm/record"
 RECORD_VERSION = 1
 MAX_RECORD_BYTES = 8192
@@ -185,6 +197,12 @@ class PeerRecord:
         return self.state != "left" and (now if now is not None else time.time()) < self.expires_at
 
 
+def peers_key(peer_id: str) -> str:
+    """The key of ``peer_id``'s capability record: one of :data:`PEERS_KEYS`, by the SHA-256 of the ID."""
+    digest = hashlib.sha256(peer_id.encode("utf-8", "surrogateescape")).digest()
+    return PEERS_KEYS[int.from_bytes(digest[:4], "big") % PEERS_SHARDS]
+
+
 def sign_record(record: PeerRecord, identity: Identity) -> dict[str, bytes]:
     """The DHT value for ``record``: payload plus its signature."""
     if record.peer_id != identity.peer_id or record.public_key != identity.public_key.hex():
@@ -223,23 +241,31 @@ def parse_record(subkey: Any, value: Any, *, now: float | None = None) -> PeerRe
 
 
 def live_records(
-    found: Any, *, run: str | None, now: float, on_rejected: Callable[[RecordRejected, Any], None]
+    found: Mapping[str, Any], *, run: str | None, now: float, on_rejected: Callable[[RecordRejected, Any], None]
 ) -> list[PeerRecord]:
     """The verified, live records (of ``run``'s peers, if given) in ``found``, the untrusted result of a
-    DHT get of :data:`PEERS_KEY` (None, or a dictionary value); each refusal goes to ``on_rejected``."""
-    if found is None or not isinstance(getattr(found, "value", None), dict):
-        return []
-    records = []
-    for subkey, item in found.value.items():
-        value = item.value if isinstance(item, ValueWithExpiration) else item
-        try:
-            record = parse_record(subkey, value, now=now)
-        except RecordRejected as e:
-            on_rejected(e, subkey)
+    DHT read of :data:`PEERS_KEYS` (key -> None, or a dictionary value), each peer once; each refusal
+    (a record under another shard's key included) goes to ``on_rejected``."""
+    records: dict[str, PeerRecord] = {}
+    for key, result in found.items():
+        if result is None or not isinstance(getattr(result, "value", None), dict):
             continue
-        if record.is_live(now) and (run is None or (record.run is not None and record.run.name == run)):
-            records.append(record)
-    return records
+        for subkey, item in result.value.items():
+            value = item.value if isinstance(item, ValueWithExpiration) else item
+            try:
+                record = parse_record(subkey, value, now=now)
+                _check_shard(record, key)
+            except RecordRejected as e:
+                on_rejected(e, subkey)
+                continue
+            if record.is_live(now) and (run is None or (record.run is not None and record.run.name == run)):
+                records[record.peer_id] = record
+    return list(records.values())
+
+
+def _check_shard(record: PeerRecord, key: str) -> None:
+    if peers_key(record.peer_id) != key:
+        raise RecordRejected("wrong shard", f"{record.peer_id} belongs under {peers_key(record.peer_id)}, not {key}")
 
 
 def _check_times(record: PeerRecord, now: float) -> None:
@@ -260,30 +286,39 @@ def _check_enums(record: PeerRecord) -> None:
         raise RecordRejected("malformed", f"dtype {record.run.requirements.dtype!r}")
 
 
+@functools.cache
+def capability_key_ids() -> dict[bytes, str]:
+    """Each of :data:`PEERS_KEYS` by its DHT id (as a validator sees a record's key)."""
+    return {DHTID.generate(source=key).to_bytes(): key for key in PEERS_KEYS}
+
+
 def record_rejections() -> RejectionLog:
     """A fresh count of rejected capability records by reason (each logged once per reason and peer)."""
     return RejectionLog("capability record", routine=frozenset({"expired"}))
 
 
 class PeerRecordValidator(RecordValidatorBase):
-    """Enforces :func:`parse_record` inside the DHT for the :data:`PEERS_KEY` key; other keys pass through.
+    """Enforces :func:`parse_record` inside the DHT for the :data:`PEERS_KEYS`, each record under its own
+    shard's key; other keys pass through.
 
     Also refuses a record whose DHT expiration outlives the signed ``expires_at``, so a valid record
     cannot be kept alive past its own expiry.
     """
 
     def __init__(self) -> None:
-        self._key_id = DHTID.generate(source=PEERS_KEY).to_bytes()
+        self._keys = capability_key_ids()
         self.rejections = record_rejections()
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key != self._key_id:
+        key = self._keys.get(record.key)
+        if key is None:
             return True
         subkey: Any = "?"
         try:
             subkey = MSGPackSerializer.loads(record.subkey)
             value = MSGPackSerializer.loads(record.value)
             parsed = parse_record(subkey, value)
+            _check_shard(parsed, key)
             if record.expiration_time > parsed.expires_at + 1:
                 raise RecordRejected("outlives its expiry", f"{record.expiration_time - parsed.expires_at:.0f} s")
         except RecordRejected as e:

@@ -11,7 +11,8 @@ knows nothing of the peer process.
 from bootstrap.records import (
     MAX_LIFETIME_S,
     MAX_RECORD_BYTES,
-    PEERS_KEY,
+    PEERS_KEYS,
+    PEERS_SHARDS,
     Hardware,
     Network,
     PeerRecord,
@@ -24,6 +25,7 @@ from bootstrap.records import (
     Trust,
     dht_record_rejections,
     parse_record,
+    peers_key,
     sign_record,
 )
 from peers.advertiser import Advertiser
@@ -33,7 +35,8 @@ from peers.probe import probe_hardware, probe_software, reachability
 __all__ = [
     "MAX_LIFETIME_S",
     "MAX_RECORD_BYTES",
-    "PEERS_KEY",
+    "PEERS_KEYS",
+    "PEERS_SHARDS",
     "Advertiser",
     "Hardware",
     "Network",
@@ -50,6 +53,7 @@ __all__ = [
     "Trust",
     "dht_record_rejections",
     "parse_record",
+    "peers_key",
     "pick_run",
     "probe_hardware",
     "probe_software",

@@ -11,7 +11,7 @@ from hivemind import DHT
 
 from bootstrap.dhtcalls import store_within
 from bootstrap.identity import Identity
-from bootstrap.records import PEERS_KEY, PeerRecord, sign_record
+from bootstrap.records import PeerRecord, peers_key, sign_record
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class Advertiser:
                     record = _with_state(record, state)
                 failure = store_within(
                     self.dht,
-                    PEERS_KEY,
+                    peers_key(self.identity.peer_id),
                     sign_record(record, self.identity),
                     subkey=self.identity.peer_id,
                     expiration_time=expires_at,

@@ -26,9 +26,9 @@ from typing import Any
 from hivemind import DHT
 from packaging.version import InvalidVersion, Version
 
-from bootstrap.dhtcalls import latest_within
+from bootstrap.dhtcalls import latest_many_within
 from bootstrap.records import (
-    PEERS_KEY,
+    PEERS_KEYS,
     Hardware,
     PeerRecord,
     RecordRejected,
@@ -202,7 +202,7 @@ class ResourceGraph:
 
     def records(self, *, run: str | None = None, timeout_s: float = 10.0) -> list[PeerRecord]:
         """Verified, live records (of ``run``'s peers, if given), each peer once."""
-        found = latest_within(self.dht, PEERS_KEY, timeout_s=timeout_s)
+        found = latest_many_within(self.dht, PEERS_KEYS, timeout_s=timeout_s)
 
         def rejected(error: RecordRejected, subkey: Any) -> None:
             self.rejections.reject(error, where="resource graph", source=subkey)

@@ -34,7 +34,7 @@ from averaging.membership import EntryRejected, parse_entry, sign_entry
 from bootstrap import start_dht, stop_dht, visible_maddrs
 from bootstrap.identity import Identity
 from bootstrap.owned import OwnerBoundValidator, dht_owned_rejections
-from bootstrap.records import PEERS_KEY, sign_record
+from bootstrap.records import peers_key, sign_record
 from peers.testing import make_record
 
 NUM_PEERS = 4
@@ -743,7 +743,9 @@ def test_only_run_members_are_drawn_and_a_no_show_is_not_waited_for_again(dhts, 
     strangers = [Identity.generate() for _ in range(3)]  # signed entries, no capability record of the run
     for identity, dht in [*swarm_peers, *((s, dhts[1]) for s in sybils)]:
         record = make_record(identity, run=run, lifetime_s=240)
-        assert dht.store(PEERS_KEY, sign_record(record, identity), record.expires_at, subkey=identity.peer_id)
+        assert dht.store(
+            peers_key(identity.peer_id), sign_record(record, identity), record.expires_at, subkey=identity.peer_id
+        )
     config = AveragingConfig(codec="fp32", aggregator="mean", **MM_CONFIG)
     averagers = [GroupAverager(dht, prefix=prefix, config=config, identity=i, run=run) for i, dht in swarm_peers]
     honest = {a.peer_id for a in averagers}

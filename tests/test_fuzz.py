@@ -74,7 +74,7 @@ from averaging.membership import Admission
 from bootstrap import start_dht, stop_dht, visible_maddrs
 from bootstrap.framing import ProtocolError, read_frame
 from bootstrap.identity import Identity, IdentityError, PeerBinding, canonical_json, verify
-from bootstrap.records import PEERS_KEY, PeerRecordValidator, RecordRejected, parse_record, sign_record
+from bootstrap.records import PeerRecordValidator, RecordRejected, parse_record, peers_key, sign_record
 from bootstrap.runtime import open_p2p_replica
 from peers.bandwidth import ProbeConfig, ProbeError, ProbeServer, _probe
 from peers.testing import make_record
@@ -419,7 +419,7 @@ def test_parse_record_only_accepts_what_the_owner_signed(case):
 
 
 _LIVE_RECORD = sign_record(make_record(OWNER, lifetime_s=300), OWNER)  # the validator uses the real clock
-_PEERS_KEY_ID = DHTID.generate(source=PEERS_KEY).to_bytes()
+_PEERS_KEY_ID = DHTID.generate(source=peers_key(OWNER.peer_id)).to_bytes()
 
 
 @fuzz(

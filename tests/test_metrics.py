@@ -24,7 +24,7 @@ import swarm.metrics
 from bootstrap import stop_dht
 from bootstrap.metrics import BootstrapMetrics, MetricsServerError, serve_metrics
 from bootstrap.node import BootstrapConfig
-from peers import PEERS_KEY
+from peers import peers_key
 from swarm.metrics import PeerMetrics
 
 # the documented names, spelled out: renaming one breaks dashboards, so it must break this test too
@@ -283,7 +283,9 @@ def test_bootstrap_node_serves_its_metrics_and_frees_the_port_on_sigterm(tmp_pat
         client = hivemind.DHT(
             initial_peers=node.maddrs, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False
         )
-        client.store(PEERS_KEY, {"p": b"garbage", "s": b"x" * 64}, expiration_time=get_dht_time() + 30, subkey=PEER_ID)
+        client.store(
+            peers_key(PEER_ID), {"p": b"garbage", "s": b"x" * 64}, expiration_time=get_dht_time() + 30, subkey=PEER_ID
+        )
 
         def caught_up() -> Samples | None:
             samples = _try_scrape(url)

@@ -25,7 +25,7 @@ from bootstrap import start_dht, stop_dht, visible_maddrs
 from bootstrap.identity import Identity
 from bootstrap.network import start_swarm_dht
 from bootstrap.owned import OwnerBoundValidator, dht_owned_rejections
-from bootstrap.records import PEERS_KEY
+from bootstrap.records import peers_key
 from swarm.checkpoint.gossip import index_key
 from swarm.checkpoint.sync import receipts_key, seal_key
 from swarm.status import status_key
@@ -88,7 +88,7 @@ def test_a_record_verifies_only_as_its_owner_signed_it():
     # not ours to sign: left unsigned, so every node refuses it
     assert signer.sign_value(_record(other)) == _record(other).value
     # capability records carry their own signature (PeerRecordValidator): passed through untouched
-    capability = _record(other, key=PEERS_KEY)
+    capability = _record(other, key=peers_key(other.peer_id))
     assert reader.validate(capability) and reader.sign_value(capability) == capability.value
 
 

@@ -13,13 +13,15 @@ import time
 import hivemind
 import pytest
 from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.timed_storage import ValueWithExpiration
 
 from bootstrap import stop_dht, visible_maddrs
 from bootstrap.identity import Identity
 from bootstrap.network import start_swarm_dht
+from bootstrap.records import live_records
 from peers import (
     MAX_RECORD_BYTES,
-    PEERS_KEY,
+    PEERS_KEYS,
     Advertiser,
     PeerRecord,
     PeerRecordValidator,
@@ -28,6 +30,7 @@ from peers import (
     ResourceGraph,
     dht_record_rejections,
     parse_record,
+    peers_key,
     pick_run,
     probe_hardware,
     probe_software,
@@ -182,7 +185,7 @@ def test_no_peer_can_overwrite_replay_or_withdraw_another_peers_record(network):
     # the victim publishes through the honest node with its own key (records are checked by content, not by node)
     victim_value = sign_record(make_record(victim, seq=7), victim)
     expires = json.loads(victim_value["p"])["expires_at"]
-    assert honest_dht.store(PEERS_KEY, victim_value, expiration_time=expires, subkey=victim.peer_id)
+    assert honest_dht.store(peers_key(victim.peer_id), victim_value, expiration_time=expires, subkey=victim.peer_id)
 
     attacker = Identity.generate()
     attacks = {
@@ -196,18 +199,45 @@ def test_no_peer_can_overwrite_replay_or_withdraw_another_peers_record(network):
         "garbage": {"p": b"garbage", "s": b"x" * 64},
     }
     for name, value in attacks.items():
-        assert not attacker_dht.store(PEERS_KEY, value, expiration_time=expires + 30, subkey=victim.peer_id), name
+        assert not attacker_dht.store(
+            peers_key(victim.peer_id), value, expiration_time=expires + 30, subkey=victim.peer_id
+        ), name
     # replay: the victim's own genuine record, kept alive past its signed expiry
-    assert not attacker_dht.store(PEERS_KEY, victim_value, expiration_time=expires + 60, subkey=victim.peer_id)
+    assert not attacker_dht.store(
+        peers_key(victim.peer_id), victim_value, expiration_time=expires + 60, subkey=victim.peer_id
+    )
+    # the victim's genuine record moved to another shard's key (where a reader of one shard would miss it)
+    other_shard = next(key for key in PEERS_KEYS if key != peers_key(victim.peer_id))
+    assert not attacker_dht.store(other_shard, victim_value, expiration_time=expires, subkey=victim.peer_id)
 
     rejected = _validator_rejections(honest_dht)
     rejected_reader = _validator_rejections(reader_dht)
     total = {k: rejected.get(k, 0) + rejected_reader.get(k, 0) for k in set(rejected) | set(rejected_reader)}
     assert total.get("peer id mismatch", 0) >= 1 and total.get("bad signature", 0) >= 1, total
     assert total.get("malformed", 0) >= 1 and total.get("outlives its expiry", 0) >= 1, total
+    assert total.get("wrong shard", 0) >= 1, total
 
     records = ResourceGraph(reader_dht).records()
     assert [(r.peer_id, r.seq, r.state) for r in records] == [(victim.peer_id, 7, "training")]
+
+
+def test_readers_take_a_record_only_from_its_own_shard():
+    """A plain hivemind node stores anything anywhere; a reader refuses a record found under another
+    shard's key (counted), and takes it under its own (the negative control), each peer once."""
+    victim = Identity.generate()
+    value = sign_record(make_record(victim), victim)
+    entry = ValueWithExpiration({victim.peer_id: ValueWithExpiration(value, time.time() + 30)}, time.time() + 30)
+    own = peers_key(victim.peer_id)
+    other = next(key for key in PEERS_KEYS if key != own)
+    refused: list[str] = []
+
+    def read(found):
+        return live_records(found, run=None, now=time.time(), on_rejected=lambda e, _subkey: refused.append(e.reason))
+
+    assert read({other: entry, own: None}) == [] and refused == ["wrong shard"]
+    assert [r.peer_id for r in read({own: entry, other: None})] == [victim.peer_id] and refused == ["wrong shard"]
+    assert len(read({own: entry, other: entry})) == 1 and refused == ["wrong shard"] * 2
+    assert {peers_key(Identity.generate().peer_id) for _ in range(200)} == set(PEERS_KEYS)  # every shard is used
 
 
 @pytest.mark.timeout(120)
@@ -401,9 +431,9 @@ def test_the_bootstrap_node_refuses_forged_records(bootstrap_node):
         forged = sign_record(make_record(attacker), attacker)
         expires = time.time() + 30
         assert not client.store("some/other/key", b"no owner", expiration_time=expires)  # bootstrap.owned
-        assert not client.store(PEERS_KEY, forged, expiration_time=expires, subkey=victim.peer_id)
-        assert not client.store(PEERS_KEY, {"p": b"junk", "s": b""}, expiration_time=expires, subkey="x")
+        assert not client.store(peers_key(victim.peer_id), forged, expiration_time=expires, subkey=victim.peer_id)
+        assert not client.store(peers_key("x"), {"p": b"junk", "s": b""}, expiration_time=expires, subkey="x")
         genuine = sign_record(make_record(victim), victim)
-        assert client.store(PEERS_KEY, genuine, expiration_time=expires, subkey=victim.peer_id)
+        assert client.store(peers_key(victim.peer_id), genuine, expiration_time=expires, subkey=victim.peer_id)
     finally:
         client.shutdown()

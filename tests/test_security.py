@@ -58,7 +58,7 @@ from bootstrap import stop_dht
 from bootstrap.identity import BINDING_KIND, Identity, IdentityError, PeerBinding, _create_key_file
 from bootstrap.network import start_swarm_dht
 from bootstrap.records import RECORD_KIND, RecordRejected, parse_record, sign_record
-from peers import PEERS_KEY, ResourceGraph, dht_record_rejections
+from peers import ResourceGraph, dht_record_rejections, peers_key
 from peers.testing import make_record
 from swarm.checkpoint import CheckpointStore, Manifest, ShardInfo, SignedManifest, TensorInfo
 from swarm.checkpoint.__main__ import main as checkpoint_cli
@@ -472,12 +472,12 @@ def test_a_replayed_older_record_never_replaces_the_newer_one():
         old = sign_record(make_record(peer, seq=7, issued_at=now - 30, lifetime_s=90), peer)  # still valid
         new = sign_record(make_record(peer, seq=8, issued_at=now, lifetime_s=120), peer)
         expired = sign_record(make_record(peer, seq=6, issued_at=now - 200, lifetime_s=100), peer)
-        assert dht.store(PEERS_KEY, new, expiration_time=now + 120, subkey=peer.peer_id)
+        assert dht.store(peers_key(peer.peer_id), new, expiration_time=now + 120, subkey=peer.peer_id)
         # the old record, replayed with its own expiry, is older than the stored one: the DHT keeps the newer
-        assert not dht.store(PEERS_KEY, old, expiration_time=now + 60, subkey=peer.peer_id)
+        assert not dht.store(peers_key(peer.peer_id), old, expiration_time=now + 60, subkey=peer.peer_id)
         # and kept alive past its own signed expiry, or already expired, the validator refuses it
-        assert not dht.store(PEERS_KEY, old, expiration_time=now + 600, subkey=peer.peer_id)
-        assert not dht.store(PEERS_KEY, expired, expiration_time=now + 600, subkey=peer.peer_id)
+        assert not dht.store(peers_key(peer.peer_id), old, expiration_time=now + 600, subkey=peer.peer_id)
+        assert not dht.store(peers_key(peer.peer_id), expired, expiration_time=now + 600, subkey=peer.peer_id)
         rejected = wait_until(lambda: dht_record_rejections(dht), 5.0, message="the replays to be counted")
         assert rejected.get("outlives its expiry", 0) >= 1 and rejected.get("expired", 0) >= 1, rejected
         assert [(r.peer_id, r.seq) for r in ResourceGraph(dht).records()] == [(peer.peer_id, 8)]

@@ -9,6 +9,7 @@ real status through a loopback DHT next to a forged entry, then reads the board 
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -26,7 +27,7 @@ from bootstrap.cli import dataclass_flags
 from bootstrap.identity import Identity
 from bootstrap.network import start_swarm_dht
 from bootstrap.owned import OwnerBoundValidator
-from peers import PEERS_KEY, Advertiser, sign_record
+from peers import Advertiser, peers_key, sign_record
 from peers.testing import make_record, record_builder
 from swarm.checkpoint.gossip import index_key
 from swarm.checkpoint.manifest import Manifest, SignedManifest, sign_manifest
@@ -240,6 +241,17 @@ class MemoryDHT:
     def remove(self, key: str, subkey: Any) -> None:
         self.data.get(key, {}).pop(subkey, None)
 
+    def run_coroutine(self, coroutine: Any, return_future: bool = False):
+        """Runs ``coroutine(dht, node)`` as hivemind does in its DHT process, with a node that reads this store."""
+        dht = self
+
+        class Node:
+            async def get_many(self, keys: Any, **_kwargs: Any) -> dict[str, Any]:
+                return {key: dht.get(key).result() for key in keys}
+
+        result = asyncio.run(coroutine(self, Node()))
+        return _done(result) if return_future else result
+
 
 def _done(result: Any) -> concurrent.futures.Future:
     future: concurrent.futures.Future = concurrent.futures.Future()
@@ -436,7 +448,7 @@ def _observed(board: dict[str, Any]) -> set[tuple[str, str]]:
 def test_snapshot_merges_records_statuses_and_checkpoints_and_derives_events():
     dht = MemoryDHT()
     a, b, c = Identity.generate(), Identity.generate(), Identity.generate()
-    dht.store(PEERS_KEY, sign_record(make_record(a, run=RUN), a), time.time() + 60, subkey=a.peer_id)
+    dht.store(peers_key(a.peer_id), sign_record(make_record(a, run=RUN), a), time.time() + 60, subkey=a.peer_id)
     _publish(dht, a, round=3, step=30, last_group=_group("g1", [a, b]))
     _publish(dht, b, round=3, step=31, loss_milli=1_900, last_group=_group("g1", [a, b]))
     board0 = snapshot(dht, RUN, heartbeat_s=1.0)
