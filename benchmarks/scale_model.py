@@ -56,8 +56,8 @@ from rich.table import Table
 
 from averaging.config import AveragingConfig
 from averaging.group import matchmaking_key, shard_count, shard_of
-from bootstrap.records import PEERS_SHARDS
 from benchmarks._common import run_metadata, save_result
+from bootstrap.records import PEERS_SHARDS
 
 RESULTS = Path(__file__).parent / "results" / "scale_model.json"
 GOSSIP_RESULTS = {50: Path(__file__).parent / "results" / "gossip.json"}
