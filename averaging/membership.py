@@ -44,6 +44,7 @@ without a shared history, and a newcomer enters only through a proven leader's o
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import Counter
@@ -60,6 +61,8 @@ ENTRY_KIND = "swarm/mm"
 MAX_ENTRY_BYTES = 512
 MEMBERS_TTL_S = 10.0
 MEMBERS_MIN_REFRESH_S = 1.0
+MEMBERS_READ_TIMEOUT_S = 5.0
+"""Bound on one read of the capability records; a read that takes longer keeps the last known members."""
 NEWCOMER_GRACE_S = 1.0
 JOIN_MIN_REFRESH_S = 0.25
 _MAX_SUSPICION_DOUBLINGS = 4
@@ -142,8 +145,8 @@ class RunMembers:
     async def _read(self, dht: Any) -> None:
         self._read_at = time.monotonic()
         try:
-            found = await latest_many(dht, PEERS_KEYS)
-        except Exception:  # the DHT hiccupped: keep the last known members
+            found = await asyncio.wait_for(latest_many(dht, PEERS_KEYS), MEMBERS_READ_TIMEOUT_S)
+        except Exception:  # the DHT hiccupped or is slow: keep the last known members
             return
 
         def rejected(error: RecordRejected, _subkey: Any) -> None:

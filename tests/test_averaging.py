@@ -4,11 +4,13 @@ Faults are injected keyed by (peer, round, phase) through averaging.faults.Fault
 asserts both the outcome and that its fault fired. Seeded; the seed is in every assertion message.
 """
 
+import asyncio
 import concurrent.futures
 import itertools
 import json
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import torch
 from helpers import wait_until
 from hivemind.utils.timed_storage import get_dht_time
 
+from averaging import membership
 from averaging.aggregation import Contribution, aggregate
 from averaging.compression import get_codec
 from averaging.config import AveragingConfig
@@ -34,7 +37,7 @@ from averaging.membership import EntryRejected, parse_entry, sign_entry
 from bootstrap import start_dht, stop_dht, visible_maddrs
 from bootstrap.identity import Identity
 from bootstrap.owned import OwnerBoundValidator, dht_owned_rejections
-from bootstrap.records import peers_key, sign_record
+from bootstrap.records import PEERS_KEYS, peers_key, sign_record
 from peers.testing import make_record
 
 NUM_PEERS = 4
@@ -869,6 +872,33 @@ def test_the_guard_draws_the_proven_core_and_doubles_while_the_flood_lasts(monke
     assert not guard.active()
     assert Guard(60.0).core(candidates, "me") is candidates  # no history: everyone is drawn
     assert Guard(0.0).active() is False
+
+
+class _ReadsDHT:
+    """Answers every capability read with ``answer`` (a DHT.run_coroutine future), or never when None."""
+
+    def __init__(self, answer: dict | None):
+        self.answer, self.calls = answer, 0
+
+    def run_coroutine(self, _coroutine, return_future=False):
+        self.calls += 1
+        future = asyncio.get_running_loop().create_future()
+        if self.answer is not None:
+            future.set_result(self.answer)
+        return future
+
+
+def test_a_capability_read_that_never_answers_keeps_the_last_members(monkeypatch):
+    monkeypatch.setattr(membership, "MEMBERS_READ_TIMEOUT_S", 0.2)
+    members = membership.RunMembers("run", Counter())
+    members._members = frozenset({"a"})
+    hung = _ReadsDHT(None)
+    started = time.monotonic()
+    assert asyncio.run(members.get(hung, {"b"}, min_age_s=0)) == {"a"}
+    assert hung.calls == 1 and time.monotonic() - started < 2
+    # negative control: a read that answers (no record anywhere) replaces the members
+    empty = _ReadsDHT({key: None for key in PEERS_KEYS})
+    assert asyncio.run(members.get(empty, {"b"}, min_age_s=0)) == frozenset() and empty.calls == 1
 
 
 def test_matchmaking_entries_accept_only_what_the_owner_signed_for_this_key_until_its_expiry():
