@@ -32,7 +32,7 @@ from benchmarks.gossip import check_memory, memory_rows, peer_memory
 from bootstrap import stop_dht, visible_maddrs
 from bootstrap.identity import Identity
 from bootstrap.network import start_swarm_dht
-from peers import PEERS_SHARDS, Advertiser, ResourceGraph, sign_record
+from peers import PEERS_SHARDS, Advertiser, ResourceGraph, dht_record_rejections, peers_key, sign_record
 from peers.testing import record_builder
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
@@ -126,7 +126,7 @@ def run(num_peers: int, refresh_s: float, expiry_s: float, num_queries: int, con
         reader = ResourceGraph(dhts[len(dhts) // 2])
         all_visible_s = _until_all_visible(reader, expected, timeout_s=expiry_s + 60)
         memory = peer_memory(dhts)
-        times, completeness, failed = [], [], []
+        times, completeness, failed, missing = [], [], [], []
         for _ in range(num_queries):
             started = time.perf_counter()
             seen = _seen(reader)
@@ -134,6 +134,8 @@ def run(num_peers: int, refresh_s: float, expiry_s: float, num_queries: int, con
             completeness.append(len(seen & expected) / len(expected) if seen is not None else 0.0)
             if seen is None:
                 failed.append(times[-1])
+            elif expected - seen:  # which records a query missed, and whether each is still published
+                missing.append(_missing(expected - seen, advertisers, dhts))
 
         victim = subprocess.Popen(
             [sys.executable, "-c", _CHILD, *initial, str(refresh_s), str(expiry_s)], stdout=subprocess.PIPE, text=True
@@ -164,6 +166,8 @@ def run(num_peers: int, refresh_s: float, expiry_s: float, num_queries: int, con
             "completeness": completeness,
             "query_s": times,
             "failed_queries": len(failed),
+            "missed_records": missing,
+            "reader_node_rejections": dht_record_rejections(reader.dht),
             "completeness_min": min(completeness),
             "query_s_median": statistics.median(times),
             "query_s_max": max(times),
@@ -190,6 +194,24 @@ def _seen(reader: ResourceGraph) -> set[str] | None:
     except (TimeoutError, concurrent.futures.TimeoutError) as e:
         logging.getLogger(__name__).info("a resource-graph query failed: %r", e)
         return None
+
+
+def _missing(peers: set[str], advertisers: list[Advertiser], dhts: list) -> list[dict]:
+    """For each record a query missed: its shard, how old its last publication is, and whether a second
+    query from another node finds it."""
+    by_id = {a.identity.peer_id: a for a in advertisers}
+    again = _seen(ResourceGraph(dhts[1])) or set()
+    return [
+        {
+            "peer": peer,
+            "shard": peers_key(peer),
+            "published": by_id[peer].published,
+            "failures": by_id[peer].failures,
+            "record_age_s": time.time() - by_id[peer].last_record.issued_at if by_id[peer].last_record else None,
+            "found_from_another_node": peer in again,
+        }
+        for peer in sorted(peers)
+    ]
 
 
 def _until_all_visible(reader: ResourceGraph, expected: set[str], timeout_s: float) -> float:
