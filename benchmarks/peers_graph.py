@@ -5,8 +5,8 @@ per peer, and how long a SIGKILLed peer stays visible (must be <= record expiry 
 
 Every peer is a real DHT node (its own DHT process and p2pd) publishing a signed record on a
 heartbeat (under its shard's key, `bootstrap.records.peers_key`); their advertisers live in this
-process, and ``refresh_failures`` counts the heartbeats whose store did not complete within its 10 s. Memory per peer is its DHT process plus its p2pd
-(psutil; see benchmarks.gossip). The killed peer is a separate OS process, so nothing of it survives
+process, and ``refresh_failures`` counts the heartbeats whose store did not complete within its 10 s.
+Memory per peer is its DHT process plus its p2pd (psutil; see benchmarks.gossip). The killed peer is a separate OS process, so nothing of it survives
 to withdraw its record. Above 50 peers the benchmark first checks that the machine has the memory.
 """
 

@@ -199,7 +199,7 @@ class PeerRecord:
 
 def peers_key(peer_id: str) -> str:
     """The key of ``peer_id``'s capability record: one of :data:`PEERS_KEYS`, by the SHA-256 of the ID."""
-    digest = hashlib.sha256(peer_id.encode("utf-8", "surrogateescape")).digest()
+    digest = hashlib.sha256(peer_id.encode()).digest()
     return PEERS_KEYS[int.from_bytes(digest[:4], "big") % PEERS_SHARDS]
 
 
@@ -244,9 +244,10 @@ def live_records(
     found: Mapping[str, Any], *, run: str | None, now: float, on_rejected: Callable[[RecordRejected, Any], None]
 ) -> list[PeerRecord]:
     """The verified, live records (of ``run``'s peers, if given) in ``found``, the untrusted result of a
-    DHT read of :data:`PEERS_KEYS` (key -> None, or a dictionary value), each peer once; each refusal
-    (a record under another shard's key included) goes to ``on_rejected``."""
-    records: dict[str, PeerRecord] = {}
+    DHT read of :data:`PEERS_KEYS` (key -> None, or a dictionary value); each refusal (a record under
+    another shard's key included) goes to ``on_rejected``. Each peer comes once: a subkey is unique within a
+    key, and a record counts only under its own shard's key."""
+    records = []
     for key, result in found.items():
         if result is None or not isinstance(getattr(result, "value", None), dict):
             continue
@@ -259,8 +260,8 @@ def live_records(
                 on_rejected(e, subkey)
                 continue
             if record.is_live(now) and (run is None or (record.run is not None and record.run.name == run)):
-                records[record.peer_id] = record
-    return list(records.values())
+                records.append(record)
+    return records
 
 
 def _check_shard(record: PeerRecord, key: str) -> None:
