@@ -55,7 +55,7 @@ from bootstrap.dhtcalls import latest_many
 from bootstrap.envelope import check_int, check_str, unwrap_signed
 from bootstrap.errors import Rejected
 from bootstrap.identity import Identity, canonical_json, public_key_from_peer_id, verify
-from bootstrap.records import PEERS_KEYS, RecordRejected, live_records
+from bootstrap.records import PEERS_KEYS, RecordBook, RecordRejected, verified_records
 
 ENTRY_KIND = "swarm/mm"
 MAX_ENTRY_BYTES = 512
@@ -128,6 +128,7 @@ class RunMembers:
         self.run, self.rejected = run, rejected
         self._members: frozenset[str] = frozenset()
         self._read_at = -float("inf")
+        self._book = RecordBook()  # a read that misses a live member's record does not drop the member
 
     async def get(self, dht: Any, wanted: set[str], *, min_age_s: float = MEMBERS_MIN_REFRESH_S) -> frozenset[str]:
         """The members, re-read if stale, or if one of ``wanted`` is unknown and the last read is older
@@ -152,8 +153,9 @@ class RunMembers:
         def rejected(error: RecordRejected, _subkey: Any) -> None:
             self.rejected[f"member record {error.reason}"] += 1
 
-        records = live_records(found, run=self.run, now=time.time(), on_rejected=rejected)
-        self._members = frozenset(record.peer_id for record in records)
+        now = time.time()
+        self._book.add(verified_records(found, now=now, on_rejected=rejected), now=now)
+        self._members = frozenset(record.peer_id for record in self._book.live(run=self.run, now=now))
 
 
 class Suspects:

@@ -3,6 +3,9 @@ per peer, and how long a SIGKILLed peer stays visible (must be <= record expiry 
 
     python -m benchmarks.peers_graph [--peers 50] [--refresh-s 15] [--expiry-s 45] [--queries 10]
 
+A query is a long-lived `ResourceGraph`'s, as a trainer or `swarm.peer` makes them: it keeps each
+verified record until the record expires (`bootstrap.records.RecordBook`). Beside each, a fresh graph
+makes the same DHT read with nothing kept (``one_read_*``; ``missed_records`` names what it missed).
 Every peer is a real DHT node (its own DHT process and p2pd) publishing a signed record on a
 heartbeat (under its shard's key, `bootstrap.records.peers_key`); their advertisers live in this
 process, and ``refresh_failures`` counts the heartbeats whose store did not complete within its 10 s.
@@ -93,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         "completeness_min",
         "query_s_median",
         "query_s_max",
+        "one_read_completeness_min",
+        "one_read_query_s_median",
         "killed_peer_vanish_s",
         "vanish_bound_s",
         "within_bound",
@@ -127,6 +132,7 @@ def run(num_peers: int, refresh_s: float, expiry_s: float, num_queries: int, con
         all_visible_s = _until_all_visible(reader, expected, timeout_s=expiry_s + 60)
         memory = peer_memory(dhts)
         times, completeness, failed, missing = [], [], [], []
+        one_read_times, one_read_completeness = [], []
         for _ in range(num_queries):
             started = time.perf_counter()
             seen = _seen(reader)
@@ -134,8 +140,13 @@ def run(num_peers: int, refresh_s: float, expiry_s: float, num_queries: int, con
             completeness.append(len(seen & expected) / len(expected) if seen is not None else 0.0)
             if seen is None:
                 failed.append(times[-1])
-            elif expected - seen:  # which records a query missed, and whether each is still published
-                missing.append(_missing(expected - seen, advertisers, dhts))
+            # the same read by a fresh graph, with no record kept from earlier reads
+            started = time.perf_counter()
+            once = _seen(ResourceGraph(reader.dht))
+            one_read_times.append(time.perf_counter() - started)
+            one_read_completeness.append(len(once & expected) / len(expected) if once is not None else 0.0)
+            if once is not None and expected - once:  # which records a read missed, and whether each is published
+                missing.append(_missing(expected - once, advertisers, dhts))
 
         victim = subprocess.Popen(
             [sys.executable, "-c", _CHILD, *initial, str(refresh_s), str(expiry_s)], stdout=subprocess.PIPE, text=True
@@ -166,6 +177,10 @@ def run(num_peers: int, refresh_s: float, expiry_s: float, num_queries: int, con
             "completeness": completeness,
             "query_s": times,
             "failed_queries": len(failed),
+            "one_read_completeness": one_read_completeness,
+            "one_read_query_s": one_read_times,
+            "one_read_completeness_min": min(one_read_completeness),
+            "one_read_query_s_median": statistics.median(one_read_times),
             "missed_records": missing,
             "reader_node_rejections": dht_record_rejections(reader.dht),
             "completeness_min": min(completeness),

@@ -31,7 +31,8 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,7 +225,7 @@ def parse_record(subkey: Any, value: Any, *, now: float | None = None) -> PeerRe
         raise RecordRejected("malformed", str(e)[:200]) from None
     if record.v != RECORD_VERSION:
         raise RecordRejected("version", f"v={record.v}")
-    if record.payload() != payload:
+    if canonical_json(data) != payload:  # the same bytes as record.payload(): from_dict took data field for field
         raise RecordRejected("malformed", "payload is not canonical")
     try:
         public_key = bytes.fromhex(record.public_key)
@@ -240,13 +241,13 @@ def parse_record(subkey: Any, value: Any, *, now: float | None = None) -> PeerRe
     return record
 
 
-def live_records(
-    found: Mapping[str, Any], *, run: str | None, now: float, on_rejected: Callable[[RecordRejected, Any], None]
+def verified_records(
+    found: Mapping[str, Any], *, now: float, on_rejected: Callable[[RecordRejected, Any], None]
 ) -> list[PeerRecord]:
-    """The verified, live records (of ``run``'s peers, if given) in ``found``, the untrusted result of a
-    DHT read of :data:`PEERS_KEYS` (key -> None, or a dictionary value); each refusal (a record under
-    another shard's key included) goes to ``on_rejected``. Each peer comes once: a subkey is unique within a
-    key, and a record counts only under its own shard's key."""
+    """The verified records in ``found``, the untrusted result of a DHT read of :data:`PEERS_KEYS`
+    (key -> None, or a dictionary value), withdrawn (``left``) ones included; each refusal (a record
+    under another shard's key included) goes to ``on_rejected``. Each peer comes once: a subkey is
+    unique within a key, and a record counts only under its own shard's key."""
     records = []
     for key, result in found.items():
         if result is None or not isinstance(getattr(result, "value", None), dict):
@@ -259,9 +260,56 @@ def live_records(
             except RecordRejected as e:
                 on_rejected(e, subkey)
                 continue
-            if record.is_live(now) and (run is None or (record.run is not None and record.run.name == run)):
-                records.append(record)
+            records.append(record)
     return records
+
+
+def live_records(
+    found: Mapping[str, Any], *, run: str | None, now: float, on_rejected: Callable[[RecordRejected, Any], None]
+) -> list[PeerRecord]:
+    """The live records (of ``run``'s peers, if given) among :func:`verified_records`."""
+    return [r for r in verified_records(found, now=now, on_rejected=on_rejected) if _wanted(r, run, now)]
+
+
+def _wanted(record: PeerRecord, run: str | None, now: float) -> bool:
+    return record.is_live(now) and (run is None or (record.run is not None and record.run.name == run))
+
+
+class RecordBook:
+    """The newest verified record of each peer a reader has seen, kept until its own signed expiry.
+
+    Why: one DHT read can miss a record that is live. A holder may have missed the record's last
+    store, or answer from a partial cached copy of the shard (hivemind's ``rpc_find`` prefers its cache
+    when the cache's latest entry expires later), or be dropped whole by the reader because one entry of
+    its dictionary failed validation. At 100 peers one read in ten missed a record whose refresh was in
+    flight (benchmarks/README.md section 12).
+
+    Why it is sound: a record certifies itself (the peer's signature over its content and its own
+    expiry); the DHT only carries it. Holding it until ``expires_at`` shows nothing a DHT holder would
+    not have served. The newer of two records of one peer is the one that expires later (the DHT's own
+    rule; the advertiser makes each record outlive the previous one, its withdrawal included), so a
+    signed ``left`` record hides the peer at once, a replayed older record changes nothing, and a dead
+    peer vanishes when its last record expires, as it would from the DHT.
+    """
+
+    def __init__(self, max_records: int = 100_000):
+        self.max_records = max_records
+        self._records: dict[str, PeerRecord] = {}
+
+    def add(self, records: Iterable[PeerRecord], *, now: float) -> None:
+        """Keep each of ``records`` (verified) that is newer than what is held of its peer; drop the expired."""
+        for record in records:
+            held = self._records.get(record.peer_id)
+            if held is None or (record.expires_at, record.seq) > (held.expires_at, held.seq):
+                self._records[record.peer_id] = record
+        self._records = {p: r for p, r in self._records.items() if r.expires_at > now}
+        if len(self._records) > self.max_records:  # a flood of identities: keep those that live longest
+            kept = sorted(self._records.values(), key=lambda r: r.expires_at)[-self.max_records :]
+            self._records = {r.peer_id: r for r in kept}
+
+    def live(self, *, run: str | None, now: float) -> list[PeerRecord]:
+        """The held records that are live (of ``run``'s peers, if given)."""
+        return [r for r in self._records.values() if _wanted(r, run, now)]
 
 
 def _check_shard(record: PeerRecord, key: str) -> None:
@@ -306,9 +354,13 @@ class PeerRecordValidator(RecordValidatorBase):
     cannot be kept alive past its own expiry.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cache_size: int = 4096) -> None:
         self._keys = capability_key_ids()
         self.rejections = record_rejections()
+        self.cache_size = cache_size
+        self._parsed: OrderedDict[tuple[bytes, bytes, bytes], PeerRecord] = OrderedDict()
+        """Records that passed every check but the clock, by (key, subkey, value): a reader gets each record
+        from several holders, and each holder gets it again with every replica's store."""
 
     def validate(self, record: DHTRecord) -> bool:
         key = self._keys.get(record.key)
@@ -316,10 +368,17 @@ class PeerRecordValidator(RecordValidatorBase):
             return True
         subkey: Any = "?"
         try:
-            subkey = MSGPackSerializer.loads(record.subkey)
-            value = MSGPackSerializer.loads(record.value)
-            parsed = parse_record(subkey, value)
-            _check_shard(parsed, key)
+            parsed = self._parsed.get((record.key, record.subkey, record.value))
+            if parsed is None:
+                subkey = MSGPackSerializer.loads(record.subkey)
+                value = MSGPackSerializer.loads(record.value)
+                parsed = parse_record(subkey, value)
+                _check_shard(parsed, key)
+                self._remember((record.key, record.subkey, record.value), parsed)
+            else:
+                subkey = parsed.peer_id
+                self._parsed.move_to_end((record.key, record.subkey, record.value))
+                _check_times(parsed, time.time())
             if record.expiration_time > parsed.expires_at + 1:
                 raise RecordRejected("outlives its expiry", f"{record.expiration_time - parsed.expires_at:.0f} s")
         except RecordRejected as e:
@@ -329,6 +388,11 @@ class PeerRecordValidator(RecordValidatorBase):
             self.rejections.reject(RecordRejected("malformed", repr(e)[:200]), where="DHT", source=subkey)
             return False
         return True
+
+    def _remember(self, cache_key: tuple[bytes, bytes, bytes], parsed: PeerRecord) -> None:
+        self._parsed[cache_key] = parsed
+        if len(self._parsed) > self.cache_size:
+            self._parsed.popitem(last=False)
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
         return isinstance(other, PeerRecordValidator)

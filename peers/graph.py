@@ -12,7 +12,9 @@ Placement score (0-100) of a peer for a run, higher is better::
 * ``trust``: half uptime (saturating at 1 h), half rounds completed (saturating at 100).
 
 Records are read from the DHT and verified one by one (:func:`bootstrap.records.parse_record`); any
-that fail are dropped with a logged reason and counted in ``ResourceGraph.rejections``.
+that fail are dropped with a logged reason and counted in ``ResourceGraph.rejections``. A graph keeps
+each verified record until it expires or its peer publishes a newer one, so a read that misses a live
+record does not hide its peer (:class:`bootstrap.records.RecordBook`).
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ from bootstrap.records import (
     PEERS_KEYS,
     Hardware,
     PeerRecord,
+    RecordBook,
     RecordRejected,
     Requirements,
     RunInfo,
     Software,
-    live_records,
     record_rejections,
+    verified_records,
 )
 
 logger = logging.getLogger(__name__)
@@ -199,15 +202,21 @@ class ResourceGraph:
     def __init__(self, dht: DHT):
         self.dht = dht
         self.rejections = record_rejections()
+        self.book = RecordBook()
+        """Every verified record read so far, kept until it expires (see :class:`bootstrap.records.RecordBook`)."""
 
     def records(self, *, run: str | None = None, timeout_s: float = 10.0) -> list[PeerRecord]:
-        """Verified, live records (of ``run``'s peers, if given), each peer once."""
+        """Verified, live records (of ``run``'s peers, if given), each peer once: those of this read and
+        those of earlier reads that have not expired or been replaced (:attr:`book`). Raises TimeoutError
+        when the read does not finish within ``timeout_s``."""
         found = latest_many_within(self.dht, PEERS_KEYS, timeout_s=timeout_s)
 
         def rejected(error: RecordRejected, subkey: Any) -> None:
             self.rejections.reject(error, where="resource graph", source=subkey)
 
-        return live_records(found, run=run, now=time.time(), on_rejected=rejected)
+        now = time.time()
+        self.book.add(verified_records(found, now=now, on_rejected=rejected), now=now)
+        return self.book.live(run=run, now=now)
 
     def peers(self, *, run: str | None = None, timeout_s: float = 10.0) -> list[ScoredPeer]:
         """Live peers (of ``run``, if given), scored against that run's requirements; best first."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import wait_until
-from hivemind.utils.timed_storage import get_dht_time
+from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from averaging import membership
 from averaging.aggregation import Contribution, aggregate
@@ -899,6 +899,28 @@ def test_a_capability_read_that_never_answers_keeps_the_last_members(monkeypatch
     # negative control: a read that answers (no record anywhere) replaces the members
     empty = _ReadsDHT({key: None for key in PEERS_KEYS})
     assert asyncio.run(members.get(empty, {"b"}, min_age_s=0)) == frozenset() and empty.calls == 1
+
+
+def test_a_read_that_misses_a_members_record_keeps_the_member_until_its_record_expires():
+    """A DHT read can miss a live record (benchmarks/README.md section 12); RunMembers keeps a member whose
+    verified record has not expired, and drops it at once on its signed withdrawal."""
+    peer = Identity.generate()
+    now = int(time.time())
+
+    def answer(record):
+        value = {peer.peer_id: ValueWithExpiration(sign_record(record, peer), now + 60)}
+        return {
+            key: ValueWithExpiration(value, now + 60) if key == peers_key(peer.peer_id) else None for key in PEERS_KEYS
+        }
+
+    members = membership.RunMembers("r", Counter())
+    assert asyncio.run(members.get(_ReadsDHT(answer(make_record(peer, issued_at=now))), set(), min_age_s=0)) == {
+        peer.peer_id
+    }
+    missed = _ReadsDHT({key: None for key in PEERS_KEYS})
+    assert asyncio.run(members.get(missed, {"b"}, min_age_s=0)) == {peer.peer_id} and missed.calls == 1
+    withdrawn = _ReadsDHT(answer(make_record(peer, issued_at=now + 1, seq=2, state="left")))
+    assert asyncio.run(members.get(withdrawn, {"b"}, min_age_s=0)) == frozenset() and withdrawn.calls == 1
 
 
 def test_matchmaking_entries_accept_only_what_the_owner_signed_for_this_key_until_its_expiry():

@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 import time
+import types
 
 import hivemind
 import pytest
@@ -18,7 +19,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from bootstrap import stop_dht, visible_maddrs
 from bootstrap.identity import Identity
 from bootstrap.network import start_swarm_dht
-from bootstrap.records import live_records
+from bootstrap.records import RecordBook, live_records, verified_records
 from peers import (
     MAX_RECORD_BYTES,
     PEERS_KEYS,
@@ -240,6 +241,43 @@ def test_readers_take_a_record_only_from_its_own_shard():
     assert {peers_key(Identity.generate().peer_id) for _ in range(200)} == set(PEERS_KEYS)  # every shard is used
 
 
+def test_a_reader_keeps_a_verified_record_until_it_expires_or_is_replaced():
+    """One DHT read can miss a live record; a RecordBook keeps what it verified until the record's own
+    expiry. A newer record replaces it, a signed withdrawal hides the peer at once, a replayed older
+    record changes nothing, an expired one goes, and a flood of identities is capped."""
+    peer = Identity.generate()
+    key = peers_key(peer.peer_id)
+    now = int(time.time())
+    refused: list[str] = []
+
+    def found(record):
+        value = {peer.peer_id: ValueWithExpiration(sign_record(record, peer), now + 60)}
+        return {key: ValueWithExpiration(value, now + 60)}
+
+    book = RecordBook()
+
+    def read(result, at=now):
+        book.add(verified_records(result, now=at, on_rejected=lambda e, _subkey: refused.append(e.reason)), now=at)
+        return [(r.seq, r.state) for r in book.live(run=None, now=at)]
+
+    first = make_record(peer, issued_at=now - 10, seq=1)  # expires at now + 35
+    assert read(found(first)) == [(1, "training")]
+    assert live_records({key: None}, run=None, now=now, on_rejected=print) == []  # the read alone misses it
+    assert read({key: None}) == [(1, "training")]  # ... the book does not
+    assert book.live(run="r", now=now) and not book.live(run="other", now=now)
+    assert read({key: None}, at=now + 35) == []  # its own expiry
+    second = make_record(peer, issued_at=now, seq=2)
+    assert read(found(second)) == [(2, "training")]
+    assert read(found(first)) == [(2, "training")]  # a replayed older record changes nothing
+    assert read(found(make_record(peer, issued_at=now + 1, seq=3, state="left"))) == []  # withdrawn at once
+    assert read(found(second)) == [] and refused == []
+
+    capped = RecordBook(max_records=2)
+    others = [Identity.generate() for _ in range(3)]
+    capped.add([make_record(p, issued_at=now, lifetime_s=30 + i) for i, p in enumerate(others)], now=now)
+    assert {r.peer_id for r in capped.live(run=None, now=now)} == {p.peer_id for p in others[1:]}
+
+
 @pytest.mark.timeout(120)
 def test_advertiser_heartbeat_and_clean_withdrawal(network):
     honest_dht, reader_dht, _ = network
@@ -351,6 +389,37 @@ def test_validator_ignores_other_keys():
     )
     assert validator.validate(other)
     assert not validator.rejections.counts
+
+
+def test_validator_remembers_a_parsed_record_but_checks_its_clock_and_expiration_every_time(monkeypatch):
+    """The validator parses and verifies a record once (a reader gets it from several holders); a
+    remembered record is still refused once expired, or stored to outlive its signed expiry."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+
+    import bootstrap.records
+
+    peer = Identity.generate()
+    record = make_record(peer, lifetime_s=45)
+    value = MSGPackSerializer.dumps(sign_record(record, peer))
+    key = DHTID.generate(source=peers_key(peer.peer_id)).to_bytes()
+    subkey = MSGPackSerializer.dumps(peer.peer_id)
+    validator = PeerRecordValidator(cache_size=1)
+    parses = []
+    monkeypatch.setattr(bootstrap.records, "parse_record", lambda *a, **k: parses.append(1) or parse_record(*a, **k))
+
+    def validate(expiration_time, value=value):
+        return validator.validate(DHTRecord(key=key, subkey=subkey, value=value, expiration_time=expiration_time))
+
+    assert validate(record.expires_at) and validate(record.expires_at) and len(parses) == 1  # parsed once
+    assert not validate(record.expires_at + 60) and validator.rejections.counts == {"outlives its expiry": 1}
+    later = record.expires_at + 1.0
+    monkeypatch.setattr(bootstrap.records, "time", types.SimpleNamespace(time=lambda: later))  # this module's clock
+    assert not validate(record.expires_at) and validator.rejections.counts["expired"] == 1 and len(parses) == 1
+    other = Identity.generate()  # the cache holds one record: a second one evicts the first
+    other_value = MSGPackSerializer.dumps(sign_record(make_record(other, issued_at=int(later)), other))
+    assert not validate(record.expires_at, value=other_value)  # another peer's record under this subkey
+    assert validator.rejections.counts["peer id mismatch"] == 1 and len(parses) == 2
 
 
 @pytest.mark.timeout(240)
