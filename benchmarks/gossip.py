@@ -168,6 +168,43 @@ def _spread_once(
     return sorted(t - started for t in dict(accepted.get(step, {})).values() if t - started <= timeout_s)
 
 
+def _hops(sources: dict[int, str | None], ids: list[str]) -> dict[int, int | None]:
+    """Each reached peer's number of pushes from the publisher (0), along the push that brought it the
+    manifest first; None for a peer that had it from the DHT index (a pull, not a push)."""
+    index = {peer_id: i for i, peer_id in enumerate(ids)}
+    hops: dict[int, int | None] = {}
+
+    def depth(i: int, seen: frozenset = frozenset()) -> int | None:
+        if i not in hops:
+            source = sources.get(i)
+            parent = index.get(source) if source is not None else None
+            if source is None:
+                hops[i] = 0
+            elif parent is None or parent in seen or parent not in sources:
+                hops[i] = None
+            else:
+                above = depth(parent, seen | {i})
+                hops[i] = None if above is None else above + 1
+        return hops[i]
+
+    for i in sources:
+        depth(i)
+    return hops
+
+
+def _complete(hops: list[dict[int, int | None]], num_peers: int) -> bool:
+    return all(len(h) == num_peers and None not in h.values() for h in hops)
+
+
+def _complete_hops(hops: list[dict[int, int | None]], num_peers: int) -> list[int]:
+    """Pushes to the last peer, of each spread that reached every peer by pushes alone."""
+    return [max(h.values()) for h in hops if _complete([h], num_peers)]
+
+
+def _median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 class _DestroyedTasks(logging.Handler):
     """Counts asyncio's "Task was destroyed but it is pending!" reports: a handler task that the garbage
     collector took mid-flight (a push that was never forwarded)."""
@@ -193,8 +230,11 @@ def run(num_peers: int, fanout: int, repeats: int, console: Console, timeout_s: 
             origin = [0]
             accepted: dict[int, dict[int, float]] = {}
 
+            sources: dict[int, dict[int, str | None]] = {}
+
             def on_new(data: bytes, digest: str, step: int, i: int) -> None:
                 accepted.setdefault(step, {}).setdefault(i, time.monotonic())
+                sources.setdefault(step, {}).setdefault(i, gossips[i].newest_from)
 
             gossips = [
                 ManifestGossip(
@@ -211,11 +251,12 @@ def run(num_peers: int, fanout: int, repeats: int, console: Console, timeout_s: 
         ids.extend(g.peer_id for g in gossips)
         memory = peer_memory(dhts)
         signers = [Identity.generate(), Identity.generate()]
-        arrivals = []
+        arrivals, hops = [], []
         for step in range(1, repeats + 1):
             origin[0] = step % num_peers
             with console.status(f"manifest {step}/{repeats}"):
                 arrivals.append(_spread_once(gossips, step % num_peers, step, signers, timeout_s, accepted))
+            hops.append(_hops(sources.get(step, {}), ids))
         counters = {
             "received": sum(g.received for g in gossips),
             "forwarded": sum(g.forwarded for g in gossips),
@@ -246,6 +287,12 @@ def run(num_peers: int, fanout: int, repeats: int, console: Console, timeout_s: 
         "target_s": TARGET_S,
         "within_target": sum(t < TARGET_S for t in complete),
         "arrivals_s": arrivals,
+        "hops": hops,
+        "hops_to_all": [max(h.values()) if _complete([h], num_peers) else None for h in hops],
+        "hops_to_all_median": _median_or_none(_complete_hops(hops, num_peers)),
+        "hops_to_all_mean": statistics.mean(_complete_hops(hops, num_peers))
+        if _complete_hops(hops, num_peers)
+        else None,
         "counters": counters,
         "memory": memory,
     }
@@ -257,6 +304,10 @@ def print_table(result: dict[str, Any], console: Console) -> None:
     table.add_column("value", justify="right")
     table.add_row("to all peers, each spread (s)", " ".join(_fmt(t) for t in result["to_all_s"]))
     table.add_row("to half the peers, median (s)", _fmt(result["to_half_s_median"]))
+    table.add_row(
+        "pushes from the publisher to the last peer, each spread",
+        " ".join("-" if h is None else str(h) for h in result["hops_to_all"]),
+    )
     table.add_row(
         f"spreads within the {result['target_s']:.0f} s target",
         f"{result['within_target']}/{result['repeats']} (complete within {result['timeout_s']:.0f} s: "

@@ -16,8 +16,10 @@ The model (no processes; seconds even for 10,000 peers) follows what the code do
   (averaging.group). With one key, the nodes nearest that key serve every read of the run; sharded,
   no key has more than about ``shard_size`` peers, whatever the run's size.
 * **Gossip**: push to ``fanout`` random peers plus the successor on the ring of peer IDs, each peer
-  forwarding news once (swarm.checkpoint.gossip); a push takes an exponential time of mean ``hop``
-  seconds, the one free parameter, fitted to the measured 50-peer median time to half the peers.
+  forwarding news once (swarm.checkpoint.gossip); a push takes a gamma-distributed time of mean ``hop``
+  seconds. Two free parameters, both fitted at 50 peers: the shape, to the mean number of pushes from
+  the publisher to the last peer reached (benchmarks.gossip follows each peer's first copy back), and
+  ``hop``, to the median time to half the peers.
 * **Bytes per peer per round**: the butterfly all-reduce (2(g-1)/g of the model in int8), the
   matchmaking reads (every node holding the key returns all its entries), a sealed manifest pushed to
   ``fanout + 1`` peers, and one capability query (the records live under
@@ -31,7 +33,7 @@ benchmarks.gossip), a counter inside each DHT process on its local storage's ``g
 request a node serves reads its storage once for the key); each peer stores its matchmaking entry and
 reads its key ``gets`` times, as a window does, once with one key and once sharded; finds served per
 node are set beside the model's for the same N and ``gets``. The gossip figures are checked against
-benchmarks/results/gossip.json (50 peers) and gossip_100peers.json (100), when present.
+benchmarks/results/gossip_50peers_20261205.json and gossip_100peers_20261205b.json, when present.
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ from benchmarks._common import run_metadata, save_result
 from bootstrap.records import PEERS_SHARDS
 
 RESULTS = Path(__file__).parent / "results" / "scale_model.json"
-GOSSIP_RESULTS = {50: Path(__file__).parent / "results" / "gossip.json"}
-GOSSIP_RESULTS[100] = Path(__file__).parent / "results" / "gossip_100peers.json"
+GOSSIP_RESULTS = {50: Path(__file__).parent / "results" / "gossip_50peers_20261205.json"}
+GOSSIP_RESULTS[100] = Path(__file__).parent / "results" / "gossip_100peers_20261205b.json"
 ID_BITS = 160
 BUCKET = 20  # hivemind DHTNode bucket_size, and the beam of every traversal
 WORKERS = 4  # hivemind DEFAULT_NUM_WORKERS
@@ -177,12 +179,17 @@ def matchmaking_load(n: int, gets: int, shard_size: int, *, seed: int = 0, per_k
 
 
 # ------------------------------------------------------------------------------------ gossip
-def gossip_spread(n: int, fanout: int, hop_s: float, *, repeats: int = 200, seed: int = 0) -> dict[str, float]:
-    """Push gossip with a ring successor: median seconds to half and to all peers, and rounds to all."""
+def gossip_spread(
+    n: int, fanout: int, hop_s: float, *, shape: float = 1.0, repeats: int = 200, seed: int = 0
+) -> dict[str, float]:
+    """Push gossip with a ring successor: median seconds to half and to all peers, rounds to all (every
+    push of a round landing before the next), and pushes from the publisher to the last peer reached
+    along the path that reached it first (``hops_to_all``, what benchmarks.gossip measures). A push takes
+    a gamma-distributed time of mean ``hop_s``; ``shape`` 1 is exponential, larger is less spread out."""
     rng = random.Random(seed)
-    to_half, to_all, rounds_all = [], [], []
+    to_half, to_all, rounds_all, hops_all = [], [], [], []
     for _ in range(repeats):
-        arrival = [math.inf] * n
+        arrival, hops = [math.inf] * n, [0] * n
         origin = rng.randrange(n)
         arrival[origin] = 0.0
         queue = [(0.0, origin)]
@@ -195,19 +202,22 @@ def gossip_spread(n: int, fanout: int, hop_s: float, *, repeats: int = 200, seed
             targets = set(rng.sample(range(n), min(fanout, n - 1))) | {(peer + 1) % n}
             targets.discard(peer)
             for target in targets:
-                at = t + rng.expovariate(1.0 / hop_s)
+                at = t + rng.gammavariate(shape, hop_s / shape)
                 if at < arrival[target]:
-                    arrival[target] = at
+                    arrival[target], hops[target] = at, hops[peer] + 1
                     heapq.heappush(queue, (at, target))
         times = sorted(arrival)
         to_half.append(times[n // 2])
         to_all.append(times[-1])
+        hops_all.append(max(hops))
         rounds_all.append(_synchronous_rounds(n, fanout, rng))
     return {
         "to_half_s": statistics.median(to_half),
         "to_all_s": statistics.median(to_all),
         "to_all_p99_s": sorted(to_all)[int(0.99 * (len(to_all) - 1))],
         "rounds_to_all": statistics.median(rounds_all),
+        "hops_to_all": statistics.median(hops_all),
+        "hops_to_all_mean": statistics.mean(hops_all),
     }
 
 
@@ -225,9 +235,20 @@ def _synchronous_rounds(n: int, fanout: int, rng: random.Random) -> int:
     return rounds
 
 
-def fit_hop(n: int, fanout: int, to_half_s: float) -> float:
+SHAPES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+
+
+def fit_shape(n: int, fanout: int, hops_to_all_mean: float) -> float:
+    """The push time's shape (of :data:`SHAPES`) whose mean pushes to the last of ``n`` peers is nearest
+    ``hops_to_all_mean``: how many pushes the first copy to reach a peer took tells how uneven pushes
+    are (with exponential times, chains of quick pushes win: 7 pushes to the last of 50 peers against 4
+    measured)."""
+    return min(SHAPES, key=lambda k: abs(gossip_spread(n, fanout, 1.0, shape=k)["hops_to_all_mean"] - hops_to_all_mean))
+
+
+def fit_hop(n: int, fanout: int, to_half_s: float, *, shape: float = 1.0) -> float:
     """The mean push time that makes the model's median time to half of ``n`` peers ``to_half_s``."""
-    unit = gossip_spread(n, fanout, 1.0)["to_half_s"]
+    unit = gossip_spread(n, fanout, 1.0, shape=shape)["to_half_s"]
     return to_half_s / unit
 
 
@@ -334,7 +355,7 @@ def _within(predicted: float, measured: float) -> bool:
     return abs(predicted - measured) <= TOLERANCE * measured
 
 
-def checks(measured: list[dict], gossip: dict[int, dict], fanout: int) -> tuple[list[dict], float | None]:
+def checks(measured: list[dict], gossip: dict[int, dict], fanout: int) -> tuple[list[dict], float | None, float]:
     rows = []
     for m in measured:
         for label in ("one key", "sharded"):
@@ -350,11 +371,13 @@ def checks(measured: list[dict], gossip: dict[int, dict], fanout: int) -> tuple[
                         "ok": _within(predicted, got),
                     }
                 )
-    hop = None
+    hop, shape = None, 1.0
     if 50 in gossip:
-        hop = fit_hop(50, fanout, gossip[50]["to_half_s_median"])
+        if gossip[50].get("hops_to_all_mean") is not None:
+            shape = fit_shape(50, fanout, gossip[50]["hops_to_all_mean"])
+        hop = fit_hop(50, fanout, gossip[50]["to_half_s_median"], shape=shape)
         for n, result in sorted(gossip.items()):
-            model = gossip_spread(n, fanout, hop)
+            model = gossip_spread(n, fanout, hop, shape=shape)
             for figure, key in (("to half", "to_half_s_median"), ("to all", "to_all_s_median")):
                 if n == 50 and figure == "to half":
                     continue  # the fitted figure
@@ -366,7 +389,16 @@ def checks(measured: list[dict], gossip: dict[int, dict], fanout: int) -> tuple[
                         "ok": _within(model[f"{figure.replace(' ', '_')}_s"], result[key]),
                     }
                 )
-    return rows, hop
+            if n != 50 and result.get("hops_to_all_mean") is not None:  # 50: the fitted figure
+                rows.append(
+                    {
+                        "check": f"{n} peers: gossip, pushes from the publisher to the last peer (mean)",
+                        "model": model["hops_to_all_mean"],
+                        "measured": result["hops_to_all_mean"],
+                        "ok": _within(model["hops_to_all_mean"], result["hops_to_all_mean"]),
+                    }
+                )
+    return rows, hop, shape
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -387,13 +419,13 @@ def main(argv: list[str] | None = None) -> int:
     measured = [measure(n, args.gets, args.measure_shard_size, console) for n in args.measure]
     gossip = {n: json.loads(p.read_text()) for n, p in GOSSIP_RESULTS.items() if p.exists()}
     gossip = {n: g for n, g in gossip.items() if g.get("peers") == n and g.get("fanout") == fanout}
-    rows, hop = checks(measured, gossip, fanout)
+    rows, hop, shape = checks(measured, gossip, fanout)
 
     table_rows = []
     for n in args.sizes:
         one = matchmaking_load(n, args.window_gets, 0)
         sharded = matchmaking_load(n, args.window_gets, shard_size)
-        spread = gossip_spread(n, fanout, hop or 0.1, repeats=50 if n > 1000 else 200)
+        spread = gossip_spread(n, fanout, hop or 0.1, shape=shape, repeats=50 if n > 1000 else 200)
         table_rows.append(
             {
                 "peers": n,
@@ -422,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         "shard_size": shard_size,
         "fanout": fanout,
         "gossip_hop_s": hop,
+        "gossip_hop_shape": shape,
         "measured": measured,
         "checks": rows,
         "passed": all(r["ok"] for r in rows),
@@ -439,7 +472,9 @@ def print_tables(result: dict[str, Any], console: Console) -> None:
     for r in result["checks"]:
         check.add_row(r["check"], f"{r['model']:.3g}", f"{r['measured']:.3g}", "ok" if r["ok"] else "MISS")
     console.print(check)
-    table = Table(title=f"the model at scale (shard_size {result['shard_size']}, gossip hop {result['gossip_hop_s']})")
+    table = Table(
+        title=f"the model at scale (shard_size {result['shard_size']}, gossip hop {result['gossip_hop_s']}, shape {result['gossip_hop_shape']})"
+    )
     for column in (
         "peers",
         "DHT hops",

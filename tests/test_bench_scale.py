@@ -156,3 +156,17 @@ def test_scale_model_visits_each_keys_beam_and_sharding_bounds_the_hottest_node(
     assert abs(sharded.mean - one_key[400].mean) < 0.2 * one_key[400].mean  # the same work, spread out
     spread = scale_model.gossip_spread(100, 8, 0.1, repeats=20)
     assert 2 <= spread["rounds_to_all"] <= 5 and spread["to_half_s"] < spread["to_all_s"], spread
+    even = scale_model.gossip_spread(100, 8, 0.1, shape=32.0, repeats=20)
+    assert even["hops_to_all_mean"] < spread["hops_to_all_mean"]  # uneven pushes let chains of quick ones win
+    assert even["rounds_to_all"] <= even["hops_to_all_mean"] <= even["rounds_to_all"] + 2, even
+
+
+def test_gossip_benchmark_follows_each_first_copy_back_to_the_publisher() -> None:
+    """benchmarks.gossip counts the pushes from the publisher to each peer along the push that brought the
+    peer its first copy; a copy from the DHT index (a pull) or from an unknown or looping source has none."""
+    from benchmarks.gossip import _hops
+
+    ids = ["a", "b", "c", "d", "e", "f"]
+    sources = {0: None, 1: "a", 2: "b", 3: "c", 4: "DHT index", 5: "f"}
+    assert _hops(sources, ids) == {0: 0, 1: 1, 2: 2, 3: 3, 4: None, 5: None}
+    assert _hops({0: "b", 1: "a"}, ["a", "b"]) == {0: None, 1: None}  # a loop is no path
