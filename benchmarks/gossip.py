@@ -234,7 +234,8 @@ def run(num_peers: int, fanout: int, repeats: int, console: Console, timeout_s: 
 
             def on_new(data: bytes, digest: str, step: int, i: int) -> None:
                 accepted.setdefault(step, {}).setdefault(i, time.monotonic())
-                sources.setdefault(step, {}).setdefault(i, gossips[i].newest_from)
+                newest = gossips[i].newest
+                sources.setdefault(step, {}).setdefault(i, newest[3] if newest is not None else None)
 
             gossips = [
                 ManifestGossip(

@@ -110,9 +110,9 @@ class ManifestGossip:
         self.duplicates = 0
         """Copies of the newest manifest received again (byte for byte): dropped without verifying."""
         self._forwarding: set[asyncio.Task] = set()
-        self.newest: tuple[int, str, bytes] | None = None
-        self.newest_from: str | None = None
-        """Who this peer first had its newest manifest from: a peer ID, the DHT index, or None (published here)."""
+        self.newest: tuple[int, str, bytes, str | None] | None = None
+        """The newest valid manifest: step, digest, bytes, and whom this peer first had it from (a peer ID,
+        the DHT index, or None: published here)."""
         self.pulls = 0
         """Anti-entropy reads of the DHT index made so far (the others were skipped: pushes arrived)."""
         self._last_push = -float("inf")
@@ -169,7 +169,7 @@ class ManifestGossip:
                 self._last_push = time.monotonic()  # pushed to, or sealing: this peer's manifests are current
             if self.newest is not None and (step < self.newest[0] or digest == self.newest[1]):
                 return False  # old news: do not forward, so the epidemic dies out
-            self.newest, self.newest_from = (step, digest, data), source
+            self.newest = (step, digest, data, source)
         self.on_new(data, digest, step)
         announces = _ask("announce", self.announce, data, digest, default=True)
         announce = self._announce(data, digest, step) if announces else asyncio.sleep(0)
