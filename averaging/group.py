@@ -45,8 +45,8 @@ is probed once on a fresh stream; one found gone (a killed peer's dial fails; a 
 round) is waited for no longer -- neither its part nor its list of senders -- so a SIGKILL costs the
 survivors the retry, not the deadlines; a leader probes the followers that have not joined 0.5 s in.
 Halfway through a matchmaking window, the expected members that are not looking are probed once; one
-whose dial or stream fails is not waited for in that window, nor in the windows of the next
-`UNREACHABLE_S` unless it looks again (a slow or missing answer is no proof: it is still waited for). Every outcome is in the RoundRecord.
+whose dial or stream fails is not waited for in that window (a slow or missing answer is no proof: it
+is still waited for). Every outcome is in the RoundRecord.
 """
 
 from __future__ import annotations
@@ -94,9 +94,6 @@ _MAX_MEMBERS = 64
 _MAX_ENTRIES_READ = 16 * _MAX_MEMBERS
 _GONE_POLL_S = 0.25
 _PROBE_TIMEOUT_S = 2.0
-UNREACHABLE_S = 10.0
-"""How long an expected member that a window's probe could not reach is not waited for (unless it looks
-again before): about the time a killed peer takes to come back and look (9-10 s in chaos runs)."""
 _PROBE_ABSENT_AFTER_S = 0.5  # a leader probes the followers that have not joined by then
 _POLLERS: set[asyncio.Task] = set()
 _MAX_SHARDS = 1 << 16
@@ -657,7 +654,6 @@ class GroupAverager:
             if probing is not None and not probing.done():
                 probing.cancel()
         self._window.unreachable = probing.result() if probing is not None and probing.done() else frozenset()
-        self._admission.unreachable_for(self._window.unreachable, UNREACHABLE_S)
         self._window.lonely = len(candidates) <= 1
         guard = self._admission.guard
         drawn = guard.core(candidates, self.peer_id)

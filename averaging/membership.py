@@ -277,9 +277,6 @@ class Admission:
         """Who the caller believes the run's live members are (this round's ``step(expected=...)``)."""
         self.departed: dict[str, float] = {}
         """Peers whose "gone" entry was read (monotonic time): not waited for until they look again."""
-        self.unreachable: dict[str, float] = {}
-        """Expected peers a window's probe could not reach, until when (monotonic): not waited for until
-        then, or until they look again (see `unreachable_for`)."""
         self.excluded: dict[str, str] = {}
         """Peers shown to cheat (swarm.work), with the reason: never drawn, admitted or waited for."""
         self.policy: Callable[[str, Any], str | None] | None = None
@@ -304,27 +301,10 @@ class Admission:
     def looking(self, peer: str) -> None:
         """``peer`` is looking for a group (again, after a restart): a member like any other."""
         self.departed.pop(peer, None)
-        self.unreachable.pop(peer, None)
-
-    def unreachable_for(self, peers: Iterable[str], period_s: float) -> None:
-        """A probe's dial or stream to each of ``peers`` failed (killed, or restarting with no averager yet):
-        later windows do not wait for it either, for ``period_s`` or until it looks again. Without this,
-        every window of the ~10 s a killed member takes to come back waited half its length for the probe
-        (chaos runs: 1.3-1.4 s of matchmaking a round, against 0.34 s without faults)."""
-        until = time.monotonic() + period_s
-        for peer in peers:
-            self.unreachable.pop(peer, None)  # re-inserted last: the oldest goes first when over the bound
-            self.unreachable[peer] = until
-        while len(self.unreachable) > _MAX_TRACKED:
-            del self.unreachable[next(iter(self.unreachable))]
 
     def live_expected(self) -> frozenset[str]:
-        """The expected members, minus those that said they left, those shown to cheat, and those a recent
-        probe could not reach."""
-        now = time.monotonic()
-        for peer in [p for p, until in self.unreachable.items() if until <= now]:
-            del self.unreachable[peer]
-        return self.expected - self.departed.keys() - self.excluded.keys() - self.unreachable.keys()
+        """The expected members, minus those that said they left."""
+        return self.expected - self.departed.keys() - self.excluded.keys()
 
     def prove(self, peers: Iterable[str], *, own_round: bool = True) -> None:
         """``peers`` averaged with this one (or, ``own_round=False``, signed the state it loaded): they

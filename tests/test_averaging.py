@@ -607,7 +607,7 @@ def test_a_member_that_left_is_neither_waited_for_nor_drawn(make_group, how):
     """4 members, a 6 s window: one leaves before the round (closing its averager writes a signed "gone"
     entry), the other 3 still count it a live member (its record is cached) and stop gathering once the
     3 are looking. One that crashed (its streams fail) is not waited for past the probe halfway through
-    the window, nor in the next window. A live member that is just not looking answers the probe and is waited for the whole
+    the window. A live member that is just not looking answers the probe and is waited for the whole
     window."""
     averagers = make_group(aggregator="mean", matchmaking_time_s=6.0)
     tensors, weights = _inputs()
@@ -637,14 +637,6 @@ def test_a_member_that_left_is_neither_waited_for_nor_drawn(make_group, how):
         ) is left  # the fault fired: its entry was read
         # the probe's verdict: only the crashed member was found unreachable (the silent one answered)
         assert averagers[i]._window.unreachable == ({averagers[-1].peer_id} if how == "crashed" else set())
-    if how == "crashed":  # the next window neither waits for it nor probes it again (averaging.group.UNREACHABLE_S)
-        with ThreadPoolExecutor(NUM_PEERS - 1) as pool:
-            again = list(pool.map(one, range(NUM_PEERS - 1)))
-        for i, (_, record, group) in enumerate(again):
-            assert record.outcome == "ok" and len(group.members) == NUM_PEERS - 1, record.to_dict()
-            assert record.phase_s["matchmaking"] < 2.5, record.to_dict()
-            assert averagers[-1].peer_id in averagers[i]._admission.unreachable
-            assert averagers[i]._window.unreachable == set()  # no probe this time
 
 
 # --------------------------------------------------------------------------- an open network (issue 15)
