@@ -55,7 +55,7 @@ from bootstrap.dhtcalls import latest_many
 from bootstrap.envelope import check_int, check_str, unwrap_signed
 from bootstrap.errors import Rejected
 from bootstrap.identity import Identity, canonical_json, public_key_from_peer_id, verify
-from bootstrap.records import PEERS_KEYS, RecordBook, RecordRejected, verified_records
+from bootstrap.records import PEERS_KEYS, RecordBook, RecordRejected
 
 ENTRY_KIND = "swarm/mm"
 MAX_ENTRY_BYTES = 512
@@ -153,9 +153,9 @@ class RunMembers:
         def rejected(error: RecordRejected, _subkey: Any) -> None:
             self.rejected[f"member record {error.reason}"] += 1
 
-        now = time.time()
-        self._book.add(verified_records(found, now=now, on_rejected=rejected), now=now)
-        self._members = frozenset(record.peer_id for record in self._book.live(run=self.run, now=now))
+        self._members = frozenset(
+            record.peer_id for record in self._book.read(found, run=self.run, on_rejected=rejected)
+        )
 
 
 class Suspects:

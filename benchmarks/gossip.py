@@ -192,17 +192,9 @@ def _hops(sources: dict[int, str | None], ids: list[str]) -> dict[int, int | Non
     return hops
 
 
-def _complete(hops: list[dict[int, int | None]], num_peers: int) -> bool:
-    return all(len(h) == num_peers and None not in h.values() for h in hops)
-
-
-def _complete_hops(hops: list[dict[int, int | None]], num_peers: int) -> list[int]:
-    """Pushes to the last peer, of each spread that reached every peer by pushes alone."""
-    return [max(h.values()) for h in hops if _complete([h], num_peers)]
-
-
-def _median_or_none(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
+def _hops_to_last(hops: dict[int, int | None], num_peers: int) -> int | None:
+    """Pushes to the last peer of a spread that reached every peer by pushes alone; None otherwise."""
+    return max(hops.values()) if len(hops) == num_peers and None not in hops.values() else None
 
 
 class _DestroyedTasks(logging.Handler):
@@ -272,6 +264,8 @@ def run(num_peers: int, fanout: int, repeats: int, console: Console, timeout_s: 
             stop_dht(dht)
         logging.getLogger("asyncio").removeHandler(destroyed)
     complete = [a[-1] for a in arrivals if len(a) == num_peers]
+    to_last = [_hops_to_last(h, num_peers) for h in hops]
+    complete_hops = [h for h in to_last if h is not None]
     pull = GossipConfig().pull_interval_s
     return {
         "peers": num_peers,
@@ -289,11 +283,9 @@ def run(num_peers: int, fanout: int, repeats: int, console: Console, timeout_s: 
         "within_target": sum(t < TARGET_S for t in complete),
         "arrivals_s": arrivals,
         "hops": hops,
-        "hops_to_all": [max(h.values()) if _complete([h], num_peers) else None for h in hops],
-        "hops_to_all_median": _median_or_none(_complete_hops(hops, num_peers)),
-        "hops_to_all_mean": statistics.mean(_complete_hops(hops, num_peers))
-        if _complete_hops(hops, num_peers)
-        else None,
+        "hops_to_all": to_last,
+        "hops_to_all_median": statistics.median(complete_hops) if complete_hops else None,
+        "hops_to_all_mean": statistics.mean(complete_hops) if complete_hops else None,
         "counters": counters,
         "memory": memory,
     }

@@ -311,6 +311,15 @@ class RecordBook:
         """The held records that are live (of ``run``'s peers, if given)."""
         return [r for r in self._records.values() if _wanted(r, run, now)]
 
+    def read(
+        self, found: Mapping[str, Any], *, run: str | None, on_rejected: Callable[[RecordRejected, Any], None]
+    ) -> list[PeerRecord]:
+        """Add the verified records of ``found`` (as :func:`verified_records` takes it); the live records
+        held now (of ``run``'s peers, if given)."""
+        now = time.time()
+        self.add(verified_records(found, now=now, on_rejected=on_rejected), now=now)
+        return self.live(run=run, now=now)
+
 
 def _check_shard(record: PeerRecord, key: str) -> None:
     if peers_key(record.peer_id) != key:
@@ -368,16 +377,17 @@ class PeerRecordValidator(RecordValidatorBase):
             return True
         subkey: Any = "?"
         try:
-            parsed = self._parsed.get((record.key, record.subkey, record.value))
+            cache_key = (record.key, record.subkey, record.value)
+            parsed = self._parsed.get(cache_key)
             if parsed is None:
                 subkey = MSGPackSerializer.loads(record.subkey)
                 value = MSGPackSerializer.loads(record.value)
                 parsed = parse_record(subkey, value)
                 _check_shard(parsed, key)
-                self._remember((record.key, record.subkey, record.value), parsed)
+                self._remember(cache_key, parsed)
             else:
                 subkey = parsed.peer_id
-                self._parsed.move_to_end((record.key, record.subkey, record.value))
+                self._parsed.move_to_end(cache_key)
                 _check_times(parsed, time.time())
             if record.expiration_time > parsed.expires_at + 1:
                 raise RecordRejected("outlives its expiry", f"{record.expiration_time - parsed.expires_at:.0f} s")

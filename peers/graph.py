@@ -20,7 +20,6 @@ record does not hide its peer (:class:`bootstrap.records.RecordBook`).
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +38,6 @@ from bootstrap.records import (
     RunInfo,
     Software,
     record_rejections,
-    verified_records,
 )
 
 logger = logging.getLogger(__name__)
@@ -214,9 +212,7 @@ class ResourceGraph:
         def rejected(error: RecordRejected, subkey: Any) -> None:
             self.rejections.reject(error, where="resource graph", source=subkey)
 
-        now = time.time()
-        self.book.add(verified_records(found, now=now, on_rejected=rejected), now=now)
-        return self.book.live(run=run, now=now)
+        return self.book.read(found, run=run, on_rejected=rejected)
 
     def peers(self, *, run: str | None = None, timeout_s: float = 10.0) -> list[ScoredPeer]:
         """Live peers (of ``run``, if given), scored against that run's requirements; best first."""
