@@ -287,8 +287,10 @@ class Trainer:
     def load_state(self, *, timeout_s: float, reason: str = "join", newer_than: int | None = None) -> bool:
         """Resume from the run's newest sealed checkpoint, verified end to end; True if one was loaded. With
         ``newer_than`` only one sealed after that round is taken (never an older state than this peer's).
-        Nothing unverified is loaded (before the first seal all start from the seeded genesis model)."""
-        return self._runner.load_state(timeout_s=timeout_s, reason=reason, newer_than=newer_than)
+        Nothing unverified is loaded (before the first seal all start from the seeded genesis model). Meanwhile
+        the averager tells the members looking for a group not to wait for this peer."""
+        with self.group_averager.loading():
+            return self._runner.load_state(timeout_s=timeout_s, reason=reason, newer_than=newer_than)
 
     def finish(self) -> RoundResult | None:
         """End training: overlapped, wait for the round in flight (its result is returned) and put the global
