@@ -456,7 +456,12 @@ def num_known_peers(dht: hivemind.DHT, *, refresh: bool = False, timeout_s: floa
 async def _ping_all(_dht: hivemind.DHT, node: hivemind.DHTNode, peer_ids: tuple[str, ...], timeout_s: float) -> int:
     async def ping(peer: str) -> bool:
         with contextlib.suppress(Exception):  # a bad id, a dead peer or a timeout: it just does not count
-            return await asyncio.wait_for(node.protocol.call_ping(PeerID.from_base58(peer)), timeout_s) is not None
+            peer_id = PeerID.from_base58(peer)
+            if await asyncio.wait_for(node.protocol.call_ping(peer_id), timeout_s) is not None:
+                # it is back: lift the ban its failed RPCs earned (hivemind's blacklist doubles it with each
+                # failure, 5 s to 40 s over a 30 s cut, and skips a banned peer in every get and store)
+                node.blacklist.register_success(peer_id)
+                return True
         return False
 
     return sum(await asyncio.gather(*(ping(peer) for peer in peer_ids)))
@@ -471,7 +476,8 @@ def reconnect(
 
     A hivemind DHT drops every node that fails an RPC, so after a network partition a node can be left
     knowing nobody, and the others have dropped it too; nothing brings them together again until one
-    contacts the other. Call this when a peer finds itself alone.
+    contacts the other. It also bans each of them from its gets and stores for a while (its blacklist):
+    a peer that answers the ping is taken off it. Call this when a peer finds itself alone.
     """
     own = str(dht.peer_id)
     ids = tuple(dict.fromkeys(p for p in peer_ids if isinstance(p, str) and p and p != own))[:64]

@@ -8,6 +8,7 @@ import signal
 import socket
 import stat
 import time
+from functools import partial
 from pathlib import Path
 
 import hivemind
@@ -212,23 +213,33 @@ async def _forget_everyone(_dht: hivemind.DHT, node: hivemind.DHTNode) -> int:
     return len(table.uid_to_peer_id)
 
 
+async def _ban(_dht: hivemind.DHT, node: hivemind.DHTNode, peer: hivemind.PeerID, seconds: float) -> bool:
+    """Ban ``peer`` from ``node``'s gets and stores for ``seconds`` (0: none); whether it is banned now."""
+    if seconds > 0:
+        node.blacklist.banned_peers.store(peer, 3, expiration_time=get_dht_time() + seconds)
+    return peer in node.blacklist
+
+
 @pytest.mark.timeout(60)
 def test_reconnect_brings_back_peers_a_partition_made_both_sides_forget() -> None:
     """What a partition leaves: two live nodes that have dropped each other from their routing tables
-    (hivemind drops a node at its first failed RPC), so neither finds the other's records. A ping by peer
-    ID from either side puts each back in the other's table."""
+    (hivemind drops a node at its first failed RPC) and banned each other from their gets and stores (its
+    blacklist, 5 s doubled with each failure), so neither finds the other's records. A ping by peer ID from
+    either side puts each back in the other's table and lifts the pinger's ban."""
     first = start_dht(connect_timeout_s=20, nat_port_map=False)
     second = start_dht(visible_maddrs(first), connect_timeout_s=20, nat_port_map=False)
     try:
         assert wait_until(lambda: num_known_peers(second) == 1 and num_known_peers(first) == 1, timeout_s=10)
-        for dht in (first, second):  # the fault: both sides forgot the other
+        for dht in (first, second):  # the fault: both sides forgot the other, and banned it for 60 s
             assert dht.run_coroutine(_forget_everyone) == 0
+        assert second.run_coroutine(partial(_ban, peer=first.peer_id, seconds=60.0))
         assert num_known_peers(first) == num_known_peers(second) == 0
         assert first.store("mm", "looking", expiration_time=get_dht_time() + 60)  # lands on `first` alone
         assert second.get("mm", latest=True) is None  # cut off: the record is out of its reach
 
         assert reconnect(second, [str(first.peer_id), str(second.peer_id), "not-a-peer-id"]).result(10) == 1
         assert num_known_peers(second) == 1 and num_known_peers(first) == 1
+        assert not second.run_coroutine(partial(_ban, peer=first.peer_id, seconds=0.0))  # the ping lifted it
         found = second.get("mm", latest=True)
         assert found is not None and found.value == "looking"
     finally:
