@@ -303,7 +303,7 @@ class Admission:
         self.departed.pop(peer, None)
 
     def live_expected(self) -> frozenset[str]:
-        """The expected members, minus those that said they left."""
+        """The expected members, minus those that said they left and those shown to cheat."""
         return self.expected - self.departed.keys() - self.excluded.keys()
 
     def prove(self, peers: Iterable[str], *, own_round: bool = True) -> None:
