@@ -26,14 +26,19 @@ class Crashed(SwarmError):
 class FaultInjector:
     stall_s: float = 60.0
     plan: dict[tuple[str, int, str], str] = field(default_factory=dict)
-    """(peer name, round, phase) -> action; phase is matchmaking, send, piece (before each piece of a part but
-    the first) or reduce."""
+    """(peer name, round, phase) -> action; phase is matchmaking, joined (a follower, after its join went out),
+    send, piece (before each piece of a part but the first), agree (before a reducer sends its list of senders)
+    or reduce (after the agreement)."""
     fired: Counter = field(default_factory=Counter)
     """(peer name, round, phase, action) -> times fired."""
     max_fires: dict[tuple[str, int, str], int] = field(default_factory=dict)
 
     def add(self, peer: str, round_: int, phase: str, action: str, *, times: int = 1) -> None:
-        if phase not in ("matchmaking", "send", "piece", "reduce") or action not in ("crash", "stall", "kill"):
+        if phase not in ("matchmaking", "joined", "send", "piece", "agree", "reduce") or action not in (
+            "crash",
+            "stall",
+            "kill",
+        ):
             raise ValueError(f"unknown phase/action {phase!r}/{action!r}")
         self.plan[(peer, round_, phase)] = action
         self.max_fires[(peer, round_, phase)] = times

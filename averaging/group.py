@@ -40,10 +40,13 @@ the *same* survivors: the result is the weighted mean of the surviving contribut
 survivors are every member and no piece rejected a sender, the reducer confirms the pieces it sent
 (``final``); otherwise it sends ``revised`` and the survivors' aggregate, piece by piece (a second transfer
 of the slice, only in a round with a fault, counted in ``GroupAverager.revised_slices``). A reducer that never answers loses its slice: the members re-form a group
-from the survivors and retry, within the round's deadline. A member whose stream breaks or is refused
+from the survivors and retry, within the round's deadline; one that no reducer had a part from and whose
+list of senders never came by the agreement's deadline is not waited for past it (it is gone or cut off). A member whose stream breaks or is refused
 is probed once on a fresh stream; one found gone (a killed peer's dial fails; a restarted one is in no
 round) is waited for no longer -- neither its part nor its list of senders -- so a SIGKILL costs the
-survivors the retry, not the deadlines; a leader probes the followers that have not joined 0.5 s in.
+survivors the retry, not the deadlines; a leader probes the followers that have not joined 0.5 s in, and
+leaves out of the group a follower whose join stream ended before the group formed (killed, or it gave up):
+it could not hear of the group, and the others would wait for its part.
 `_PROBE_WINDOW_AFTER_S` into a matchmaking window, the expected members that are not looking are probed
 once; one whose dial or stream fails, or that says it is loading state (`GroupAverager.loading`: a restarted
 peer), is not waited for in that window (a slow or missing answer is no proof: it is still waited for).
@@ -264,6 +267,15 @@ class _ReduceState:
         self.dead.add(peer)
         self.update()
 
+    def unheard(self) -> set[str]:
+        """Once the survivors are agreed: the members no reducer had a part from and whose own list of senders
+        never came (gone, or cut off: a partitioned peer's streams hang rather than fail)."""
+        return {
+            m
+            for m in self.group.members
+            if m not in self.received_sets and not any(m in s for s in self.received_sets.values())
+        }
+
 
 @dataclass
 class _Activity:
@@ -312,7 +324,20 @@ class _Lobby:
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     dead: set[str] = field(default_factory=set)
     """Expected followers that a probe found gone (killed, or restarted and in no round)."""
+    quit: set[str] = field(default_factory=set)
+    """Followers whose join stream closed before the group formed (killed, or gave up waiting)."""
     final: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    def leave(self, peer: str) -> None:
+        """``peer``'s join stream closed while the group was forming: it cannot hear of the group, so it is
+        not in it, and not waited for."""
+        if self.final.done() or peer not in self.joined:
+            return
+        del self.joined[peer]
+        self.quit.add(peer)
+        self.expected -= {peer}
+        if self.expected <= set(self.joined):
+            self.complete.set()
 
 
 FaultHook = Callable[[int, str, str], Awaitable[None] | None]
@@ -775,21 +800,23 @@ class GroupAverager:
                 grace = min(NEWCOMER_GRACE_S, join_deadline - time.monotonic())
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(lobby.complete.wait(), max(0.0, grace))
-                lobby.expected = staying
+                lobby.expected = staying - lobby.quit
             del self._lobbies[lobby_id]
             for late in [m for m in lobby.joined if self._admission.refuses(m, lobby.joined[m]) == "excluded"]:
                 del lobby.joined[late]  # excluded after it joined: it gets a group without it, and fails its round
                 record.fail(late, "matchmaking", "excluded after it joined")
             followers = sorted(lobby.joined)[: self.config.target_group_size - 1]
-            for left in expected - staying - set(lobby.joined):
-                if left in lobby.dead:
-                    record.fail(left, "matchmaking", "gone (a probe failed)")
-                    self._admission.no_show(left)  # drawn, and not there: a suspect for a while, as below
+            for absent in sorted(expected - set(lobby.joined)):
+                if absent in lobby.quit:
+                    record.fail(absent, "matchmaking", "its join stream closed before the group formed")
+                elif absent in lobby.dead:
+                    record.fail(absent, "matchmaking", "gone (a probe failed)")
+                elif absent in staying:
+                    record.fail(absent, "matchmaking", "did not join its leader")
                 else:
-                    record.fail(left, "matchmaking", "left the run")
-            for missing in staying - set(lobby.joined):
-                record.fail(missing, "matchmaking", "did not join its leader")
-                self._admission.no_show(missing)
+                    record.fail(absent, "matchmaking", "left the run")
+                    continue
+                self._admission.no_show(absent)  # drawn, and not there: a suspect for a while
             if len(followers) + 1 < self.config.min_group_size:
                 lobby.final.set_result(None)
                 return None
@@ -847,10 +874,13 @@ class GroupAverager:
                 _, reader, writer = await self._open(leader)
                 try:
                     record.bytes_sent += await write_frame(writer, {"op": "join", "gather": gather})
+                    await self._fault("joined", self.peer_id)
                     reply = await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)
                 finally:
                     writer.close()
         except (asyncio.TimeoutError, ProtocolError, OSError, Exception) as e:
+            if self._dead:
+                raise  # fault injection: this peer crashed after it joined
             record.fail(leader, "matchmaking", f"join failed: {e!r}"[:200])
             self._admission.no_show(leader)  # a leader that does not answer costs us its join timeout once
             return None
@@ -890,7 +920,9 @@ class GroupAverager:
         await write_frame(writer, {"status": refused})
         return True
 
-    async def _serve_join(self, peer: str, header: dict, writer: asyncio.StreamWriter) -> None:
+    async def _serve_join(
+        self, peer: str, header: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         if await self._refused_join(peer, header, writer):
             return
         if self._admission.members is not None and peer not in await self._admission.members.get(
@@ -923,7 +955,13 @@ class GroupAverager:
         lobby.joined[peer] = header.get("gather")
         if lobby.expected <= set(lobby.joined):
             lobby.complete.set()
-        group = await asyncio.wait_for(asyncio.shield(lobby.final), self.config.join_timeout_s + 1)
+        # a follower sends nothing after its join: the stream's end (a kill, or it gave up) drops it from the group
+        closed = asyncio.create_task(_until_closed(reader))
+        closed.add_done_callback(lambda task: task.cancelled() or lobby.leave(peer))
+        try:
+            group = await asyncio.wait_for(asyncio.shield(lobby.final), self.config.join_timeout_s + 1)
+        finally:
+            closed.cancel()
         if group is None or peer not in group.members:
             await write_frame(writer, {"status": "not admitted"})
             return
@@ -990,12 +1028,20 @@ class GroupAverager:
             own = await reduce_task
             record.phase_s["reduced"] = time.monotonic() - started
             slices: dict[str, torch.Tensor | None] = {self.peer_id: own}
+            unheard = state.unheard()
             for peer, task in send_tasks.items():
-                slices[peer] = await task
+                if peer in unheard and not task.done():
+                    # its slice would come after everyone's deadline, if at all: the others retry now instead
+                    task.cancel()
+                    await asyncio.wait([task])
+                    record.fail(peer, "reduce", "given up: no reducer had its part and its list of senders never came")
+                    slices[peer] = None
+                else:
+                    slices[peer] = await task
             lost = {peer for peer, value in slices.items() if value is None}
             record.phase_s["allreduce"] = time.monotonic() - started
             if lost:
-                for peer in lost:
+                for peer in lost - unheard:
                     record.fail(peer, "reduce", "its slice was not completed")
                 return None, lost
             return torch.cat([slices[m] for m in group.members]), set()
@@ -1029,6 +1075,7 @@ class GroupAverager:
         started = time.monotonic()
         mine = frozenset(state.parts)
         state.received_sets[self.peer_id] = mine
+        await self._fault("agree", self.peer_id)
         others = [m for m in state.group.members if m != self.peer_id]
         await asyncio.gather(*(self._send_received_set(peer, state, mine) for peer in others))
         state.update()
@@ -1323,7 +1370,7 @@ class GroupAverager:
             )
             op = header.get("op")
             if op == "join":
-                await self._serve_join(peer, header, writer)
+                await self._serve_join(peer, header, reader, writer)
             elif op == "part":
                 self._activity.serves += 1
                 try:
@@ -1460,6 +1507,13 @@ class GroupAverager:
             for k, data in enumerate(pieces.final):
                 await write_frame(writer, {"status": "piece", "k": k, "payload_bytes": len(data)}, data)
         await write_frame(writer, {"status": "final"})
+
+
+async def _until_closed(reader: asyncio.StreamReader) -> None:
+    """Returns once the other side closed or reset the stream (what it sends meanwhile is read and dropped)."""
+    with contextlib.suppress(Exception):
+        while await reader.read(65536):
+            pass
 
 
 async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, status: str) -> None:
