@@ -43,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -587,7 +588,22 @@ def rounds_summary(arm: _Arm) -> dict[str, Any]:
         "ratio": len(grouped) / len(every) if every else 0.0,
         "median_group_size": _median([e["group_size"] for e in grouped]),
         "median_round_s": _median([e["duration_s"] for e in grouped]),
+        "max_round_s": max((e["duration_s"] for e in grouped), default=None),
+        "failures_by_reason": failure_reasons(every),
     }
+
+
+def failure_reasons(rounds: list[dict[str, Any]], most: int = 12) -> dict[str, int]:
+    """How often each (phase: reason) appears in the rounds' records, the ``most`` commonest; a reason's
+    free-form tail (from a "(" or "[" on, and past 70 characters) is cut so that alike failures count together."""
+    counts: Counter = Counter()
+    for event in rounds:
+        record = event.get("record")
+        for failure in record.get("failures", []) if isinstance(record, dict) else []:
+            if isinstance(failure, dict):
+                reason = re.split(r"[(\[]", str(failure.get("reason", "")))[0].strip()[:70]
+                counts[f"{failure.get('phase')}: {reason}"] += 1
+    return dict(counts.most_common(most))
 
 
 def partition_summary(arm: _Arm) -> dict[str, Any] | None:
