@@ -270,7 +270,10 @@ class _ReduceState:
 
     def unheard(self) -> set[str]:
         """Once the survivors are agreed: the members no reducer had a part from and whose own list of senders
-        never came (gone, or cut off: a partitioned peer's streams hang rather than fail)."""
+        never came (gone, or cut off: a partitioned peer's streams hang rather than fail). None while no other
+        member's list came: on this peer's own view alone, it may be the one cut off or starved."""
+        if len(self.received_sets) < 2:
+            return set()
         return {
             m
             for m in self.group.members
