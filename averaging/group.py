@@ -42,7 +42,7 @@ survivors are every member and no piece rejected a sender, the reducer confirms 
 of the slice, only in a round with a fault, counted in ``GroupAverager.revised_slices``). A reducer that
 never answers loses its slice: the members re-form a group from the survivors and retry, within the round's
 deadline; a member that no reducer had a part from and whose list of senders never came by the agreement's
-deadline is not waited for past it (it is gone or cut off). A member whose stream breaks or is refused
+deadline is not waited for past it (it is gone or cut off; judged once another member's list came). A member whose stream breaks or is refused
 is probed once on a fresh stream; one found gone (a killed peer's dial fails; a restarted one is in no
 round) is waited for no longer -- neither its part nor its list of senders -- so a SIGKILL costs the
 survivors the retry, not the deadlines; a leader probes the followers that have not joined 0.5 s in, and
