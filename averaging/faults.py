@@ -22,6 +22,10 @@ class Crashed(SwarmError):
     """Raised inside a crashed peer's step; the peer is gone from the others' point of view."""
 
 
+PHASES = ("matchmaking", "joined", "send", "piece", "agree", "reduce")
+ACTIONS = ("crash", "stall", "kill")
+
+
 @dataclass
 class FaultInjector:
     stall_s: float = 60.0
@@ -34,11 +38,7 @@ class FaultInjector:
     max_fires: dict[tuple[str, int, str], int] = field(default_factory=dict)
 
     def add(self, peer: str, round_: int, phase: str, action: str, *, times: int = 1) -> None:
-        if phase not in ("matchmaking", "joined", "send", "piece", "agree", "reduce") or action not in (
-            "crash",
-            "stall",
-            "kill",
-        ):
+        if phase not in PHASES or action not in ACTIONS:
             raise ValueError(f"unknown phase/action {phase!r}/{action!r}")
         self.plan[(peer, round_, phase)] = action
         self.max_fires[(peer, round_, phase)] = times

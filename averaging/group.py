@@ -42,8 +42,8 @@ survivors are every member and no piece rejected a sender, the reducer confirms 
 of the slice, only in a round with a fault, counted in ``GroupAverager.revised_slices``). A reducer that
 never answers loses its slice: the members re-form a group from the survivors and retry, within the round's
 deadline; a member that no reducer had a part from and whose list of senders never came by the agreement's
-deadline is not waited for past it (it is gone or cut off; judged once another member's list came). A member whose stream breaks or is refused
-is probed once on a fresh stream; one found gone (a killed peer's dial fails; a restarted one is in no
+deadline is not waited for past it (it is gone or cut off; judged once another member's list came). A
+member whose stream breaks or is refused is probed once on a fresh stream; one found gone (a killed peer's dial fails; a restarted one is in no
 round) is waited for no longer -- neither its part nor its list of senders -- so a SIGKILL costs the
 survivors the retry, not the deadlines; a leader probes the followers that have not joined 0.5 s in, and
 leaves out of the group a follower whose join stream ended before the group formed (killed, or it gave up):
@@ -339,7 +339,14 @@ class _Lobby:
             return
         del self.joined[peer]
         self.quit.add(peer)
-        self.expected -= {peer}
+        self.expect_no_more({peer})
+
+    def expect_no_more(self, peers: set[str]) -> None:
+        """``peers`` are not waited for; the lobby is complete once everyone still expected has joined."""
+        self.expected -= peers
+        self.update()
+
+    def update(self) -> None:
         if self.expected <= set(self.joined):
             self.complete.set()
 
@@ -862,9 +869,7 @@ class GroupAverager:
                     await self._read_candidates(self._window.key, (self.region, 0), set())  # notes who is gone
                 gone = lobby.expected & (self._admission.departed.keys() | lobby.dead)
                 if gone:
-                    lobby.expected -= gone
-                    if lobby.expected <= set(lobby.joined):
-                        lobby.complete.set()
+                    lobby.expect_no_more(gone)
 
         poller = asyncio.create_task(drop_the_departed())  # ends after its read in flight: DHT calls are not cut
         with contextlib.suppress(asyncio.TimeoutError):
@@ -957,8 +962,7 @@ class GroupAverager:
                 await write_frame(writer, {"status": "no newcomer slot"})
                 return
         lobby.joined[peer] = header.get("gather")
-        if lobby.expected <= set(lobby.joined):
-            lobby.complete.set()
+        lobby.update()
         # a follower sends nothing after its join: the stream's end (a kill, or it gave up) drops it from the group
         closed = asyncio.create_task(_until_closed(reader))
         closed.add_done_callback(lambda task: task.cancelled() or lobby.leave(peer))

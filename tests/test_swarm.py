@@ -95,6 +95,14 @@ def _reference_rounds(tmp_path: Path, *, outer_lr: float, outer_momentum: float)
     return expected
 
 
+def _landed_steps(tmp_path: Path) -> list[list[int | None]]:
+    """Per peer, each round's ``landed_step`` (None: joined at the next sync point, not mid-phase)."""
+    return [
+        [e["landed_step"] for e in read_events(tmp_path / f"peer{i}.jsonl") if e["event"] == "round"]
+        for i in range(NUM_PEERS)
+    ]
+
+
 def _reference_overlapped(tmp_path: Path, *, outer_lr: float, outer_momentum: float) -> list[dict[str, torch.Tensor]]:
     """Single-process replay of the overlapped algorithm (swarm/overlap.py): at sync point j each peer's
     progress is delta_j = start_j - local_j; round j-1 steps the global state with the mean of the deltas of
@@ -108,10 +116,7 @@ def _reference_overlapped(tmp_path: Path, *, outer_lr: float, outer_momentum: fl
     base = [p.detach().clone().float() for _, p in model.named_parameters()]
     optimizer = torch.optim.SGD(base, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
     starts = [{name: param.clone() for name, param in zip(names, base)} for _ in range(NUM_PEERS)]
-    landed = [
-        [e["landed_step"] for e in read_events(tmp_path / f"peer{i}.jsonl") if e["event"] == "round"]
-        for i in range(NUM_PEERS)
-    ]
+    landed = _landed_steps(tmp_path)
     expected, pending = [], None
 
     steps = [0] * NUM_PEERS  # a pseudo-gradient weighs its phase's samples: phases differ in length here
@@ -168,10 +173,7 @@ def test_three_peers_average_exactly_and_learn(bootstrap_node, tmp_path, outer_l
         blocking = _reference_rounds(tmp_path, **settings)  # (a round that lands one step late is close to it)
         got = load_file(tmp_path / "dump0" / f"global_round{NUM_ROUNDS:04d}.safetensors")
         gap = max((got[n] - w).abs().max().item() for n, w in blocking[-1].items())
-        landed = [
-            [e["landed_step"] for e in read_events(tmp_path / f"peer{i}.jsonl") if e["event"] == "round"][:-1]
-            for i in range(NUM_PEERS)
-        ]
+        landed = [steps[:-1] for steps in _landed_steps(tmp_path)]
         # a round joined a phase late (no landed_step) must tell the replays apart; when every round but the
         # last landed mid-phase, at once on a fast round, the run was about blocking DiLoCo (seen: 2.4e-7)
         if any(step is None for steps in landed for step in steps):
