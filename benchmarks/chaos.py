@@ -26,7 +26,7 @@ progress (steps/min against the no-chaos arm), validation loss fell, every check
 peer's store verifies (signatures, quorum, shard hashes), every ledger verifies, no orphaned process
 (a killed peer's children exit within 5 s; SIGTERM at the end stops every peer with
 exit code 0), RSS growth per peer, rounds completed / attempted, rounds to re-merge after the
-partition, restarts that joined after the bootstrap died, the joiners' verified state and download time
+partition (counting the cut-off peer's rounds that began after the heal), restarts that joined after the bootstrap died, the joiners' verified state and download time
 against its floor (bytes / link rate), and the slow host's round time.
 """
 
@@ -624,10 +624,14 @@ def partition_summary(arm: _Arm) -> dict[str, Any] | None:
         for e in _rounds(inc, start=cut, end=healed)
         if (e.get("group_size") or 0) >= 2
     ]
-    after = sorted(
+    # a round after the heal is one that began after it: the round in flight when the link comes back looked
+    # for its group before it could see the other side (its end is what the event's time stamps)
+    ended_after = sorted(
         (e for inc in cut_off for e in inc.read() if e["event"] == "round" and e["t"] > healed), key=lambda e: e["t"]
     )
+    after = [e for e in ended_after if e["t"] - (e.get("duration_s") or 0.0) > healed]
     first = next((k for k, e in enumerate(after) if (e.get("group_size") or 0) >= 2), None)
+    first_ended = next((k for k, e in enumerate(ended_after) if (e.get("group_size") or 0) >= 2), None)
     return {
         "slot": part["slot"],
         "t": cut - arm.t0,
@@ -636,6 +640,7 @@ def partition_summary(arm: _Arm) -> dict[str, Any] | None:
         "other_side_grouped_rounds": len(others),
         "rounds_to_remerge": None if first is None else first + 1,
         "seconds_to_remerge": None if first is None else after[first]["t"] - healed,
+        "rounds_ended_after_heal_to_remerge": None if first_ended is None else first_ended + 1,
     }
 
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
 
-from benchmarks.chaos import ChaosConfig, build_parser, checks, config_from_args, run
+from benchmarks.chaos import ChaosConfig, build_parser, checks, config_from_args, partition_summary, run
 
 _NETNS = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 
@@ -120,6 +121,31 @@ def test_progress_is_judged_against_the_no_chaos_arm() -> None:
     assert result["progress vs no-chaos"] is False  # 450 < 0.5 x 1000
     baseline["progress"]["steps_per_min"] = 800.0
     assert {c["check"]: c["ok"] for c in checks(config, summary, baseline=baseline)}["progress vs no-chaos"] is True
+
+
+def test_the_re_merge_counts_the_rounds_that_began_after_the_heal() -> None:
+    """The round in flight when the link comes back looked for its group while cut off: it is not one of the
+    rounds after the heal (seed 1 at 2c32628: it ended 1.3 s after the heal, alone)."""
+
+    def round_(t: float, group_size: int) -> dict:
+        return {"event": "round", "t": t, "duration_s": 4.0, "group_size": group_size}
+
+    cut_off = [round_(95.0, 1), round_(101.0, 1), round_(106.0, 1), round_(111.0, 3)]  # heal at 100
+    other = [round_(t, 3) for t in (80.0, 90.0, 110.0)]
+    arm = SimpleNamespace(
+        partition={"slot": 1, "cut_at": 70.0, "healed_at": 100.0},
+        t0=0.0,
+        t_end=200.0,
+        incarnations=[
+            SimpleNamespace(slot=1, started=0.0, killed_at=None, read=lambda: cut_off),
+            SimpleNamespace(slot=0, started=0.0, killed_at=None, read=lambda: other),
+        ],
+    )
+    part = partition_summary(arm)
+    assert part["rounds_to_remerge"] == 2  # 106 and 111 began after the heal
+    assert part["rounds_ended_after_heal_to_remerge"] == 3  # the old count took in the round ending at 101
+    assert part["seconds_to_remerge"] == 11.0
+    assert part["other_side_grouped_rounds"] == 2  # 80 and 90 lie in the cut
 
 
 # Judged by the full run (RESILIENCE.md) against the matrix's bounds; in a 80-second run they depend on where
