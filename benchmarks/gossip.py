@@ -1,14 +1,17 @@
 """Time for a sealed manifest to reach every one of N peers by epidemic push on loopback, and the
 memory each peer takes.
 
-    python -m benchmarks.gossip [--peers 50] [--fanout 4] [--repeats 5]
+    python -m benchmarks.gossip [--peers 50] [--fanout 8] [--repeats 5] [--idle-s 10]
 
 Every peer is a real DHT node (its own DHT process and p2pd) with its own `ManifestGossip`; the
 gossip services of all peers live in this process (one thread and event loop each), which is what
 fits N = 50 on a small machine: a peer costs its DHT process and its p2pd, measured with psutil
 (RSS, and USS/PSS, which do not count the pages a forked DHT process shares with this one). A
 deployed peer also has its own Python main process (torch, the trainer), not counted here.
-Above 50 peers the benchmark first checks that the machine has the memory for them.
+The CPU time of every process (this one, the DHT processes, the daemons) is counted over ``--idle-s``
+seconds of the idle swarm and over each spread (``cpu_idle``, ``cpu_spreads``): benchmarks.scale_model
+takes a push's CPU cost on this machine from it. Above 50 peers the benchmark first checks that the
+machine has the memory for them.
 """
 
 from __future__ import annotations
@@ -113,6 +116,44 @@ def peer_memory(dhts: list) -> dict[str, Any]:
     }
 
 
+def peer_processes(dhts: list) -> dict[str, list[psutil.Process]]:
+    """This process, every peer's DHT process and every peer's p2pd, for CPU accounting."""
+    groups: dict[str, list[psutil.Process]] = {"main": [psutil.Process()], "dht": [], "p2pd": []}
+    for dht in dhts:
+        try:
+            dht_proc = psutil.Process(dht.pid)
+            groups["dht"].append(dht_proc)
+            groups["p2pd"].extend(c for c in dht_proc.children(recursive=True) if c.name() == "p2pd")
+        except psutil.Error:
+            continue
+    return groups
+
+
+def cpu_seconds(groups: dict[str, list[psutil.Process]]) -> dict[str, float]:
+    """User + system CPU seconds each group of processes has used so far (a process gone counts 0)."""
+    totals = {}
+    for name, procs in groups.items():
+        total = 0.0
+        for proc in procs:
+            try:
+                times = proc.cpu_times()
+            except psutil.Error:
+                continue
+            total += times.user + times.system
+        totals[name] = total
+    return totals
+
+
+def _cpu_delta(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
+    """CPU seconds each group used between two snapshots, and the cores each kept busy on average."""
+    used = {name: after[name] - before[name] for name in before}
+    return {
+        "wall_s": wall_s,
+        **{f"{k}_cpu_s": v for k, v in used.items()},
+        **{f"{k}_cores": v / wall_s for k, v in used.items()},
+    }
+
+
 def memory_rows(memory: dict[str, Any]) -> list[tuple[str, str]]:
     mib = 2**20
     return [
@@ -210,7 +251,9 @@ class _DestroyedTasks(logging.Handler):
             self.count += 1
 
 
-def run(num_peers: int, fanout: int, repeats: int, console: Console, timeout_s: float = 30.0) -> dict[str, Any]:
+def run(
+    num_peers: int, fanout: int, repeats: int, console: Console, timeout_s: float = 30.0, idle_s: float = 10.0
+) -> dict[str, Any]:
     dhts, gossips, ids = [], [], []
     destroyed = _DestroyedTasks()
     logging.getLogger("asyncio").addHandler(destroyed)
@@ -244,11 +287,24 @@ def run(num_peers: int, fanout: int, repeats: int, console: Console, timeout_s: 
         ids.extend(g.peer_id for g in gossips)
         memory = peer_memory(dhts)
         signers = [Identity.generate(), Identity.generate()]
-        arrivals, hops = [], []
+        procs = peer_processes(dhts)
+        with console.status(f"CPU of the idle swarm ({idle_s:.0f} s)"):
+            before, started = cpu_seconds(procs), time.monotonic()
+            time.sleep(idle_s)  # a measuring window, not a synchronisation
+            idle = _cpu_delta(before, cpu_seconds(procs), time.monotonic() - started)
+        arrivals, hops, spread_cpu = [], [], []
         for step in range(1, repeats + 1):
             origin[0] = step % num_peers
+            pushes = sum(g.received for g in gossips)
             with console.status(f"manifest {step}/{repeats}"):
+                before, started = cpu_seconds(procs), time.monotonic()
                 arrivals.append(_spread_once(gossips, step % num_peers, step, signers, timeout_s, accepted))
+                spread_cpu.append(
+                    {
+                        **_cpu_delta(before, cpu_seconds(procs), time.monotonic() - started),
+                        "pushes_received": sum(g.received for g in gossips) - pushes,
+                    }
+                )
             hops.append(_hops(sources.get(step, {}), ids))
         counters = {
             "received": sum(g.received for g in gossips),
@@ -288,6 +344,8 @@ def run(num_peers: int, fanout: int, repeats: int, console: Console, timeout_s: 
         "hops_to_all_mean": statistics.mean(complete_hops) if complete_hops else None,
         "counters": counters,
         "memory": memory,
+        "cpu_idle": idle,
+        "cpu_spreads": spread_cpu,
     }
 
 
@@ -325,12 +383,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", type=int, default=50)
     parser.add_argument("--fanout", type=int, default=GossipConfig().fanout)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--idle-s", type=float, default=10.0, help="seconds the idle swarm's CPU is counted before the spreads"
+    )
     parser.add_argument("--out", default=str(RESULTS), help="JSON output path (default: %(default)s)")
     args = parser.parse_args(argv)
     console = Console()
     try:
-        if args.peers < 2 or args.repeats < 1:
-            raise ValueError(f"need peers >= 2 and repeats >= 1, got {args.peers} and {args.repeats}")
+        if args.peers < 2 or args.repeats < 1 or args.idle_s <= 0:
+            raise ValueError(
+                f"need peers >= 2, repeats >= 1 and idle-s > 0, got {args.peers}, {args.repeats} and {args.idle_s}"
+            )
         check_memory(args.peers)
     except ValueError as e:
         console.print(f"[bold red]error:[/] {e}")
@@ -340,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {
             **run_metadata("gossip", argv, memory_total_bytes=psutil.virtual_memory().total),
             "config": {"peers": args.peers, "fanout": args.fanout, "repeats": args.repeats},
-            **run(args.peers, args.fanout, args.repeats, console),
+            **run(args.peers, args.fanout, args.repeats, console, idle_s=args.idle_s),
         }
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -16,10 +16,15 @@ The model (no processes; seconds even for 10,000 peers) follows what the code do
   (averaging.group). With one key, the nodes nearest that key serve every read of the run; sharded,
   no key has more than about ``shard_size`` peers, whatever the run's size.
 * **Gossip**: push to ``fanout`` random peers plus the successor on the ring of peer IDs, each peer
-  forwarding news once (swarm.checkpoint.gossip); a push takes a gamma-distributed time of mean ``hop``
-  seconds. Two free parameters, both fitted at 50 peers: the shape, to the mean number of pushes from
-  the publisher to the last peer reached (benchmarks.gossip follows each peer's first copy back), and
-  ``hop``, to the median time to half the peers.
+  forwarding news once (swarm.checkpoint.gossip). A push is ``job_s`` seconds of CPU work (both daemons,
+  both ends' Python) and a gamma-distributed delay (the rest: the wire, waits that are not work). Deployed,
+  every peer has its own machine. In benchmarks.gossip every peer shares this one: the pushes in flight
+  share its busy cores (processor sharing, as the kernel shares CPU among runnable processes), so a
+  push's time grows with the spread's own load. ``job_s`` and the cores are measured at 50 peers (the
+  benchmark counts every process's CPU over each spread); the delay's mean and shape are fitted there, to
+  the median time to half the peers and the mean pushes from the publisher to the last peer reached
+  (benchmarks.gossip follows each peer's first copy back). The 50-peer time to all and every 100-peer
+  figure are predictions.
 * **Bytes per peer per round**: the butterfly all-reduce (2(g-1)/g of the model in int8), the
   matchmaking reads (every node holding the key returns all its entries), a sealed manifest pushed to
   ``fanout + 1`` peers, and one capability query (the records live under
@@ -33,7 +38,7 @@ benchmarks.gossip), a counter inside each DHT process on its local storage's ``g
 request a node serves reads its storage once for the key); each peer stores its matchmaking entry and
 reads its key ``gets`` times, as a window does, once with one key and once sharded; finds served per
 node are set beside the model's for the same N and ``gets``. The gossip figures are checked against
-benchmarks/results/gossip_50peers_20261205.json and gossip_100peers_20261205b.json, when present.
+benchmarks/results/gossip_50peers_cpu_20261206.json and gossip_100peers_cpu_20261206.json, when present.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import concurrent.futures
+import dataclasses
 import heapq
 import json
 import math
@@ -62,8 +68,11 @@ from benchmarks._common import run_metadata, save_result
 from bootstrap.records import PEERS_SHARDS
 
 RESULTS = Path(__file__).parent / "results" / "scale_model.json"
-GOSSIP_RESULTS = {50: Path(__file__).parent / "results" / "gossip_50peers_20261205.json"}
-GOSSIP_RESULTS[100] = Path(__file__).parent / "results" / "gossip_100peers_20261205b.json"
+GOSSIP_RESULTS = {
+    50: Path(__file__).parent / "results" / "gossip_50peers_cpu_20261206.json",
+    100: Path(__file__).parent / "results" / "gossip_100peers_cpu_20261206.json",
+}
+"""benchmarks.gossip runs with the CPU of every process counted (``cpu_spreads``, ``cpu_idle``)."""
 ID_BITS = 160
 BUCKET = 20  # hivemind DHTNode bucket_size, and the beam of every traversal
 WORKERS = 4  # hivemind DEFAULT_NUM_WORKERS
@@ -180,33 +189,32 @@ def matchmaking_load(n: int, gets: int, shard_size: int, *, seed: int = 0, per_k
 
 # ------------------------------------------------------------------------------------ gossip
 def gossip_spread(
-    n: int, fanout: int, hop_s: float, *, shape: float = 1.0, repeats: int = 200, seed: int = 0
+    n: int,
+    fanout: int,
+    delay_s: float,
+    *,
+    shape: float = 1.0,
+    job_s: float = 0.0,
+    cores: float | None = None,
+    repeats: int = 200,
+    seed: int = 0,
 ) -> dict[str, float]:
     """Push gossip with a ring successor: median seconds to half and to all peers, rounds to all (every
     push of a round landing before the next), and pushes from the publisher to the last peer reached
-    along the path that reached it first (``hops_to_all``, what benchmarks.gossip measures). A push takes
-    a gamma-distributed time of mean ``hop_s``; ``shape`` 1 is exponential, larger is less spread out."""
+    along the path that reached it first (``hops_to_all``, what benchmarks.gossip measures).
+
+    A push is a gamma-distributed delay of mean ``delay_s`` (``shape`` 1 is exponential, larger is less
+    spread out), then ``job_s`` CPU seconds of work (both daemons, both ends' Python). With ``cores``
+    None every peer has its own machine, so the work only adds ``job_s``. With ``cores`` every peer lives
+    on one machine of that many free cores, as in benchmarks.gossip: the pushes being worked on share them
+    (processor sharing, as the kernel's scheduler shares CPU among runnable processes; a push never gets
+    more than one core), so a push's time grows with the pushes in flight. A peer forwards once its
+    first copy is done."""
     rng = random.Random(seed)
     to_half, to_all, rounds_all, hops_all = [], [], [], []
     for _ in range(repeats):
-        arrival, hops = [math.inf] * n, [0] * n
-        origin = rng.randrange(n)
-        arrival[origin] = 0.0
-        queue = [(0.0, origin)]
-        done: set[int] = set()
-        while queue:
-            t, peer = heapq.heappop(queue)
-            if peer in done:
-                continue
-            done.add(peer)
-            targets = set(rng.sample(range(n), min(fanout, n - 1))) | {(peer + 1) % n}
-            targets.discard(peer)
-            for target in targets:
-                at = t + rng.gammavariate(shape, hop_s / shape)
-                if at < arrival[target]:
-                    arrival[target], hops[target] = at, hops[peer] + 1
-                    heapq.heappush(queue, (at, target))
-        times = sorted(arrival)
+        done, hops = _one_spread(n, fanout, delay_s, shape, job_s, cores, rng)
+        times = sorted(done)
         to_half.append(times[n // 2])
         to_all.append(times[-1])
         hops_all.append(max(hops))
@@ -219,6 +227,50 @@ def gossip_spread(
         "hops_to_all": statistics.median(hops_all),
         "hops_to_all_mean": statistics.mean(hops_all),
     }
+
+
+def _one_spread(
+    n: int, fanout: int, delay_s: float, shape: float, job_s: float, cores: float | None, rng: random.Random
+) -> tuple[list[float], list[int]]:
+    """One spread of `gossip_spread`: when each peer had its first copy, and the pushes that brought it."""
+    done, hops = [math.inf] * n, [0] * n
+    arriving: list[tuple[float, int, int]] = []  # (time the push's work starts, target, its hops)
+
+    def forward(peer: int, t: float) -> None:
+        targets = set(rng.sample(range(n), min(fanout, n - 1))) | {(peer + 1) % n}
+        targets.discard(peer)
+        for target in targets:
+            delay = rng.gammavariate(shape, delay_s / shape) if delay_s > 0 else 0.0
+            heapq.heappush(arriving, (t + delay, target, hops[peer] + 1))
+
+    def accept(target: int, t: float, hop: int) -> None:
+        if done[target] == math.inf:
+            done[target], hops[target] = t, hop
+            forward(target, t)
+
+    origin = rng.randrange(n)
+    done[origin] = 0.0
+    forward(origin, 0.0)
+    if cores is None:
+        while arriving:
+            t, target, hop = heapq.heappop(arriving)
+            accept(target, t + job_s, hop)
+    else:
+        # processor sharing in virtual time: a push in flight gets min(1, cores / k) of a core
+        working: list[tuple[float, int, int]] = []  # (virtual time it is done, target, its hops)
+        t = virtual = 0.0
+        while arriving or working:
+            rate = min(1.0, cores / len(working)) if working else 0.0
+            t_done = t + (working[0][0] - virtual) / rate if working else math.inf
+            if arriving and arriving[0][0] <= t_done:
+                t_next, target, hop = heapq.heappop(arriving)
+                virtual, t = virtual + rate * (t_next - t), t_next
+                heapq.heappush(working, (virtual + job_s, target, hop))
+            else:
+                virtual, t = virtual + rate * (t_done - t), t_done
+                _, target, hop = heapq.heappop(working)
+                accept(target, t, hop)
+    return done, hops
 
 
 def _synchronous_rounds(n: int, fanout: int, rng: random.Random) -> int:
@@ -235,21 +287,56 @@ def _synchronous_rounds(n: int, fanout: int, rng: random.Random) -> int:
     return rounds
 
 
-SHAPES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+SHAPES = (1.0, 2.0, 4.0, 8.0)
+DELAYS_S = (0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06)
 
 
-def fit_shape(n: int, fanout: int, hops_to_all_mean: float) -> float:
-    """The push time's shape (of :data:`SHAPES`) whose mean pushes to the last of ``n`` peers is nearest
-    ``hops_to_all_mean``: how many pushes the first copy to reach a peer took tells how uneven pushes
-    are (with exponential times, chains of quick pushes win: 7 pushes to the last of 50 peers against 4
-    measured)."""
-    return min(SHAPES, key=lambda k: abs(gossip_spread(n, fanout, 1.0, shape=k)["hops_to_all_mean"] - hops_to_all_mean))
+@dataclass(frozen=True)
+class PushCost:
+    """What a push costs, from a benchmarks.gossip run: ``job_s`` and ``cores`` measured (CPU accounting),
+    ``delay_s`` and ``shape`` fitted."""
+
+    job_s: float
+    """CPU seconds a push costs (the gossip process, both daemons, the DHT processes; per push received)."""
+    cores: float
+    """Cores a spread kept busy on the measuring machine (all its processes together)."""
+    delay_s: float = 0.0
+    """Mean of the rest of a push's time (the wire and the waits that are not CPU work)."""
+    shape: float = 1.0
 
 
-def fit_hop(n: int, fanout: int, to_half_s: float, *, shape: float = 1.0) -> float:
-    """The mean push time that makes the model's median time to half of ``n`` peers ``to_half_s``."""
-    unit = gossip_spread(n, fanout, 1.0, shape=shape)["to_half_s"]
-    return to_half_s / unit
+def host_cost(result: dict) -> PushCost | None:
+    """The measured half of :class:`PushCost` from a benchmarks.gossip run (medians over its spreads); None
+    for a run without CPU figures."""
+    spreads = [c for c in result.get("cpu_spreads", ()) if c.get("pushes_received") and c.get("wall_s")]
+    if not spreads:
+        return None
+
+    def total(c: dict) -> float:
+        return c["main_cpu_s"] + c["p2pd_cpu_s"] + c["dht_cpu_s"]
+
+    return PushCost(
+        job_s=statistics.median(total(c) / c["pushes_received"] for c in spreads),
+        cores=statistics.median(total(c) / c["wall_s"] for c in spreads),
+    )
+
+
+def fit_push(n: int, fanout: int, result: dict) -> PushCost | None:
+    """:class:`PushCost` for a benchmarks.gossip run of ``n`` peers on one machine: the CPU work and the busy
+    cores as measured, then the delay (of :data:`DELAYS_S`) and the shape (of :data:`SHAPES`) whose
+    shared-host spread comes nearest the run's median time to half and mean pushes to the last peer
+    (relative errors, squared and summed). Two figures fitted, two parameters."""
+    cost = host_cost(result)
+    if cost is None or result.get("hops_to_all_mean") is None:
+        return None
+    half, hops = result["to_half_s_median"], result["hops_to_all_mean"]
+
+    def error(delay: float, shape: float) -> float:
+        model = gossip_spread(n, fanout, delay, shape=shape, job_s=cost.job_s, cores=cost.cores, repeats=100)
+        return ((model["to_half_s"] - half) / half) ** 2 + ((model["hops_to_all_mean"] - hops) / hops) ** 2
+
+    delay, shape = min(((d, k) for d in DELAYS_S for k in SHAPES), key=lambda pair: error(*pair))
+    return PushCost(job_s=cost.job_s, cores=cost.cores, delay_s=delay, shape=shape)
 
 
 # ------------------------------------------------------------------------------------ bytes
@@ -355,7 +442,7 @@ def _within(predicted: float, measured: float) -> bool:
     return abs(predicted - measured) <= TOLERANCE * measured
 
 
-def checks(measured: list[dict], gossip: dict[int, dict], fanout: int) -> tuple[list[dict], float | None, float]:
+def checks(measured: list[dict], gossip: dict[int, dict], fanout: int) -> tuple[list[dict], PushCost | None]:
     rows = []
     for m in measured:
         for label in ("one key", "sharded"):
@@ -371,34 +458,29 @@ def checks(measured: list[dict], gossip: dict[int, dict], fanout: int) -> tuple[
                         "ok": _within(predicted, got),
                     }
                 )
-    hop, shape = None, 1.0
-    if 50 in gossip:
-        if gossip[50].get("hops_to_all_mean") is not None:
-            shape = fit_shape(50, fanout, gossip[50]["hops_to_all_mean"])
-        hop = fit_hop(50, fanout, gossip[50]["to_half_s_median"], shape=shape)
+    push = fit_push(50, fanout, gossip[50]) if 50 in gossip else None
+    if push is not None:
         for n, result in sorted(gossip.items()):
-            model = gossip_spread(n, fanout, hop, shape=shape)
-            for figure, key in (("to half", "to_half_s_median"), ("to all", "to_all_s_median")):
-                if n == 50 and figure == "to half":
-                    continue  # the fitted figure
+            model = gossip_spread(n, fanout, push.delay_s, shape=push.shape, job_s=push.job_s, cores=push.cores)
+            for figure, key in (
+                ("median seconds to half", "to_half_s_median"),
+                ("median seconds to all", "to_all_s_median"),
+                ("pushes from the publisher to the last peer (mean)", "hops_to_all_mean"),
+            ):
+                if n == 50 and key != "to_all_s_median":
+                    continue  # the fitted figures
+                if result.get(key) is None:
+                    continue
+                predicted = model[key.removesuffix("_median")]
                 rows.append(
                     {
-                        "check": f"{n} peers: gossip, median seconds {figure}",
-                        "model": model[f"{figure.replace(' ', '_')}_s"],
+                        "check": f"{n} peers on this machine: gossip, {figure}",
+                        "model": predicted,
                         "measured": result[key],
-                        "ok": _within(model[f"{figure.replace(' ', '_')}_s"], result[key]),
+                        "ok": _within(predicted, result[key]),
                     }
                 )
-            if n != 50 and result.get("hops_to_all_mean") is not None:  # 50: the fitted figure
-                rows.append(
-                    {
-                        "check": f"{n} peers: gossip, pushes from the publisher to the last peer (mean)",
-                        "model": model["hops_to_all_mean"],
-                        "measured": result["hops_to_all_mean"],
-                        "ok": _within(model["hops_to_all_mean"], result["hops_to_all_mean"]),
-                    }
-                )
-    return rows, hop, shape
+    return rows, push
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -419,13 +501,17 @@ def main(argv: list[str] | None = None) -> int:
     measured = [measure(n, args.gets, args.measure_shard_size, console) for n in args.measure]
     gossip = {n: json.loads(p.read_text()) for n, p in GOSSIP_RESULTS.items() if p.exists()}
     gossip = {n: g for n, g in gossip.items() if g.get("peers") == n and g.get("fanout") == fanout}
-    rows, hop, shape = checks(measured, gossip, fanout)
+    rows, push = checks(measured, gossip, fanout)
+    push = push or PushCost(job_s=0.0, cores=1.0, delay_s=0.05)
 
     table_rows = []
     for n in args.sizes:
         one = matchmaking_load(n, args.window_gets, 0)
         sharded = matchmaking_load(n, args.window_gets, shard_size)
-        spread = gossip_spread(n, fanout, hop or 0.1, shape=shape, repeats=50 if n > 1000 else 200)
+        # deployed: every peer its own machine
+        spread = gossip_spread(
+            n, fanout, push.delay_s, shape=push.shape, job_s=push.job_s, repeats=50 if n > 1000 else 200
+        )
         table_rows.append(
             {
                 "peers": n,
@@ -453,8 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": vars(args),
         "shard_size": shard_size,
         "fanout": fanout,
-        "gossip_hop_s": hop,
-        "gossip_hop_shape": shape,
+        "gossip_push": dataclasses.asdict(push),
         "measured": measured,
         "checks": rows,
         "passed": all(r["ok"] for r in rows),
@@ -465,6 +550,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if result["passed"] else 1
 
 
+def _push_text(push: dict) -> str:
+    return (
+        f"{push['job_s'] * 1e3:.2f} ms of CPU (a spread here kept {push['cores']:.2f} cores busy), "
+        f"then a gamma delay of mean {push['delay_s'] * 1e3:.1f} ms, shape {push['shape']:g}"
+    )
+
+
 def print_tables(result: dict[str, Any], console: Console) -> None:
     check = Table(title=f"scale model against measurements (within {TOLERANCE:.0%})")
     for column in ("check", "model", "measured", "ok"):
@@ -473,7 +565,7 @@ def print_tables(result: dict[str, Any], console: Console) -> None:
         check.add_row(r["check"], f"{r['model']:.3g}", f"{r['measured']:.3g}", "ok" if r["ok"] else "MISS")
     console.print(check)
     table = Table(
-        title=f"the model at scale (shard_size {result['shard_size']}, gossip hop {result['gossip_hop_s']}, shape {result['gossip_hop_shape']})"
+        title=f"the model at scale (shard_size {result['shard_size']}, a push: {_push_text(result['gossip_push'])})"
     )
     for column in (
         "peers",

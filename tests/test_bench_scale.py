@@ -79,7 +79,7 @@ def test_churn_observes_the_kill_and_the_replacements_state_sync(tmp_path: Path)
 
 def test_gossip_reaches_every_peer_and_measures_memory(tmp_path: Path) -> None:
     out = tmp_path / "gossip.json"
-    assert gossip.main(["--peers", "5", "--repeats", "2", "--out", str(out)]) == 0
+    assert gossip.main(["--peers", "5", "--repeats", "2", "--idle-s", "0.5", "--out", str(out)]) == 0
     result = _read(out)
     assert result["peers"] == 5 and len(result["to_all_s"]) == 2
     assert result["complete_spreads"] == 2  # the DHT-index pull reaches any peer the push missed
@@ -91,6 +91,9 @@ def test_gossip_reaches_every_peer_and_measures_memory(tmp_path: Path) -> None:
     for peer in memory["per_peer"]:
         assert peer["p2pd"]["rss"] > 0 and peer["python"]["rss"] > 0  # every peer's p2pd was found
         assert 0 < peer["uss"] <= peer["rss"]
+    # the CPU of every process, for the scale model's cost of a push (benchmarks.scale_model.host_cost)
+    assert result["cpu_idle"]["wall_s"] >= 0.5 and len(result["cpu_spreads"]) == 2
+    assert all(c["pushes_received"] >= 4 and c["p2pd_cpu_s"] >= 0 for c in result["cpu_spreads"])
 
 
 def test_gossip_refuses_more_peers_than_memory_allows(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,6 +162,13 @@ def test_scale_model_visits_each_keys_beam_and_sharding_bounds_the_hottest_node(
     even = scale_model.gossip_spread(100, 8, 0.1, shape=32.0, repeats=20)
     assert even["hops_to_all_mean"] < spread["hops_to_all_mean"]  # uneven pushes let chains of quick ones win
     assert even["rounds_to_all"] <= even["hops_to_all_mean"] <= even["rounds_to_all"] + 2, even
+    # one machine for every peer (benchmarks.gossip): with cores to spare it is the own-machine model exactly,
+    # with few the pushes in flight share them, and no spread beats its work on those cores
+    own = scale_model.gossip_spread(50, 8, 0.01, shape=2.0, job_s=1e-3, repeats=20)
+    spare = scale_model.gossip_spread(50, 8, 0.01, shape=2.0, job_s=1e-3, cores=1e9, repeats=20)
+    assert spare == own, (spare, own)
+    shared = scale_model.gossip_spread(50, 8, 0.01, shape=2.0, job_s=1e-3, cores=1.0, repeats=20)
+    assert shared["to_all_s"] > own["to_all_s"] and shared["to_all_s"] >= 49 * 1e-3, (shared, own)
 
 
 def test_gossip_benchmark_follows_each_first_copy_back_to_the_publisher() -> None:
