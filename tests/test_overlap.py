@@ -172,35 +172,3 @@ def test_an_identity_key_others_can_read_is_refused_before_anything_starts(tmp_p
             model, torch.optim.SGD(model.parameters(), lr=0.1), run="r", identity=Identity.generate(), identity_key=key
         )
     assert Identity.of(None, None).path == Path.home() / ".swarm" / "identity.key"  # swarm.peer's default
-
-
-def test_a_peer_alone_last_round_pings_its_known_peers_before_it_looks_again(monkeypatch) -> None:
-    """After a lonely round (a cut that healed, say) the peer's routing table may be empty: it pings its known
-    peers and waits up to a second for them before it reads the matchmaking key, not only after the round
-    (partition experiment, stop 46: the first round after the heal then grouped). A peer that grouped last
-    round goes straight to matchmaking."""
-    from types import SimpleNamespace
-
-    from swarm import round_runner
-
-    calls: list[tuple] = []
-    monkeypatch.setattr(round_runner.rounds, "gather_metadata", lambda *args, **kwargs: {})
-    runner = SimpleNamespace(
-        checkpoints=None,
-        counters=SimpleNamespace(rounds_ok=3, rounds_solo=1),
-        outer=SimpleNamespace(round=4),
-        binding=None,
-        book=SimpleNamespace(solo_streak=1),
-        presence=SimpleNamespace(
-            reconnect=lambda wait_s=0.0: calls.append(("reconnect", wait_s)),
-            run_peers=lambda: calls.append(("run_peers",)) or set(),
-        ),
-        group_averager=SimpleNamespace(step=lambda *args, **kwargs: calls.append(("step",)) or (None, None, None)),
-        config=SimpleNamespace(averaging=SimpleNamespace(round_timeout_s=5.0)),
-    )
-    round_runner.RoundRunner._average(runner, torch.zeros(2), 8, "digest")
-    assert calls == [("reconnect", round_runner._RECONNECT_WAIT_S), ("run_peers",), ("step",)]
-    calls.clear()
-    runner.book.solo_streak = 0
-    round_runner.RoundRunner._average(runner, torch.zeros(2), 8, "digest")
-    assert calls == [("run_peers",), ("step",)]
