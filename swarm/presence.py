@@ -215,23 +215,19 @@ class Presence:
         """The next `run_peers` reads the records again (a member of a group was not among them)."""
         self._run_peers = (-float("inf"), self._run_peers[1])
 
-    def reconnect(self, *, wait_s: float = 0.0) -> None:
+    def reconnect(self) -> None:
         """Alone this round: ping the peers of recent groups, the run's known peers and the initial peers,
         in the background. A partition (or any run of failed DHT calls) empties the DHT's routing table,
-        and nothing would bring this peer back to the others until one of them happened to call it.
-
-        ``wait_s``: wait up to that long for the pings (a lonely peer about to look for a group again: each
-        peer that answers is back in its routing table before it reads the matchmaking key)."""
-        if self._reconnecting is None or self._reconnecting.done():
-            peers = [*self.recent.newest_first(), *sorted(self.run_peers()), *self._initial]
-            try:
-                self._reconnecting = reconnect(self.dht, peers)
-            except Exception as e:  # the DHT process is gone or closing: nothing to reconnect
-                logger.debug("could not ping known peers: %r", e)
-                return
-            self._reconnecting.add_done_callback(_log_reconnected)
-        if wait_s > 0:
-            concurrent.futures.wait([self._reconnecting], timeout=wait_s)
+        and nothing would bring this peer back to the others until one of them happened to call it."""
+        if self._reconnecting is not None and not self._reconnecting.done():
+            return
+        peers = [*self.recent.newest_first(), *sorted(self.run_peers()), *self._initial]
+        try:
+            self._reconnecting = reconnect(self.dht, peers)
+        except Exception as e:  # the DHT process is gone or closing: nothing to reconnect
+            logger.debug("could not ping known peers: %r", e)
+            return
+        self._reconnecting.add_done_callback(_log_reconnected)
 
     def close(self) -> None:
         """Stop probing and withdraw the record (the status entry expires on its own). Idempotent."""

@@ -31,8 +31,6 @@ if TYPE_CHECKING:
     from swarm.presence import Presence
 
 logger = logging.getLogger(__name__)
-_RECONNECT_WAIT_S = 1.0
-"""How long a peer that was alone last round waits for its reconnect pings before it looks for a group."""
 
 
 class RoundRunner:
@@ -123,8 +121,6 @@ class RoundRunner:
             gather["work"] = work
         expected: set[str] = set()
         try:
-            if self.book.solo_streak > 0:  # alone last round: be reachable before looking again (a healed cut)
-                self.presence.reconnect(wait_s=_RECONNECT_WAIT_S)
             expected = self.presence.run_peers()  # all of them looking: the window closes early
             averaged, record, group = self.group_averager.step(
                 tensor,
