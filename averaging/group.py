@@ -43,11 +43,12 @@ of the slice, only in a round with a fault, counted in ``GroupAverager.revised_s
 never answers loses its slice: the members re-form a group from the survivors and retry, within the round's
 deadline; a member that no reducer had a part from and whose list of senders never came by the agreement's
 deadline is not waited for past it (it is gone or cut off; judged once another member's list came). A
-member whose stream breaks or is refused is probed once on a fresh stream; one found gone (a killed peer's dial fails; a restarted one is in no
-round) is waited for no longer -- neither its part nor its list of senders -- so a SIGKILL costs the
-survivors the retry, not the deadlines; a leader probes the followers that have not joined 0.5 s in, and
-leaves out of the group a follower whose join stream ended before the group formed (killed, or it gave up):
-it could not hear of the group, and the others would wait for its part.
+member whose stream breaks or is refused is probed once on a fresh stream; one found gone (a killed peer's
+dial fails; a restarted one is in no round) is waited for no longer -- neither its part nor its list of
+senders -- so a SIGKILL costs the survivors the retry, not the deadlines; a leader probes the followers
+that have not joined 0.5 s in, and leaves out of the group a follower whose join stream ended before the
+group formed (killed, or it gave up): it could not hear of the group, and the others would wait for its
+part.
 `_PROBE_WINDOW_AFTER_S` into a matchmaking window, the expected members that are not looking are probed
 once; one whose dial or stream fails, or that says it is loading state (`GroupAverager.loading`: a restarted
 peer), is not waited for in that window (a slow or missing answer is no proof: it is still waited for).

@@ -26,8 +26,9 @@ progress (steps/min against the no-chaos arm), validation loss fell, every check
 peer's store verifies (signatures, quorum, shard hashes), every ledger verifies, no orphaned process
 (a killed peer's children exit within 5 s; SIGTERM at the end stops every peer with
 exit code 0), RSS growth per peer, rounds completed / attempted, rounds to re-merge after the
-partition (counting the cut-off peer's rounds that began after the heal), restarts that joined after the bootstrap died, the joiners' verified state and download time
-against its floor (bytes / link rate), and the slow host's round time.
+partition (counting the cut-off peer's rounds that began after the heal), restarts that joined after the
+bootstrap died, the joiners' verified state and download time against its floor (bytes / link rate), and
+the slow host's round time.
 """
 
 from __future__ import annotations
@@ -630,17 +631,20 @@ def partition_summary(arm: _Arm) -> dict[str, Any] | None:
         (e for inc in cut_off for e in inc.read() if e["event"] == "round" and e["t"] > healed), key=lambda e: e["t"]
     )
     after = [e for e in ended_after if e["t"] - (e.get("duration_s") or 0.0) > healed]
-    first = next((k for k, e in enumerate(after) if (e.get("group_size") or 0) >= 2), None)
-    first_ended = next((k for k, e in enumerate(ended_after) if (e.get("group_size") or 0) >= 2), None)
+
+    def to_first_group(rounds: list[dict[str, Any]]) -> int | None:
+        return next((k + 1 for k, e in enumerate(rounds) if (e.get("group_size") or 0) >= 2), None)
+
+    count, count_ended = to_first_group(after), to_first_group(ended_after)
     return {
         "slot": part["slot"],
         "t": cut - arm.t0,
         "seconds": healed - cut,
         "isolated_side_steps": isolated_steps,
         "other_side_grouped_rounds": len(others),
-        "rounds_to_remerge": None if first is None else first + 1,
-        "seconds_to_remerge": None if first is None else after[first]["t"] - healed,
-        "rounds_ended_after_heal_to_remerge": None if first_ended is None else first_ended + 1,
+        "rounds_to_remerge": count,
+        "seconds_to_remerge": None if count is None else after[count - 1]["t"] - healed,
+        "rounds_ended_after_heal_to_remerge": count_ended,
     }
 
 

@@ -87,13 +87,18 @@ def _mem(proc: psutil.Process) -> dict[str, int]:
     return {"rss": info.rss, "uss": info.uss, "pss": getattr(info, "pss", info.uss)}
 
 
+def _peer_processes(dht: Any) -> tuple[psutil.Process, list[psutil.Process]]:
+    """A peer's DHT process and its p2pd (none found: empty). Raises psutil.Error if the process is gone."""
+    dht_proc = psutil.Process(dht.pid)
+    return dht_proc, [c for c in dht_proc.children(recursive=True) if c.name() == "p2pd"]
+
+
 def peer_memory(dhts: list) -> dict[str, Any]:
     """Memory of each peer (its DHT process plus that process's p2pd) and of this process, in bytes."""
     per_peer = []
     for dht in dhts:
         try:
-            dht_proc = psutil.Process(dht.pid)
-            p2pd = [c for c in dht_proc.children(recursive=True) if c.name() == "p2pd"]
+            dht_proc, p2pd = _peer_processes(dht)
             python, daemon = _mem(dht_proc), _mem(p2pd[0]) if p2pd else {"rss": 0, "uss": 0, "pss": 0}
         except psutil.Error:
             continue
@@ -121,11 +126,11 @@ def peer_processes(dhts: list) -> dict[str, list[psutil.Process]]:
     groups: dict[str, list[psutil.Process]] = {"main": [psutil.Process()], "dht": [], "p2pd": []}
     for dht in dhts:
         try:
-            dht_proc = psutil.Process(dht.pid)
-            groups["dht"].append(dht_proc)
-            groups["p2pd"].extend(c for c in dht_proc.children(recursive=True) if c.name() == "p2pd")
+            dht_proc, p2pd = _peer_processes(dht)
         except psutil.Error:
             continue
+        groups["dht"].append(dht_proc)
+        groups["p2pd"].extend(p2pd)
     return groups
 
 

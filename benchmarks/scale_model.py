@@ -235,13 +235,18 @@ def _one_spread(
     """One spread of `gossip_spread`: when each peer had its first copy, and the pushes that brought it."""
     done, hops = [math.inf] * n, [0] * n
     arriving: list[tuple[float, int, int]] = []  # (time the push's work starts, target, its hops)
+    earliest = [math.inf] * n  # own machines: a push later than one already on its way never brings a first copy
 
     def forward(peer: int, t: float) -> None:
         targets = set(rng.sample(range(n), min(fanout, n - 1))) | {(peer + 1) % n}
         targets.discard(peer)
         for target in targets:
-            delay = rng.gammavariate(shape, delay_s / shape) if delay_s > 0 else 0.0
-            heapq.heappush(arriving, (t + delay, target, hops[peer] + 1))
+            at = t + (rng.gammavariate(shape, delay_s / shape) if delay_s > 0 else 0.0)
+            if cores is None:
+                if at > earliest[target]:
+                    continue
+                earliest[target] = at
+            heapq.heappush(arriving, (at, target, hops[peer] + 1))
 
     def accept(target: int, t: float, hop: int) -> None:
         if done[target] == math.inf:
@@ -336,7 +341,7 @@ def fit_push(n: int, fanout: int, result: dict) -> PushCost | None:
         return ((model["to_half_s"] - half) / half) ** 2 + ((model["hops_to_all_mean"] - hops) / hops) ** 2
 
     delay, shape = min(((d, k) for d in DELAYS_S for k in SHAPES), key=lambda pair: error(*pair))
-    return PushCost(job_s=cost.job_s, cores=cost.cores, delay_s=delay, shape=shape)
+    return dataclasses.replace(cost, delay_s=delay, shape=shape)
 
 
 # ------------------------------------------------------------------------------------ bytes
