@@ -46,8 +46,9 @@ deadline is not waited for past it (it is gone or cut off; judged once another m
 member whose stream breaks or is refused is probed once on a fresh stream; one found gone (a killed peer's
 dial fails; a restarted one is in no round) is waited for no longer -- neither its part nor its list of
 senders -- so a SIGKILL costs the survivors the retry, not the deadlines; a leader probes the followers
-that have not joined 0.5 s in, and leaves out of the group a follower whose join stream ended before the
-group formed (killed, or it gave up): it could not hear of the group, and the others would wait for its
+that have not joined 0.5 s in (one that does not answer within the probe's 2 s is slow, not gone: it is
+waited for until the join deadline), and leaves out of the group a follower whose join stream ended before
+the group formed (killed, or it gave up): it could not hear of the group, and the others would wait for its
 part.
 `_PROBE_WINDOW_AFTER_S` into a matchmaking window, the expected members that are not looking are probed
 once; one whose dial or stream fails, or that says it is loading state (`GroupAverager.loading`: a restarted
@@ -848,14 +849,15 @@ class GroupAverager:
         """Until the chunk's followers have joined, or ``join_deadline``. A follower that says it left the run
         meanwhile (a "gone" entry: a clean leave) is not waited for: a poller reads the key every
         `_GONE_POLL_S` beside the wait (a slow read never delays the group). Nor is one that a probe finds
-        gone (killed: its dial fails; restarted: it is in no round), asked once `_PROBE_ABSENT_AFTER_S` in."""
+        gone (killed: its dial fails; restarted: it is in no round), asked once `_PROBE_ABSENT_AFTER_S` in; one
+        that does not answer the probe in time is still waited for (a loaded machine answers late)."""
 
         probed = False
         started = time.monotonic()
 
         async def probe_the_absent() -> None:
             absent = sorted(lobby.expected - set(lobby.joined))
-            alive = await asyncio.gather(*(self._probe(p, "", _PROBE_TIMEOUT_S) for p in absent))
+            alive = await asyncio.gather(*(self._probe(p, "", _PROBE_TIMEOUT_S, slow_is_gone=False) for p in absent))
             lobby.dead |= {p for p, ok in zip(absent, alive) if not ok}
 
         async def drop_the_departed() -> None:
@@ -1332,13 +1334,17 @@ class GroupAverager:
             finally:
                 writer.close()
 
-    async def _probe(self, peer: str, group_id: str, timeout_s: float) -> bool:
+    async def _probe(self, peer: str, group_id: str, timeout_s: float, *, slow_is_gone: bool = True) -> bool:
         """Whether ``peer`` still takes part in a round (``group_id``'s attempt, or any while a group forms),
         asked on a fresh stream. False for a killed peer (the dial fails) and a restarted one (it is in no
-        round), and for one that does not answer within ``timeout_s``."""
+        round), and for one that does not answer within ``timeout_s`` unless ``slow_is_gone`` is False: a
+        follower not joined yet may be slow (a loaded machine), which is no proof of death."""
         try:
             reply = await self._ask_probe(peer, group_id, timeout_s)
-        except Exception as e:  # a dial that fails, a reset, a timeout: gone
+        except TimeoutError:
+            logger.debug("probe of %s timed out after %.1f s", peer[-6:], timeout_s)
+            return not slow_is_gone
+        except Exception as e:  # a dial that fails, a reset: gone
             logger.debug("probe of %s failed: %r", peer[-6:], e)
             return False
         return reply.get("status") == "ok"

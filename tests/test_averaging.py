@@ -20,6 +20,7 @@ import torch
 from helpers import wait_until
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
+from averaging import group as group_module
 from averaging import membership
 from averaging.aggregation import Contribution, aggregate
 from averaging.compression import get_codec
@@ -344,6 +345,43 @@ def test_a_follower_that_dies_in_the_lobby_is_left_out_of_the_group(make_group):
     failures = results[leader][1].failures
     closed = "its join stream closed before the group formed"
     assert {"peer": averagers[victim].peer_id, "phase": "matchmaking", "reason": closed} in failures, failures
+
+
+@pytest.mark.timeout(120)
+def test_a_follower_that_answers_the_leaders_probe_late_is_still_waited_for(make_group, monkeypatch):
+    """CI of stop 46: on a loaded machine a live follower that had not joined 0.5 s in did not answer its
+    leader's probe within the probe's timeout, was judged gone, and averaged apart from the others. A probe
+    that times out is no proof of death (a killed peer's dial fails at once): the follower is waited for until
+    the join deadline, and joins. The leader's probe of it is made to time out; the follower joins late."""
+    monkeypatch.setattr(group_module, "_PROBE_TIMEOUT_S", 0.5)
+    averagers = make_group(aggregator="mean", join_timeout_s=5.0)
+    tensors, weights = _inputs()
+    order = sorted(range(NUM_PEERS), key=lambda i: averagers[i].peer_id)
+    leader, slow = order[0], order[1]  # the leader of a chunk is its lowest peer ID
+    faults = FaultInjector(stall_s=1.5)  # joins 1.5 s after the draw: after its probe timed out (0.5 + 0.5 s)
+    for i, averager in enumerate(averagers):
+        faults.attach(averager, f"peer{i}")
+    faults.add(f"peer{slow}", 1, "matchmaking", "stall")
+    timed_out = []
+    ask_probe = averagers[leader]._ask_probe
+
+    async def late_answer(peer, group_id, timeout_s):
+        if peer != averagers[slow].peer_id:
+            return await ask_probe(peer, group_id, timeout_s)
+        await asyncio.sleep(timeout_s)
+        timed_out.append(peer)
+        raise TimeoutError
+
+    averagers[leader]._ask_probe = late_answer
+    results = _run(averagers, tensors, weights, timeout_s=15.0)
+    assert faults.fired[(f"peer{slow}", 1, "matchmaking", "stall")] == 1, faults.fired
+    assert timed_out == [averagers[slow].peer_id], "the fault must have fired: the leader's probe timed out"
+    reference = _weighted_mean(tensors, weights, range(NUM_PEERS))
+    for i in range(NUM_PEERS):
+        out, record, group = results[i]
+        assert out is not None and len(group.members) == NUM_PEERS, record.to_dict()
+        assert record.attempts == 1 and record.outcome == "ok", record.to_dict()
+        assert (out - reference).abs().max().item() < 1e-5, f"seed {SEED}, peer {i}"
 
 
 @pytest.mark.timeout(120)
