@@ -425,10 +425,13 @@ class CheckpointManager:
                     fetched[shard.digest], expected_digest=shard.digest, expected_size_bytes=shard.size_bytes
                 )
             logger.info(
-                "downloaded %s bytes of checkpoint shards from %s donor(s) in %.2fs",
+                "downloaded %s bytes of checkpoint shards from %s donor(s) in %.2fs (%s; %s retries%s)",
                 report.bytes_downloaded,
                 len(report.per_donor_bytes),
                 report.seconds,
+                ", ".join(f"{donor}: {n} B" for donor, n in report.per_donor_bytes.most_common()),
+                report.retries,
+                "".join(f", {reason} {n}" for reason, n in report.failures.items()),
             )
         return self.store.load_state_dict(manifest)
 
