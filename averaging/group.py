@@ -46,10 +46,11 @@ deadline is not waited for past it (it is gone or cut off; judged once another m
 member whose stream breaks or is refused is probed once on a fresh stream; one found gone (a killed peer's
 dial fails; a restarted one is in no round) is waited for no longer -- neither its part nor its list of
 senders -- so a SIGKILL costs the survivors the retry, not the deadlines; a leader probes the followers
-that have not joined 0.5 s in (one that does not answer within the probe's 2 s is slow, not gone: it is
-waited for until the join deadline), and leaves out of the group a follower whose join stream ended before
-the group formed (killed, or it gave up): it could not hear of the group, and the others would wait for its
-part.
+that have not joined 0.5 s in, and again every second (one that does not answer within the probe's 2 s is
+slow, not gone: it is waited for until the join deadline; one that answers that it drew another leader in
+this window, its view of the candidates having differed, is not waited for, nor made a suspect), and leaves
+out of the group a follower whose join stream ended before the group formed (killed, or it gave up): it
+could not hear of the group, and the others would wait for its part.
 `_PROBE_WINDOW_AFTER_S` into a matchmaking window, the expected members that are not looking are probed
 once; one whose dial or stream fails, or that says it is loading state (`GroupAverager.loading`: a restarted
 peer), is not waited for in that window (a slow or missing answer is no proof: it is still waited for).
@@ -109,6 +110,12 @@ default 2 s) made every window in the ~10 s a killed member takes to come back w
 probe: chaos runs spent 1.3-1.4 s a round in matchmaking against 0.35 s without faults."""
 _LOADING = "loading state"
 """A window probe's answer from a peer that is loading the run's state (it will not look for a while)."""
+_ELSEWHERE = "another leader"
+"""A leader's probe's answer from an expected follower that drew another leader in this window (or leads one
+itself): its view of the candidates differed, and it will not join."""
+_REPROBE_S = 1.0
+"""How often a leader asks again the expected followers that have not joined and were not found gone or
+elsewhere (one still in its window has drawn nobody yet)."""
 _POLLERS: set[asyncio.Task] = set()
 _MAX_SHARDS = 1 << 16
 _MAX_PIECES = 256
@@ -319,6 +326,9 @@ class _Window:
     unreachable: frozenset = frozenset()
     """Expected members it stopped waiting for: not looking `_PROBE_WINDOW_AFTER_S` in, and a probe's dial or
     stream failed (killed, crashed, or restarted with its averager not up yet) or it said it is loading state."""
+    leader: str | None = None
+    """The leader this window drew for this peer (itself when it leads), None before the draw or when its chunk
+    was too small: a leader that drew this peer and asks is told `_ELSEWHERE` when it is another."""
 
 
 @dataclass
@@ -332,6 +342,8 @@ class _Lobby:
     """Expected followers that a probe found gone (killed, or restarted and in no round)."""
     quit: set[str] = field(default_factory=set)
     """Followers whose join stream closed before the group formed (killed, or gave up waiting)."""
+    elsewhere: set[str] = field(default_factory=set)
+    """Expected followers that answered a probe that they drew another leader (live: not suspects)."""
     final: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def leave(self, peer: str) -> None:
@@ -672,7 +684,7 @@ class GroupAverager:
     async def _form_group(self, gather: Any, record: RoundRecord, deadline: float, suspects: set[str]) -> Group | None:
         cfg = self.config
         key, in_my_shard = self._shard()
-        self._window.key = key
+        self._window.key, self._window.leader = key, None
         my_class = (self.region, bandwidth_class(self._bandwidth_mbps()))
         expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s
         entry = self._entry(key, expiration)
@@ -725,6 +737,7 @@ class GroupAverager:
         await self._fault("matchmaking", self.peer_id)
         guarded = drawn is not candidates  # drawn only from the peers with history (averaging.membership)
         leader = guard.leader(chunk, self.peer_id) if guarded else sorted(chunk)[0]
+        self._window.leader = leader
         join_deadline = min(deadline, time.monotonic() + cfg.join_timeout_s)
         if leader == self.peer_id:
             slots = newcomer_slots(cfg.target_group_size) if guarded else 0
@@ -828,6 +841,9 @@ class GroupAverager:
                     record.fail(absent, "matchmaking", "its join stream closed before the group formed")
                 elif absent in lobby.dead:
                     record.fail(absent, "matchmaking", "gone (a probe failed)")
+                elif absent in lobby.elsewhere:  # live and honest: its view of the candidates differed
+                    record.fail(absent, "matchmaking", "drew another leader")
+                    continue
                 elif absent in staying:
                     record.fail(absent, "matchmaking", "did not join its leader")
                 else:
@@ -853,28 +869,31 @@ class GroupAverager:
         """Until the chunk's followers have joined, or ``join_deadline``. A follower that says it left the run
         meanwhile (a "gone" entry: a clean leave) is not waited for: a poller reads the key every
         `_GONE_POLL_S` beside the wait (a slow read never delays the group). Nor is one that a probe finds
-        gone (killed: its dial fails; restarted: it is in no round), asked once `_PROBE_ABSENT_AFTER_S` in; one
-        that does not answer the probe in time is still waited for (a loaded machine answers late)."""
+        gone (killed: its dial fails; restarted: it is in no round), nor one that answers that it drew another
+        leader in this window (the views of the candidates differed): the followers not joined are asked
+        `_PROBE_ABSENT_AFTER_S` in and again every `_REPROBE_S`. One that does not answer in time is still waited
+        for (a loaded machine answers late)."""
 
-        probed = False
         started = time.monotonic()
+        probe_at = started + _PROBE_ABSENT_AFTER_S
 
         async def probe_the_absent() -> None:
-            absent = sorted(lobby.expected - set(lobby.joined))
-            alive = await asyncio.gather(*(self._probe(p, "", _PROBE_TIMEOUT_S, slow_is_gone=False) for p in absent))
-            lobby.dead |= {p for p, ok in zip(absent, alive) if not ok}
+            absent = sorted(lobby.expected - set(lobby.joined) - lobby.dead - lobby.elsewhere)
+            answers = await asyncio.gather(*(self._ask_follower(p) for p in absent))
+            lobby.dead |= {p for p, answer in zip(absent, answers) if answer == "gone"}
+            lobby.elsewhere |= {p for p, answer in zip(absent, answers) if answer == _ELSEWHERE}
 
         async def drop_the_departed() -> None:
-            nonlocal probed
+            nonlocal probe_at
             while not lobby.complete.is_set() and time.monotonic() < join_deadline:
                 await asyncio.sleep(_GONE_POLL_S)
-                if not probed and time.monotonic() - started >= _PROBE_ABSENT_AFTER_S:
-                    probed = True  # once per lobby: a killed follower fails its dial at once
+                if time.monotonic() >= probe_at:  # a killed follower fails its dial at once
                     with contextlib.suppress(Exception):
                         await probe_the_absent()
+                    probe_at = time.monotonic() + _REPROBE_S
                 with contextlib.suppress(Exception):  # a failed read: the next one, or the join deadline
                     await self._read_candidates(self._window.key, (self.region, 0), set())  # notes who is gone
-                gone = lobby.expected & (self._admission.departed.keys() | lobby.dead)
+                gone = lobby.expected & (self._admission.departed.keys() | lobby.dead | lobby.elsewhere)
                 if gone:
                     lobby.expect_no_more(gone)
 
@@ -1327,31 +1346,45 @@ class GroupAverager:
         if not await self._probe(peer, group_id, min(_PROBE_TIMEOUT_S, deadline - time.monotonic())):
             state.mark_dead(peer)
 
-    async def _ask_probe(self, peer: str, group_id: str, timeout_s: float) -> dict:
-        """``peer``'s answer to a probe for ``group_id`` on a fresh stream; raises what the dial, the stream or
-        the ``timeout_s`` deadline raised."""
+    async def _ask_probe(self, peer: str, group_id: str, timeout_s: float, *, lobby: bool = False) -> dict:
+        """``peer``'s answer to a probe for ``group_id`` on a fresh stream (``lobby``: asked by a leader that drew
+        it, which it may answer `_ELSEWHERE`); raises what the dial, the stream or the ``timeout_s`` deadline
+        raised."""
         async with asyncio.timeout(max(0.05, timeout_s)):
             _, reader, writer = await self._open(peer)
             try:
-                await write_frame(writer, {"op": "probe", "group_id": group_id})
+                header = {"op": "probe", "group_id": group_id, **({"lobby": True} if lobby else {})}
+                await write_frame(writer, header)
                 return await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)
             finally:
                 writer.close()
 
-    async def _probe(self, peer: str, group_id: str, timeout_s: float, *, slow_is_gone: bool = True) -> bool:
-        """Whether ``peer`` still takes part in a round (``group_id``'s attempt, or any while a group forms),
-        asked on a fresh stream. False for a killed peer (the dial fails) and a restarted one (it is in no
-        round), and for one that does not answer within ``timeout_s`` unless ``slow_is_gone`` is False: a
-        follower not joined yet may be slow (a loaded machine), which is no proof of death."""
+    async def _probe(self, peer: str, group_id: str, timeout_s: float) -> bool:
+        """Whether ``peer`` still takes part in ``group_id``'s attempt, asked on a fresh stream. False for a
+        killed peer (the dial fails), a restarted one (it is in no round), and one silent for ``timeout_s``
+        (its stream to this peer already broke)."""
         try:
             reply = await self._ask_probe(peer, group_id, timeout_s)
-        except TimeoutError:
-            logger.debug("probe of %s timed out after %.1f s", peer[-6:], timeout_s)
-            return not slow_is_gone
-        except Exception as e:  # a dial that fails, a reset: gone
+        except Exception as e:  # a dial that fails, a reset, no answer in time: gone
             logger.debug("probe of %s failed: %r", peer[-6:], e)
             return False
         return reply.get("status") == "ok"
+
+    async def _ask_follower(self, peer: str) -> str:
+        """A leader's probe of an expected follower that has not joined: "gone" (its dial fails, or it is in no
+        round: killed or restarted), `_ELSEWHERE` (it drew another leader in this window), or "alive" (it is
+        coming, has not drawn yet, or did not answer within `_PROBE_TIMEOUT_S`: a loaded machine answers late,
+        which is no proof of death)."""
+        try:
+            reply = await self._ask_probe(peer, "", _PROBE_TIMEOUT_S, lobby=True)
+        except TimeoutError:
+            logger.debug("probe of follower %s timed out", peer[-6:])
+            return "alive"
+        except Exception as e:  # a dial that fails, a reset: gone
+            logger.debug("probe of follower %s failed: %r", peer[-6:], e)
+            return "gone"
+        status = reply.get("status")
+        return "alive" if status == "ok" else _ELSEWHERE if status == _ELSEWHERE else "gone"
 
     async def _unreachable(self, peers: set[str], timeout_s: float) -> frozenset[str]:
         """Those of ``peers`` that cannot take part now: a probe's dial or stream failed (killed, crashed, or
@@ -1400,7 +1433,10 @@ class GroupAverager:
                 group_id = header_field(header, "group_id", str)  # a state exists only while in a round
                 taking_part = self._in_a_round() and group_id not in self._activity.left_groups
                 idle = _LOADING if self._activity.loading and not group_id else "unknown group"
-                await _answer(reader, writer, "ok" if taking_part else idle)
+                drawn_by = self._window.leader  # a leader that drew this peer asks whether it will come
+                elsewhere = header.get("lobby") is True and not group_id and drawn_by not in (None, peer)
+                status = (_ELSEWHERE if elsewhere else "ok") if taking_part else idle
+                await _answer(reader, writer, status)
             elif op == "received":
                 await self._serve_received(peer, header)
                 await _answer(reader, writer, "ok")

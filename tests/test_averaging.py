@@ -365,9 +365,9 @@ def test_a_follower_that_answers_the_leaders_probe_late_is_still_waited_for(make
     timed_out = []
     ask_probe = averagers[leader]._ask_probe
 
-    async def late_answer(peer, group_id, timeout_s):
+    async def late_answer(peer, group_id, timeout_s, **how):
         if peer != averagers[slow].peer_id:
-            return await ask_probe(peer, group_id, timeout_s)
+            return await ask_probe(peer, group_id, timeout_s, **how)
         await asyncio.sleep(timeout_s)
         timed_out.append(peer)
         raise TimeoutError
@@ -382,6 +382,41 @@ def test_a_follower_that_answers_the_leaders_probe_late_is_still_waited_for(make
         assert out is not None and len(group.members) == NUM_PEERS, record.to_dict()
         assert record.attempts == 1 and record.outcome == "ok", record.to_dict()
         assert (out - reference).abs().max().item() < 1e-5, f"seed {SEED}, peer {i}"
+
+
+@pytest.mark.timeout(120)
+def test_a_leader_stops_waiting_for_a_follower_that_drew_another_leader(make_group):
+    """Chaos runs: the members' views of the candidates differ (a read misses an entry), so one drawn as a
+    follower leads a chunk of its own instead, and its leader waited for it until the join deadline (5 s),
+    every time ("did not join its leader"). The leader's probe now hears that it drew another leader: the
+    others average at once, and it is no suspect (it is live and honest). Peer B reads the key without the
+    leader A's entry, so B leads {B, C, D} while A, C and D form {A, B, C, D} under A."""
+    averagers = make_group(aggregator="mean", join_timeout_s=6.0)
+    tensors, weights = _inputs()
+    order = sorted(range(NUM_PEERS), key=lambda i: averagers[i].peer_id)
+    leader, blind = order[0], order[1]  # the leader of a chunk is its lowest peer ID
+    hidden = []
+    read_candidates = averagers[blind]._read_candidates
+
+    async def without_the_leader(key, my_class, suspects):
+        candidates = await read_candidates(key, my_class, suspects)
+        if candidates.pop(averagers[leader].peer_id, None) is not None:
+            hidden.append(key)
+        return candidates
+
+    averagers[blind]._read_candidates = without_the_leader
+    results = _run(averagers, tensors, weights, timeout_s=8.0)
+    assert hidden, "the fault must have fired: the blind peer's reads missed the leader"
+    out, record, group = results[leader]
+    members = [i for i in range(NUM_PEERS) if i != blind]
+    assert out is not None and sorted(group.members) == sorted(averagers[i].peer_id for i in members), record.to_dict()
+    assert record.phase_s["matchmaking"] < 1.0 + 3.0, record.to_dict()  # not the join deadline (6 s)
+    drew = {"peer": averagers[blind].peer_id, "phase": "matchmaking", "reason": "drew another leader"}
+    assert drew in record.failures, record.to_dict()
+    assert averagers[blind].peer_id not in averagers[leader]._admission.suspects.active()
+    reference = _weighted_mean(tensors, weights, members)
+    for i in members:
+        assert (results[i][0] - reference).abs().max().item() < 1e-5, f"seed {SEED}, peer {i}"
 
 
 @pytest.mark.timeout(120)
