@@ -1359,32 +1359,38 @@ class GroupAverager:
             finally:
                 writer.close()
 
-    async def _probe(self, peer: str, group_id: str, timeout_s: float) -> bool:
-        """Whether ``peer`` still takes part in ``group_id``'s attempt, asked on a fresh stream. False for a
-        killed peer (the dial fails), a restarted one (it is in no round), and one silent for ``timeout_s``
-        (its stream to this peer already broke)."""
+    async def _probe_answer(
+        self, peer: str, group_id: str, timeout_s: float, *, lobby: bool = False
+    ) -> tuple[str, str | None]:
+        """How ``peer`` met a probe (`_ask_probe`): ("answered", its status), ("silent", None) when no answer came
+        within ``timeout_s`` (a loaded machine answers late: no proof of death), or ("failed", None) when the
+        dial or the stream failed (killed, crashed, or restarted with no averaging handler yet). Every probe
+        judges a peer from this one answer."""
         try:
-            reply = await self._ask_probe(peer, group_id, timeout_s)
-        except Exception as e:  # a dial that fails, a reset, no answer in time: gone
+            reply = await self._ask_probe(peer, group_id, timeout_s, lobby=lobby)
+        except TimeoutError:
+            logger.debug("probe of %s: no answer within %.1f s", peer[-6:], timeout_s)
+            return "silent", None
+        except Exception as e:  # a dial that fails, no averaging handler, a reset
             logger.debug("probe of %s failed: %r", peer[-6:], e)
-            return False
-        return reply.get("status") == "ok"
+            return "failed", None
+        return "answered", reply.get("status")
+
+    async def _probe(self, peer: str, group_id: str, timeout_s: float) -> bool:
+        """Whether ``peer`` still takes part in ``group_id``'s attempt. False for a killed peer (the dial
+        fails), a restarted one (it is in no round), and one silent for ``timeout_s`` (its stream to this peer
+        already broke)."""
+        return await self._probe_answer(peer, group_id, timeout_s) == ("answered", "ok")
 
     async def _ask_follower(self, peer: str) -> str:
         """A leader's probe of an expected follower that has not joined: "gone" (its dial fails, or it is in no
         round: killed or restarted), `_ELSEWHERE` (it drew another leader in this window), or "alive" (it is
         coming, has not drawn yet, or did not answer within `_PROBE_TIMEOUT_S`: a loaded machine answers late,
         which is no proof of death)."""
-        try:
-            reply = await self._ask_probe(peer, "", _PROBE_TIMEOUT_S, lobby=True)
-        except TimeoutError:
-            logger.debug("probe of follower %s timed out", peer[-6:])
+        how, status = await self._probe_answer(peer, "", _PROBE_TIMEOUT_S, lobby=True)
+        if how == "silent" or status == "ok":
             return "alive"
-        except Exception as e:  # a dial that fails, a reset: gone
-            logger.debug("probe of follower %s failed: %r", peer[-6:], e)
-            return "gone"
-        status = reply.get("status")
-        return "alive" if status == "ok" else _ELSEWHERE if status == _ELSEWHERE else "gone"
+        return _ELSEWHERE if status == _ELSEWHERE else "gone"
 
     async def _unreachable(self, peers: set[str], timeout_s: float) -> frozenset[str]:
         """Those of ``peers`` that cannot take part now: a probe's dial or stream failed (killed, crashed, or
@@ -1392,14 +1398,8 @@ class GroupAverager:
         anything else, or nothing within ``timeout_s`` (slow is not proof), is not among them."""
 
         async def fails(peer: str) -> bool:
-            try:
-                reply = await self._ask_probe(peer, "", timeout_s)
-            except TimeoutError:
-                return False
-            except Exception as e:  # a dial that fails, no averaging handler, a reset
-                logger.debug("window probe of %s failed: %r", peer[-6:], e)
-                return True
-            return reply.get("status") == _LOADING
+            how, status = await self._probe_answer(peer, "", timeout_s)
+            return how == "failed" or status == _LOADING
 
         ordered = sorted(peers)
         failed = await asyncio.gather(*(fails(peer) for peer in ordered))

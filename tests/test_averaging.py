@@ -390,7 +390,8 @@ def test_a_leader_stops_waiting_for_a_follower_that_drew_another_leader(make_gro
     follower leads a chunk of its own instead, and its leader waited for it until the join deadline (5 s),
     every time ("did not join its leader"). The leader's probe now hears that it drew another leader: the
     others average at once, and it is no suspect (it is live and honest). Peer B reads the key without the
-    leader A's entry, so B leads {B, C, D} while A, C and D form {A, B, C, D} under A."""
+    leader A's entry, so B leads a chunk {B, C, D} of its own, while A, C and D draw {A, B, C, D} under A
+    and average as {A, C, D}."""
     averagers = make_group(aggregator="mean", join_timeout_s=6.0)
     tensors, weights = _inputs()
     order = sorted(range(NUM_PEERS), key=lambda i: averagers[i].peer_id)
