@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import os
+import random
 import re
 import signal
 import socket
@@ -51,9 +52,33 @@ def parse_python(source: str, filename: str = "<source>") -> ast.Module:
     raise AssertionError("unreachable")
 
 
+_PORTS = random.SystemRandom()  # not the `random` module's state, which a test may seed
+
+
+def _ephemeral_low(default: int = 32768) -> int:
+    """The lowest port of the kernel's ephemeral range (the ports it hands to every ``/tcp/0`` bind)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return default
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS may hand it out again later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port on 127.0.0.1 that was free a moment ago, drawn at random from below the kernel's ephemeral
+    range. A port the OS picked for a ``/tcp/0`` bind is in that range, so the next daemon that starts with
+    ``/tcp/0`` (a p2pd of this test or of the other worker's) may be given it before the test's own server
+    binds it: that happened in a clean-clone `make test`, where a metrics scrape reached a p2pd
+    ("BadStatusLine: /multistream/1.0.0"). Below the range only another `free_port` can pick it."""
+    low = _ephemeral_low()
+    if low > 4096:
+        for _ in range(200):
+            port = _PORTS.randrange(max(1024, low - 12_000), low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:  # taken: draw again
+                    continue
+                return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # an odd range: what the OS gives
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
