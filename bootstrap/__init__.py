@@ -24,6 +24,8 @@ Owns
     sits under its writer's peer ID and is signed by it, so no one can forge, overwrite or hide another's;
   * the process-lifetime reaper (`lifetime`): children (DHT, averager, `p2pd`) die with their parent;
     and `StopSignal`, SIGINT/SIGTERM as a stop request every entry point uses;
+  * the signed heartbeat (`heartbeat.Heartbeat`): this peer's one owner-bound entry under a key,
+    re-signed and stored on a beat (the capability record and the status entry are two);
   * the Prometheus endpoint (`metrics`): `serve_metrics` for any component's private registry, and
     the bootstrap node's own metrics (`--metrics-port`); the release, `version.SWARM_VERSION`.
 

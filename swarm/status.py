@@ -78,9 +78,10 @@ from hivemind import DHT
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from bootstrap import DHTStartError, StopSignal, parse_initial_peers, stop_dht
-from bootstrap.dhtcalls import latest_within, store_within
+from bootstrap.dhtcalls import latest_within
 from bootstrap.envelope import INT64_MAX, JsonFields, Signable, check_int, check_str, expect_keys, unwrap_signed
 from bootstrap.errors import Rejected
+from bootstrap.heartbeat import Heartbeat
 from bootstrap.identity import Identity, verify
 from bootstrap.records import PeerRecord
 from peers.graph import ResourceGraph
@@ -365,7 +366,7 @@ def _check_time(t: int, now: float) -> None:
 
 
 # ------------------------------------------------------------------------------------------ publishing
-class StatusPublisher:
+class StatusPublisher(Heartbeat):
     """Keeps this peer's signed status on the run's board (see the module docstring).
 
     ``snapshot()`` returns the fields in :data:`SNAPSHOT_FIELDS` (``last_group`` as a dict or a
@@ -373,6 +374,9 @@ class StatusPublisher:
     every ``refresh_s`` and soon after :meth:`note` (at most one publication per
     :data:`MIN_PUBLISH_INTERVAL_S`). :meth:`close` withdraws nothing: the entry expires.
     """
+
+    what = "status"
+    min_interval_s = MIN_PUBLISH_INTERVAL_S
 
     def __init__(
         self,
@@ -386,30 +390,22 @@ class StatusPublisher:
         store_timeout_s: float = 10.0,
     ):
         check_str("run", run, max_chars=_MAX_ID_CHARS, allow_empty=False, printable=True)
-        if not 0 < refresh_s < expiry_s:
-            raise ValueError(f"refresh_s must be in (0, expiry_s={expiry_s!r}), got {refresh_s!r}")
-        if not store_timeout_s > 0:
-            raise ValueError(f"store_timeout_s must be > 0, got {store_timeout_s!r}")
-        self.dht, self.identity, self.run, self.snapshot = dht, identity, run, snapshot
-        self.refresh_s, self.expiry_s, self.store_timeout_s = refresh_s, expiry_s, store_timeout_s
-        self.published = 0
-        self.failures = 0
-        self.last_status: PeerStatus | None = None
+        super().__init__(
+            dht,
+            identity,
+            status_key(run),
+            refresh_s=refresh_s,
+            expiry_s=expiry_s,
+            store_timeout_s=store_timeout_s,
+            thread_name=f"swarm-status-{run}",
+        )
+        self.run, self.snapshot = run, snapshot
         self._events: collections.deque[StatusEvent] = collections.deque(maxlen=MAX_EVENTS)
         self._events_lock = threading.Lock()
-        self._publish_lock = threading.Lock()
-        self._last_publish_at = -math.inf
-        self._last_expiration = 0.0
-        self._consecutive_failures = 0
-        self._wake, self._stop = threading.Event(), threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"swarm-status-{run}", daemon=True)
 
-    def start(self) -> StatusPublisher:
-        """Start publishing (the first publication happens at once, in the background)."""
-        if self._thread.ident is None and not self._stop.is_set():  # not started yet, not closed
-            self._thread.start()
-            self._wake.set()
-        return self
+    @property
+    def last_status(self) -> PeerStatus | None:
+        return self.last
 
     def note(self, kind: str, detail: str = "") -> None:
         """Record an event (the last :data:`MAX_EVENTS` are kept) and publish soon."""
@@ -417,46 +413,15 @@ class StatusPublisher:
         clean = "".join(c if c.isprintable() else " " for c in str(detail))[:MAX_DETAIL_CHARS]
         with self._events_lock:
             self._events.append(StatusEvent(t=int(time.time()), kind=kind, detail=clean))
-        self._wake.set()
-
-    def publish_soon(self) -> None:
-        """Ask the background thread to publish now (never blocks the caller)."""
-        self._wake.set()
+        self.publish_soon()
 
     def events(self) -> tuple[StatusEvent, ...]:
         with self._events_lock:
             return tuple(self._events)
 
-    def publish_now(self) -> bool:
-        """Sign and store the status now (blocks up to ``store_timeout_s``); True if the DHT took it."""
-        with self._publish_lock:
-            self._last_publish_at = time.monotonic()
-            try:
-                status = self._build()
-                expiration = max(time.time() + self.expiry_s, self._last_expiration + 0.001)
-                failure = store_within(
-                    self.dht,
-                    status_key(self.run),
-                    sign_status(status, self.identity),
-                    subkey=self.identity.peer_id,
-                    expiration_time=expiration,
-                    timeout_s=self.store_timeout_s,
-                )
-            except Exception as e:  # building or signing it failed
-                failure = repr(e)
-            if failure is not None:  # the next heartbeat tries again
-                self._failed(failure)
-                return False
-            self.published, self.last_status, self._last_expiration = self.published + 1, status, expiration
-            self._consecutive_failures = 0
-            return True
-
-    def close(self) -> None:
-        """Stop publishing (bounded by ``store_timeout_s``); idempotent. The entry is left to expire."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.store_timeout_s + 1)
+    def _signed(self, now: float, expiration: float) -> tuple[PeerStatus, dict[str, bytes]]:
+        status = self._build()
+        return status, sign_status(status, self.identity)
 
     def _build(self) -> PeerStatus:
         fields = self.snapshot()
@@ -475,21 +440,6 @@ class StatusPublisher:
             events=self.events(),
             **{**fields, "last_group": group, "work": work},
         )
-
-    def _failed(self, why: str) -> None:
-        self.failures += 1
-        self._consecutive_failures += 1
-        level = logging.WARNING if self._consecutive_failures == 1 else logging.DEBUG
-        logger.log(level, "could not publish this peer's status for run %r: %s", self.run, why)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(timeout=self.refresh_s)
-            delay_s = self._last_publish_at + MIN_PUBLISH_INTERVAL_S - time.monotonic()
-            if self._stop.wait(timeout=max(0.0, delay_s)):  # coalesce a burst of notes into one publication
-                return
-            self._wake.clear()
-            self.publish_now()
 
 
 # ------------------------------------------------------------------------------------------ reading
