@@ -946,25 +946,27 @@ class GroupAverager:
             return None
         return Group(group_id=group_id, members=members, gathered=gathered)
 
-    async def _refused_join(self, peer: str, header: dict, writer: asyncio.StreamWriter) -> bool:
+    async def _refused_join(
+        self, peer: str, header: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
         """Answer a join that this peer's admission refuses (excluded, or the policy), and count it."""
         refused = self._admission.refuses(peer, header.get("gather"))
         if refused is None:
             return False
         self.rejected["join from an excluded peer" if refused == "excluded" else "join refused by policy"] += 1
-        await write_frame(writer, {"status": refused})
+        await _answer(reader, writer, refused)
         return True
 
     async def _serve_join(
         self, peer: str, header: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        if await self._refused_join(peer, header, writer):
+        if await self._refused_join(peer, header, reader, writer):
             return
         if self._admission.members is not None and peer not in await self._admission.members.get(
             self.dht, {peer}, min_age_s=JOIN_MIN_REFRESH_S
         ):
             self.rejected["join from a non-member"] += 1
-            await write_frame(writer, {"status": "not a member"})
+            await _answer(reader, writer, "not a member")
             return
         self._admission.suspects.clear(peer)  # it is live and looking: a no-show of an earlier window, not a Sybil
         lobby = None
@@ -973,19 +975,19 @@ class GroupAverager:
             lobby = self._lobbies.get(self.peer_id)
             if lobby is None:
                 await asyncio.sleep(0.05)
-        if await self._refused_join(peer, header, writer):  # again: it may have been excluded while it waited
+        if await self._refused_join(peer, header, reader, writer):  # again: it may have been excluded while it waited
             return
         guard = self._admission.guard
         if lobby is None or lobby.final.done() or len(lobby.joined) >= self.config.target_group_size - 1:
             if guard.active():
                 guard.knock(peer)  # live, and too late for this lobby: the next one waits a moment for it
-            await write_frame(writer, {"status": "not leading"})
+            await _answer(reader, writer, "not leading")
             return
         if guard.active() and peer not in guard.proven:
             newcomers = sum(1 for p in lobby.joined if p not in guard.proven)
             if newcomers >= newcomer_slots(self.config.target_group_size):
                 self.rejected["join beyond the newcomer slots"] += 1
-                await write_frame(writer, {"status": "no newcomer slot"})
+                await _answer(reader, writer, "no newcomer slot")
                 return
         lobby.joined[peer] = header.get("gather")
         lobby.update()
@@ -997,11 +999,12 @@ class GroupAverager:
         finally:
             closed.cancel()
         if group is None or peer not in group.members:
-            await write_frame(writer, {"status": "not admitted"})
+            await _answer(reader, writer, "not admitted")
             return
-        await write_frame(
-            writer,
-            {"status": "ok", "group_id": group.group_id, "members": list(group.members), "gathered": group.gathered},
+        # the group counts this follower now: closing at once could lose the reply in p2pd, and the follower,
+        # hearing nothing, would not come (seen in a 3-peer run under load: "join failed: truncated")
+        await _answer(
+            reader, writer, "ok", group_id=group.group_id, members=list(group.members), gathered=group.gathered
         )
 
     # ------------------------------------------------------------------------------------ all-reduce
@@ -1571,9 +1574,9 @@ async def _until_closed(reader: asyncio.StreamReader) -> None:
             pass
 
 
-async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, status: str) -> None:
-    """A one-frame answer, then `linger` until the asker hangs up."""
-    await write_frame(writer, {"status": status})
+async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, status: str, **fields: Any) -> None:
+    """A one-frame answer, then `linger` until the asker hangs up (closing at once can lose the answer)."""
+    await write_frame(writer, {"status": status, **fields})
     await linger(reader, 2.0)
 
 
