@@ -69,7 +69,7 @@ from safetensors.torch import save as safetensors_save
 
 from averaging.compression import get_codec
 from averaging.config import AveragingConfig, RoundRecord
-from averaging.group import Group, GroupAverager, _Activity, _Pieces, _ReduceState, _Window
+from averaging.group import Group, GroupAverager, _Activity, _Lobby, _Pieces, _ReduceState, _Window
 from averaging.membership import Admission
 from bootstrap import start_dht, stop_dht, visible_maddrs
 from bootstrap.framing import ProtocolError, read_frame
@@ -851,14 +851,17 @@ def test_identity_key_loading_refuses_clearly_and_never_rewrites(tmp_path_factor
 
 # ========================================================================================== averaging codecs
 _CODEC_NUMEL = 300
-_CODEC_MESSAGES = {
-    name: get_codec(name).encode(torch.linspace(-3, 3, _CODEC_NUMEL)) for name in ("fp32", "fp16", "int8")
-}
 
 
-@fuzz(150, name=st.sampled_from(sorted(_CODEC_MESSAGES)), data=st.data())
+@functools.cache
+def _codec_message(name: str) -> bytes:
+    """A valid message of codec ``name`` (made on first use, not at collection: int8 loads bitsandbytes)."""
+    return get_codec(name).encode(torch.linspace(-3, 3, _CODEC_NUMEL))
+
+
+@fuzz(150, name=st.sampled_from(["fp16", "fp32", "int8"]), data=st.data())
 def test_codec_decode_of_mutated_messages_only_raises_value_error(name, data):
-    message = data.draw(st.one_of(mutated_bytes(_CODEC_MESSAGES[name]), st.binary(max_size=64)))
+    message = data.draw(st.one_of(mutated_bytes(_codec_message(name)), st.binary(max_size=64)))
     try:
         out = get_codec(name).decode(message, numel=_CODEC_NUMEL)
     except ValueError:
@@ -986,6 +989,35 @@ def test_averaging_handler_rejects_every_bad_stream_with_one_counted_reason(stre
         writer.sent[:200],
     )
     assert writer.closed
+
+
+def test_a_leader_keeps_the_join_stream_open_until_its_follower_has_read_the_group():
+    """The leader's answer to a join counts the follower in the group. p2pd resets a stream whose local end
+    closed, so closing right after the answer can lose it in flight; the follower, hearing nothing ("join
+    failed: truncated", seen once in `make test`), would not come, and the group would wait out its sender
+    deadline for its part. The leader holds the stream until the follower hangs up."""
+
+    async def serve() -> tuple[bool, bytes, bool]:
+        averager, _ = _bare_averager("fp32")
+        lobby = _Lobby(expected=frozenset({OTHER.peer_id}))
+        averager._lobbies[OWNER.peer_id] = lobby  # this peer (OWNER) leads
+        reader, writer = reader_of(frame(canonical_json({"gather": {}, "op": "join"})), eof=False), FakeWriter()
+        handler = asyncio.create_task(averager._handle_stream(PEER, reader, writer))
+        while OTHER.peer_id not in lobby.joined:
+            await asyncio.sleep(0.01)
+        members = tuple(sorted((OTHER.peer_id, OWNER.peer_id)))
+        lobby.final.set_result(Group(group_id=AVG_GROUP, members=members, gathered={}))
+        while b'"status":"ok"' not in writer.sent:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # the follower has not read it yet
+        held = not writer.closed and not handler.done()
+        reader.feed_eof()  # the follower read the group and hung up
+        await handler
+        return held, bytes(writer.sent), writer.closed
+
+    held, sent, closed = run_bounded(serve, 5.0)
+    assert b'"members"' in sent and held, "the leader closed the stream before its follower had read the group"
+    assert closed
 
 
 def _valid_reply(codec: str) -> bytes:
