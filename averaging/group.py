@@ -996,6 +996,9 @@ class GroupAverager:
         closed.add_done_callback(lambda task: task.cancelled() or lobby.leave(peer))
         try:
             group = await asyncio.wait_for(asyncio.shield(lobby.final), self.config.join_timeout_s + 1)
+        except asyncio.TimeoutError:
+            lobby.leave(peer)  # it will hear nothing from this stream: a group formed later must not count it
+            raise
         finally:
             closed.cancel()
         if group is None or peer not in group.members:

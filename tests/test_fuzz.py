@@ -1020,6 +1020,23 @@ def test_a_leader_keeps_the_join_stream_open_until_its_follower_has_read_the_gro
     assert closed
 
 
+def test_a_join_the_leader_stops_waiting_on_is_not_counted_in_a_group_formed_later():
+    """A leader's join handler waits for the final group at most ``join_timeout_s + 1``; once it gives up, the
+    follower hears nothing, so the lobby must not count it when the group forms after all."""
+
+    async def serve() -> _Lobby:
+        averager, _ = _bare_averager("fp32")  # join_timeout_s = 0.02: the handler waits 1.02 s
+        lobby = _Lobby(expected=frozenset({OTHER.peer_id}))
+        averager._lobbies[OWNER.peer_id] = lobby
+        reader, writer = reader_of(frame(canonical_json({"gather": {}, "op": "join"})), eof=False), FakeWriter()
+        await averager._handle_stream(PEER, reader, writer)  # the final group never comes in time
+        assert writer.closed and not writer.sent
+        return lobby
+
+    lobby = run_bounded(serve, 5.0)
+    assert OTHER.peer_id not in lobby.joined and OTHER.peer_id in lobby.quit, (lobby.joined, lobby.quit)
+
+
 def _valid_reply(codec: str) -> bytes:
     """A reducer's reply to a part of 2 pieces: one tentative piece, ``revised``, both pieces, ``final``."""
     encode, out = get_codec(codec).encode, b""
