@@ -400,6 +400,7 @@ class StatusPublisher(Heartbeat):
             thread_name=f"swarm-status-{run}",
         )
         self.run, self.snapshot = run, snapshot
+        self.what = f"status for run {run!r}"  # named in the log of a failed publication, as before
         self._events: collections.deque[StatusEvent] = collections.deque(maxlen=MAX_EVENTS)
         self._events_lock = threading.Lock()
 

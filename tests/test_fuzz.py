@@ -991,6 +991,16 @@ def test_averaging_handler_rejects_every_bad_stream_with_one_counted_reason(stre
     assert writer.closed
 
 
+def _a_join_to_lead() -> tuple[GroupAverager, _Lobby, asyncio.StreamReader, FakeWriter]:
+    """A bare averager (OWNER) leading a lobby that expects OTHER, and OTHER's join on a stream it keeps open
+    (made inside the running loop)."""
+    averager, _ = _bare_averager("fp32")
+    lobby = _Lobby(expected=frozenset({OTHER.peer_id}))
+    averager._lobbies[OWNER.peer_id] = lobby
+    reader = reader_of(frame(canonical_json({"gather": {}, "op": "join"})), eof=False)
+    return averager, lobby, reader, FakeWriter()
+
+
 def test_a_leader_keeps_the_join_stream_open_until_its_follower_has_read_the_group():
     """The leader's answer to a join counts the follower in the group. p2pd resets a stream whose local end
     closed, so closing right after the answer can lose it in flight; the follower, hearing nothing ("join
@@ -998,10 +1008,7 @@ def test_a_leader_keeps_the_join_stream_open_until_its_follower_has_read_the_gro
     deadline for its part. The leader holds the stream until the follower hangs up."""
 
     async def serve() -> tuple[bool, bytes, bool]:
-        averager, _ = _bare_averager("fp32")
-        lobby = _Lobby(expected=frozenset({OTHER.peer_id}))
-        averager._lobbies[OWNER.peer_id] = lobby  # this peer (OWNER) leads
-        reader, writer = reader_of(frame(canonical_json({"gather": {}, "op": "join"})), eof=False), FakeWriter()
+        averager, lobby, reader, writer = _a_join_to_lead()
         handler = asyncio.create_task(averager._handle_stream(PEER, reader, writer))
         while OTHER.peer_id not in lobby.joined:
             await asyncio.sleep(0.01)
@@ -1025,10 +1032,7 @@ def test_a_join_the_leader_stops_waiting_on_is_not_counted_in_a_group_formed_lat
     follower hears nothing, so the lobby must not count it when the group forms after all."""
 
     async def serve() -> _Lobby:
-        averager, _ = _bare_averager("fp32")  # join_timeout_s = 0.02: the handler waits 1.02 s
-        lobby = _Lobby(expected=frozenset({OTHER.peer_id}))
-        averager._lobbies[OWNER.peer_id] = lobby
-        reader, writer = reader_of(frame(canonical_json({"gather": {}, "op": "join"})), eof=False), FakeWriter()
+        averager, lobby, reader, writer = _a_join_to_lead()  # join_timeout_s = 0.02: the handler waits 1.02 s
         await averager._handle_stream(PEER, reader, writer)  # the final group never comes in time
         assert writer.closed and not writer.sent
         return lobby
