@@ -330,7 +330,7 @@ def start_dht(
     Bad arguments raise `ValueError`. `dht_kwargs` go to `hivemind.DHT` (and on to DHTNode/P2P),
     e.g. `record_validators`, `nat_port_map`. Stop the result with `stop_dht`. Once `cancel` is set
     (e.g. `StopSignal.event`), the start-up wait gives up within ~0.1 s: the process tree is killed
-    and KeyboardInterrupt is raised.
+    and KeyboardInterrupt is raised; so is an error that reaches us after `cancel` was set.
     """
     if not (math.isfinite(connect_timeout_s) and connect_timeout_s > 0):
         raise ValueError(f"connect_timeout_s must be a positive number of seconds, got {connect_timeout_s!r}")
@@ -362,6 +362,12 @@ def start_dht(
             raise _unreachable(peers, "joined but found no DHT peer", time.monotonic() - started)
     except BaseException as error:
         _kill_tree(dht, grace_s=2.0)
+        if cancel is not None and cancel.is_set():
+            # the stop request came while the error was on its way (e.g. the peers we dialled were stopping
+            # too): the caller asked to stop, and it has, so report the stop and not the error
+            if isinstance(error, Exception):
+                logger.info("stopped while starting the DHT (it was failing: %r)", error)
+            raise KeyboardInterrupt from None
         elapsed_s = time.monotonic() - started
         if isinstance(error, concurrent.futures.TimeoutError):
             if peers:

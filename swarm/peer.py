@@ -454,15 +454,10 @@ def main(argv: list[str] | None = None) -> int:
         identity.lock()
         # under torchrun each rank gets the terminal's signal, then torchrun's: the second must not cut the leave short
         stop = StopSignal(second_interrupts=node is None).install()  # first signal: leave cleanly; second: now
+        # started here, not by the Trainer, so that a signal while it starts stops the start (`cancel`)
+        dht = start_swarm_dht(identity, initial_peers=peers, cancel=stop.event, **checked.network.dht_kwargs())
         run = args.run
         if run is None:
-            dht = start_swarm_dht(
-                identity,
-                initial_peers=peers,
-                host_maddrs=args.host_maddrs,
-                announce_maddrs=args.announce_maddrs,
-                connect_timeout_s=args.connect_timeout_s,
-            )
             run, task, preset = choose_run(dht, resolve_device(config.device), console)
             config = dataclasses.replace(config, task=task, task_preset=preset)
         trainer_config = dataclass_from_args(TrainerConfig, args, run=run, initial_peers=tuple(peers))
@@ -472,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, IdentityError, DHTStartError) as e:  # UnknownTaskError and RunMismatch are ValueErrors
         return _fail(console, str(e))
     except KeyboardInterrupt:
-        logger.info("interrupted again: leaving now")
+        logger.info("stopped while starting" if runner is None else "interrupted again: leaving now")
     finally:
         if runner is not None:
             runner.shutdown()

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import stat
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -318,6 +319,35 @@ def test_unreachable_initial_peer_exit_2_within_the_connect_timeout(tmp_path: Pa
     errors = _error_lines(stderr)
     assert len(errors) == 1 and peer in errors[0] and "cannot reach" in errors[0], stderr
     print(f"{listener}: exit 2 after {elapsed_s:.2f} s (connect timeout {connect_timeout_s} s): {errors[0]}")
+
+
+@pytest.mark.timeout(60)
+def test_a_start_error_that_arrives_after_a_stop_request_is_a_stop(tmp_path: Path, monkeypatch) -> None:
+    """SIGTERM while the DHT dials peers that are stopping too (chaos: every peer gets it at once): the dial's
+    error then reaches `start_dht` after the stop request. The caller asked to stop, so it gets
+    KeyboardInterrupt (swarm.peer: exit 0), not "cannot reach bootstrap peers" (exit 2)."""
+    import bootstrap.node as node
+
+    real_wait, failed = node._wait_until_ready, []
+
+    def stop_lands_as_the_error_does(dht, timeout_s, cancel) -> None:
+        try:
+            real_wait(dht, timeout_s, cancel)
+        except Exception as error:  # the fault: the real dial's error, with the stop request right behind it
+            failed.append(error)
+            raise
+        finally:
+            cancel.set()
+
+    monkeypatch.setattr(node, "_wait_until_ready", stop_lands_as_the_error_does)
+    daemons_before = set(p2pd_pids(os.getpid()))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))  # bound, not listening: a closed port
+        peer = f"/ip4/127.0.0.1/tcp/{sock.getsockname()[1]}/p2p/{_random_peer_id(tmp_path)}"
+        with pytest.raises(KeyboardInterrupt):
+            start_dht([peer], connect_timeout_s=10, cancel=threading.Event(), **CLIENT_KWARGS)
+    assert failed and not isinstance(failed[0], TimeoutError), failed  # the dial failed before the deadline
+    assert set(p2pd_pids(os.getpid())) <= daemons_before, "the DHT's p2pd outlived the stop"
 
 
 @pytest.mark.timeout(60)
