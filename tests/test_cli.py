@@ -3,18 +3,20 @@
 import importlib
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from bootstrap.cli import dataclass_flags
 from swarm.peer import PeerConfig, build_parser
 from swarm.peer import main as peer_main
 from swarm.trainer import TrainerConfig
-from tests.helpers import free_port, python_cmd, spawn, wait_until
+from tests.helpers import free_port, p2pd_pids, python_cmd, spawn, wait_until
 
 # Adding, renaming or removing a flag is a decision: update this list in the same change.
 PEER_FLAGS = [
@@ -186,6 +188,34 @@ def test_unreachable_initial_peer_is_named_within_the_timeout(tmp_path):
     assert child.returncode == 2, child.describe()
     assert addr in " ".join(child.stderr().split()), child.describe()
     assert elapsed_s < 30
+
+
+def test_sigterm_while_the_dht_dials_its_initial_peer_is_a_clean_stop(tmp_path):
+    """SIGTERM while `swarm.peer` still dials its initial peer (a listener that accepts TCP and never speaks
+    libp2p keeps hivemind dialling for ~5 s): it stops at once, exits 0 and takes its p2pd with it. Before, the
+    DHT's start could not be cancelled: the peer dialled on and exited 2, "cannot reach bootstrap peers"."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        addr = f"/ip4/127.0.0.1/tcp/{listener.getsockname()[1]}/p2p/QmVekjsvS68BRG1RfmybbEmgNmt8Yk1Anpan5uqYmkmczq"
+        args = ["--run", "x", "--identity-key", str(tmp_path / "k"), "--initial-peers", addr]
+        args += ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--connect-timeout-s", "60"]
+        child = spawn(python_cmd("-m", "swarm.peer", "--no-progress", *args))
+        try:
+            wait_until(lambda: p2pd_pids(child.pid), timeout_s=60, message=child.describe)  # it is dialling
+            daemons = p2pd_pids(child.pid)
+            signalled = time.monotonic()
+            child.popen.send_signal(signal.SIGTERM)
+            wait_until(lambda: child.returncode is not None, timeout_s=30, message=child.describe)
+            stopped_s = time.monotonic() - signalled
+        finally:
+            if child.returncode is None:
+                child.popen.kill()
+        child.join_output()
+    assert child.returncode == 0, child.describe()
+    assert "stopped while starting" in child.stderr(), child.describe()
+    assert stopped_s < 5.0, f"stopped {stopped_s:.1f} s after SIGTERM"
+    wait_until(lambda: not [pid for pid in daemons if psutil.pid_exists(pid)], timeout_s=5, message="p2pd gone")
 
 
 def test_unknown_task_lists_known_tasks(tmp_path, capsys):
