@@ -22,7 +22,8 @@ all of its own progress). With ``G`` the global parameters (`swarm.outer.DiLoCo`
         while it waited for the others to be looking are added to the phase), so the members' sync points
         come together and no member's update waits on a member that is behind
     once round j-1 has landed, ``lead`` steps before sync point j (one matchmaking window at the last phase's
-    pace, 1 to sync_every/2 steps; only after a grouped round): round j is prelaunched -- it forms its group
+    pace, 1 to sync_every/2 steps; only after a grouped round, so never a process's first round, whose
+    members' sync points are as far apart as their starts): round j is prelaunched -- it forms its group
         while the peer trains, and its all-reduce starts when sync point j hands it delta_j (no join then:
         round j-1 has landed); here the next sync point moves instead by how far this peer's sync point was
         ahead of the members' mean (from when their parts began to arrive, at the last phase's pace; a member

@@ -212,12 +212,13 @@ class RoundRunner:
 
     def between_steps(self, local_step: int) -> RoundResult | None:
         """Overlapped, after an inner step that is no sync point: the round in flight lands if it has ended, and
-        this phase's round is prelaunched once the sync point is `lead` steps away (the last round grouped)."""
+        this phase's round is prelaunched once the sync point is `lead` steps away (`rounds.prelaunch_due`)."""
         overlap, book = self.overlap, self.book
         if overlap is None:
             raise RuntimeError("between_steps() is for overlapped rounds")
         landed = self.land(local_step) if overlap.ended else None
-        if not overlap.in_flight and book.solo_streak == 0 and local_step >= book.next_sync - self.lead():
+        grouped, flying = self.counters.rounds_ok, overlap.in_flight
+        if rounds.prelaunch_due(book, local_step=local_step, lead=self.lead(), grouped=grouped, in_flight=flying):
             done = max(local_step - book.last_sync_step, 1)
             planned = book.samples_since_sync + (book.next_sync - local_step) * book.samples_since_sync // done
             _state, digest = self.outer.state()

@@ -80,6 +80,19 @@ class RoundBook:
     """Inner steps per second over the last phase (an overlapped trainer's matchmaking lead)."""
 
 
+def prelaunch_due(book: RoundBook, *, local_step: int, lead: int, grouped: int, in_flight: bool) -> bool:
+    """Whether an overlapped phase's round forms its group now, ``lead`` steps before its sync point.
+
+    Only once this process has grouped (``grouped`` rounds ok) and its last round did (no solo streak),
+    with no round in flight. Never a process's first round: the members' sync points are then as far
+    apart as their starts (seconds, a restart's more), and each member of a prelaunched round begins
+    its all-reduce at its own sync point, waiting for the others' parts only until the sender deadline,
+    so a member that far behind fails the round for all of them. A round joined at its sync point forms
+    its group when the members are looking, and the next phase counts from then: their sync points meet.
+    """
+    return not in_flight and grouped > 0 and book.solo_streak == 0 and local_step >= book.next_sync - lead
+
+
 def gather_metadata(
     round_: int,
     samples: int,

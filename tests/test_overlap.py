@@ -9,6 +9,7 @@ from __future__ import annotations
 import stat
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 from bootstrap.identity import Identity, IdentityError
 from swarm.overlap import Overlap
+from swarm.rounds import RoundBook, prelaunch_due
 from tests.helpers import wait_until
 
 
@@ -50,6 +52,20 @@ def test_progress_is_measured_from_where_the_phase_started() -> None:
     assert torch.equal(overlap.progress(local, lambda: base), torch.tensor([0.5, 1.0]))  # first phase: from the global
     overlap.start = torch.tensor([3.0, 3.0])
     assert torch.equal(overlap.progress(local, lambda: base), torch.tensor([2.5, 2.0]))
+
+
+def test_a_round_is_prelaunched_only_after_a_grouped_round_and_never_first() -> None:
+    """A process's first round joins at its sync point: prelaunched, the members' sync points were as far
+    apart as their starts, and the round failed for all of them at the sender deadline (chaos no-chaos
+    arms: round 1 failed, 6 of 6 peers, in every overlapped run of 2026-12-06)."""
+    book = RoundBook(started_at=0.0, last_sync_end=0.0, divergence=None, next_sync=20)
+    due = partial(prelaunch_due, book, lead=3, in_flight=False)
+    assert not due(local_step=17, grouped=0)  # the first round of this process: never
+    assert not due(local_step=16, grouped=1)  # too early
+    assert due(local_step=17, grouped=1) and due(local_step=19, grouped=4)
+    assert not prelaunch_due(book, local_step=17, lead=3, grouped=1, in_flight=True)  # one round at a time
+    book.solo_streak = 1
+    assert not due(local_step=17, grouped=1)  # the last round found no group: join at the sync point
 
 
 @pytest.mark.timeout(120)

@@ -191,6 +191,8 @@ def test_three_peers_average_exactly_and_learn(bootstrap_node, tmp_path, outer_l
         # once a round has landed between sync points, the next phase's group forms before its sync point
         # (prelaunched); a round slower than a phase (under load) is joined at the sync point instead
         landed = [k for k, e in enumerate(rounds[:-1]) if e["landed_step"] is not None]
+        if overlap:  # the first round is joined at the sync point, never prelaunched (`rounds.prelaunch_due`)
+            assert "ready" not in (rounds[0]["record"] or {}).get("phase_s", {}), rounds[0]
         if overlap and landed:
             assert "ready" in (rounds[landed[0] + 1]["record"] or {}).get("phase_s", {}), rounds
         start = next(e["val_loss"] for e in events if e["event"] == "val")
