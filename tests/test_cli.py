@@ -171,8 +171,12 @@ def test_malformed_initial_peer_is_named_and_exits_2(tmp_path, capsys):
     assert "/ip4/1.2.3/tcp/x" in err
 
 
+_NOBODY = "QmVekjsvS68BRG1RfmybbEmgNmt8Yk1Anpan5uqYmkmczq"
+"""A well-formed peer ID no test process has."""
+
+
 def test_unreachable_initial_peer_is_named_within_the_timeout(tmp_path):
-    addr = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/QmVekjsvS68BRG1RfmybbEmgNmt8Yk1Anpan5uqYmkmczq"
+    addr = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{_NOBODY}"
     child, elapsed_s = _run_peer(
         "--run",
         "x",
@@ -197,7 +201,7 @@ def test_sigterm_while_the_dht_dials_its_initial_peer_is_a_clean_stop(tmp_path):
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(16)
-        addr = f"/ip4/127.0.0.1/tcp/{listener.getsockname()[1]}/p2p/QmVekjsvS68BRG1RfmybbEmgNmt8Yk1Anpan5uqYmkmczq"
+        addr = f"/ip4/127.0.0.1/tcp/{listener.getsockname()[1]}/p2p/{_NOBODY}"
         args = ["--run", "x", "--identity-key", str(tmp_path / "k"), "--initial-peers", addr]
         args += ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--connect-timeout-s", "60"]
         child = spawn(python_cmd("-m", "swarm.peer", "--no-progress", *args))
