@@ -28,9 +28,12 @@ class Heartbeat:
     ``expiry_s`` after it is signed and always after the previous one: the DHT keeps the value with the
     latest expiration, so a value that expired sooner would be dropped. A peer that dies therefore vanishes
     from every reader within ``expiry_s``. ``whole_seconds`` expirations (for records that sign their own
-    integer expiry) step by a second, others by a millisecond. A failed store is counted in ``failures``,
-    logged (a warning for the first of a run of failures) and retried on the next beat. The thread
-    publishes at most once per ``min_interval_s``, so a burst of `publish_soon` calls is one publication.
+    integer expiry) step by a second, others by a millisecond; so that those steps never carry a value's
+    expiration past ``expiry_s`` from its signing, the beat publishes a ``whole_seconds`` value at most once
+    a second (`publish_now` itself is not throttled: a direct call may still step ahead, as ``close``'s
+    withdrawal means to). A failed store is counted in ``failures``, logged (a warning for the first of a
+    run of failures) and retried on the next beat. The thread publishes at most once per ``min_interval_s``,
+    so a burst of `publish_soon` calls is one publication.
     """
 
     what = "entry"
@@ -125,7 +128,8 @@ class Heartbeat:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._wake.wait(timeout=self.refresh_s)
-            delay_s = self._last_publish_at + self.min_interval_s - time.monotonic()
+            min_interval_s = max(self.min_interval_s, 1.0 if self.whole_seconds else 0.0)
+            delay_s = self._last_publish_at + min_interval_s - time.monotonic()
             if self._stop.wait(timeout=max(0.0, delay_s)):  # coalesce a burst of wakes into one publication
                 return
             self._wake.clear()

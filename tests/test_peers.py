@@ -278,6 +278,29 @@ def test_a_reader_keeps_a_verified_record_until_it_expires_or_is_replaced():
     assert {r.peer_id for r in capped.live(run=None, now=now)} == {p.peer_id for p in others[1:]}
 
 
+def test_a_burst_of_refreshes_never_carries_a_record_past_its_expiry(monkeypatch):
+    """Each record must expire after the previous one, in whole seconds; so a heartbeat that published
+    faster than once a second stepped each expiration a second further, and a killed peer outlived
+    ``expiry_s`` (seen 5.04 s after its kill with expiry 4 s + refresh 1 s, in CI)."""
+    stored = []
+
+    def store_within(dht, key, value, *, subkey, expiration_time, timeout_s):
+        stored.append((time.time(), expiration_time))
+
+    monkeypatch.setattr("bootstrap.heartbeat.store_within", store_within)
+    ident = Identity.generate()
+    advertiser = Advertiser(types.SimpleNamespace(), ident, record_builder(ident), refresh_s=0.02, expiry_s=3)
+    advertiser.start()
+    deadline = time.monotonic() + 2.2
+    while time.monotonic() < deadline:  # a round's state changes: refresh_now as often as it likes
+        advertiser.refresh_now()
+        time.sleep(0.01)
+    advertiser.close(withdraw=False)
+    assert 2 <= len(stored) <= 4, f"{len(stored)} publications in 2.2 s"  # the burst fired, once a second
+    ahead = [expiration - signed_at for signed_at, expiration in stored]
+    assert all(0 < a <= 3 for a in ahead), f"expirations ahead of their signing: {ahead}"
+
+
 @pytest.mark.timeout(120)
 def test_advertiser_heartbeat_and_clean_withdrawal(network):
     honest_dht, reader_dht, _ = network
