@@ -34,6 +34,7 @@ import psutil
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.multiaddr import Multiaddr
 
 from bootstrap._private import procs
@@ -70,6 +71,7 @@ _UNSPECIFIED_HOSTS = {"0.0.0.0", "::"}
 _RPC_TIMEOUT_S = 10.0
 _GRACEFUL_STOP_S = 1.0
 _CANCEL_POLL_S = 0.1
+_LOCK_PROBE_S = 5.0
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _METRICS_REFRESH_S = 5.0
 _METRICS_CLOSE_S = 2.0
@@ -277,6 +279,31 @@ def _wait_until_ready(dht: hivemind.DHT, timeout_s: float, cancel: threading.Eve
     raise KeyboardInterrupt  # raised here, in our own frame: see `StopSignal`
 
 
+def heal_mpfuture_backend(probe_s: float | None = None) -> bool:
+    """Reset hivemind's `MPFuture` backend if a dead child left its lock held; True if it did (logged).
+
+    The backend is process-wide: every DHT child a process forks sends each reply (its ``ready`` signal too)
+    down one pipe under one cross-process lock, ``MPFuture._update_lock``. A child killed while it held that
+    lock (SIGKILL or SIGTERM in mid-reply: a crash, or a test's or benchmark's kill of an in-process DHT)
+    leaves it held for good, and every later DHT of the process hangs at its start (one pytest worker failed
+    7 DHT starts in a row with "DHT did not start within 30.0 s"). A lock no live writer holds is free at
+    once; if it is not free within ``probe_s`` (default 5 s), the backend is reset (`MPFuture.reset_backend`): new locks
+    and a new pipe for the DHTs started from now on. Those already running needed the held lock to answer,
+    so they were stuck before the reset."""
+    probe_s = _LOCK_PROBE_S if probe_s is None else probe_s
+    for name in ("_update_lock", "_initialization_lock"):
+        lock = getattr(MPFuture, name)
+        if lock.acquire(timeout=probe_s):
+            lock.release()
+            continue
+        logger.warning(
+            "hivemind's MPFuture.%s was held for %.1f s (a DHT process died holding it): reset", name, probe_s
+        )
+        MPFuture.reset_backend()
+        return True
+    return False
+
+
 _shm_manager: tuple[int, Any] | None = None
 """(pid, a shared tensor) of the process that started torch's shared-memory manager (a forked child has its
 own); the tensor is kept so that the manager keeps a client."""
@@ -344,6 +371,7 @@ def start_dht(
     dht_kwargs.setdefault("startup_timeout", connect_timeout_s)  # hivemind's own p2pd start-up bound
 
     started = time.monotonic()
+    heal_mpfuture_backend()
     start_shm_manager()
     freeze_heap_at_exit()
     dht = hivemind.DHT(
