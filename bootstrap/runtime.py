@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Generic, Protocol, TypeVar
@@ -25,6 +26,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from bootstrap.errors import Rejected, one_line
 from bootstrap.framing import close_stream
+from bootstrap.lifetime import Stopped
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,28 @@ _RPC_TIMEOUT_S = 30.0
 
 def _described(error: BaseException) -> str:
     return f"{type(error).__name__}: {one_line(error)}"
+
+
+_CANCEL_POLL_S = 0.1
+
+
+def result_within(
+    future: concurrent.futures.Future[T], *, timeout_s: float, cancel: threading.Event | None = None
+) -> T:
+    """``future``'s result within ``timeout_s`` (else it is cancelled and TimeoutError raised); once ``cancel``
+    is set (a stop request: it is polled every 0.1 s), the future is cancelled and `Stopped` raised."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            return future.result(timeout=max(0.0, min(remaining, _CANCEL_POLL_S) if cancel is not None else remaining))
+        except concurrent.futures.TimeoutError:
+            if cancel is not None and cancel.is_set():
+                future.cancel()
+                raise Stopped("stop requested") from None
+            if time.monotonic() >= deadline:
+                future.cancel()
+                raise TimeoutError(f"no result within {timeout_s:.1f} s") from None
 
 
 def peer_id_of(value: PeerID | str) -> PeerID:
@@ -162,14 +186,10 @@ class NetworkRuntime:
         """Run `coroutine` on the runtime's loop; returns a concurrent future."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
 
-    def call(self, coroutine: Coroutine[Any, Any, T], *, timeout_s: float) -> T:
-        """Run `coroutine` on the loop and wait up to `timeout_s` for it (then cancel it, raise TimeoutError)."""
-        future = self.submit(coroutine)
-        try:
-            return future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"no result within {timeout_s:.1f} s") from None
+    def call(self, coroutine: Coroutine[Any, Any, T], *, timeout_s: float, cancel: threading.Event | None = None) -> T:
+        """Run `coroutine` on the loop and wait up to `timeout_s` for it (then cancel it, raise TimeoutError);
+        see `result_within` for ``cancel``."""
+        return result_within(self.submit(coroutine), timeout_s=timeout_s, cancel=cancel)
 
     def release(self, *, timeout_s: float = 10.0) -> None:
         """One user let go; the last one stops the loop and shuts the replica down (waits up to `timeout_s`)."""
@@ -310,12 +330,13 @@ class Served(Generic[S]):
         if self._closed:
             raise RuntimeError(f"{self.what} is closed")
 
-    def call(self, coroutine: Coroutine[Any, Any, T], *, timeout_s: float) -> T:
-        """Run ``coroutine`` on the runtime and wait up to ``timeout_s`` (TimeoutError, then cancelled)."""
+    def call(self, coroutine: Coroutine[Any, Any, T], *, timeout_s: float, cancel: threading.Event | None = None) -> T:
+        """Run ``coroutine`` on the runtime and wait up to ``timeout_s`` (TimeoutError, then cancelled); see
+        `result_within` for ``cancel``."""
         if self._closed:
             coroutine.close()
             raise RuntimeError(f"{self.what} is closed")
-        return self.runtime.call(coroutine, timeout_s=timeout_s)
+        return self.runtime.call(coroutine, timeout_s=timeout_s, cancel=cancel)
 
     def close(self, *, timeout_s: float = 10.0) -> None:
         """Stop the server (its streams are cut off) and let the runtime go; idempotent."""

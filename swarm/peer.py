@@ -28,7 +28,7 @@ from hivemind import DHT
 from rich.console import Console
 from safetensors.torch import save_file
 
-from bootstrap import DHTStartError, StopSignal, parse_initial_peers, stop_dht
+from bootstrap import DHTStartError, Stopped, StopSignal, parse_initial_peers, stop_dht
 from bootstrap.cli import add_dataclass_arguments, dataclass_from_args, field_docs, log_handler, stderr_console
 from bootstrap.identity import Identity, IdentityError
 from bootstrap.network import start_swarm_dht
@@ -209,6 +209,7 @@ class PeerRunner:
             task_info=task_info,
             evaluate=self.evaluate_or_nan,
             work=work,
+            cancel=self.stop.event,  # a signal while it joins ends its state sync: Stopped
         )
         self.stop.on_stop.append(self.trainer.interrupt)
         self.trainer.evidence.listeners.append(self._on_evidence)
@@ -466,8 +467,11 @@ def main(argv: list[str] | None = None) -> int:
         runner.run()
     except (ValueError, IdentityError, DHTStartError) as e:  # UnknownTaskError and RunMismatch are ValueErrors
         return _fail(console, str(e))
-    except KeyboardInterrupt:
-        logger.info("stopped while starting" if runner is None else "interrupted again: leaving now")
+    except KeyboardInterrupt as e:  # Stopped: a signal ended the DHT's start or a state sync
+        if runner is None or runner.trainer is None:
+            logger.info("stopped while starting")
+        else:
+            logger.info("stopped during a state sync" if isinstance(e, Stopped) else "interrupted again: leaving now")
     finally:
         if runner is not None:
             runner.shutdown()

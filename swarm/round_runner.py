@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
@@ -60,6 +61,8 @@ class RoundRunner:
         """The result of the last round that ended."""
         self.work: Any = None
         """Verified work (`swarm.work.WorkChecks`), or None."""
+        self.cancel: threading.Event | None = None
+        """A stop request: once set, a state sync in progress ends (`bootstrap.Stopped`)."""
 
     def load_state(self, *, timeout_s: float, reason: str, newer_than: int | None) -> bool:
         """`swarm.Trainer.load_state`: the run's newest sealed state, verified end to end, into the outer optimizer
@@ -67,7 +70,7 @@ class RoundRunner:
         if self.checkpoints is None:
             return False
         manifest, problem = self.checkpoints.resume(
-            self.outer, timeout_s=timeout_s, newer_than=newer_than, reason=reason
+            self.outer, timeout_s=timeout_s, newer_than=newer_than, reason=reason, cancel=self.cancel
         )
         if problem is not None:
             self.counters.rejected[problem] += 1

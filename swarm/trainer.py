@@ -71,6 +71,7 @@ class Trainer:
     file, by default ``~/.swarm/identity.key`` as swarm.peer's ``--identity-key`` (created 0600, refused
     if others can read it, held by one live peer at a time): a restarted script is the same peer. With ``work``
     (`swarm.work.WorkSpec`) and ``verify_work``, train on ``trainer.work.batches()``: each phase is checked by replay.
+    Once ``cancel`` (a stop request, e.g. `bootstrap.StopSignal.event`) is set, a state sync ends: ``Stopped``.
     """
 
     def __init__(
@@ -85,6 +86,7 @@ class Trainer:
         task_info: TaskInfo | None = None,
         evaluate: Callable[[], float] | None = None,
         work: WorkSpec | None = None,
+        cancel: threading.Event | None = None,
         **overrides: Any,
     ):
         if config is None:
@@ -122,12 +124,12 @@ class Trainer:
         net = config.network.dht_kwargs()
         self.dht = dht if dht is not None else start_swarm_dht(self.identity, initial_peers=config.initial_peers, **net)
         try:
-            self._wire(work)
+            self._wire(work, cancel)
         except BaseException:
             self.shutdown()
             raise
 
-    def _wire(self, work: WorkSpec | None) -> None:
+    def _wire(self, work: WorkSpec | None, cancel: threading.Event | None) -> None:
         cfg, task, own = self.config, self.task_info, self.identity.peer_id == self.peer_id
         if not own:
             logger.warning(
@@ -158,6 +160,7 @@ class Trainer:
         self._runner = RoundRunner(cfg, *parts, self.identity, binding, self.counters, self._book)
         rt = cfg.averaging.round_timeout_s  # a round may take two all-reduces, then its bookkeeping
         self._runner.evaluate, self._runner.overlap = self.evaluate, Overlap(2 * rt + 30) if cfg.overlap else None
+        self._runner.cancel = cancel
         if cfg.load_state:
             self.load_state(timeout_s=cfg.load_state_timeout_s)
         self._runner.work = WorkChecks.for_trainer(self, work)  # its first phase starts from this state
@@ -188,10 +191,7 @@ class Trainer:
         overlap = self._runner.overlap if self._runner is not None else None
         return int(overlap is not None and overlap.in_flight and overlap.pending is None)
 
-    @property
-    def device(self) -> torch.device:
-        return self.outer.params[0].device
-
+    device = property(lambda self: self.outer.params[0].device, doc="Where the model's parameters are.")
     work = property(lambda self: getattr(self._runner, "work", None), doc="Verified work (`swarm.work`), or None.")
     samples_per_s = property(lambda self: self._book.samples_per_s, doc="Samples/s over the last round's steps.")
     last_loss = property(lambda self: self._book.last_loss, doc="The last training loss passed to :meth:`step`.")
@@ -333,6 +333,7 @@ class Trainer:
         if threading.current_thread() is threading.main_thread():
             self._stop = StopSignal().install()
             self._stop.on_stop.append(self.interrupt)
+            self._runner.cancel = self._runner.cancel or self._stop.event  # a re-sync ends too
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> bool:

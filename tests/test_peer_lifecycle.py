@@ -69,3 +69,70 @@ def test_sigkill_leaves_no_orphans_within_5_s(tmp_path):
     assert child.popen.returncode == -signal.SIGKILL
     assert all(isinstance(p, psutil.Process) for p in p2pd)
     wait_until(lambda: not alive(tree), timeout_s=5, message=lambda: f"orphans: {alive(tree)}")
+
+
+def test_a_wait_on_the_network_runtime_ends_at_a_stop_request_or_its_deadline():
+    import concurrent.futures
+    import threading
+    import time
+
+    from bootstrap import Stopped
+    from bootstrap.runtime import result_within
+
+    cancel, never = threading.Event(), concurrent.futures.Future()
+    threading.Timer(0.3, cancel.set).start()
+    started = time.monotonic()
+    with pytest.raises(Stopped):
+        result_within(never, timeout_s=60, cancel=cancel)
+    assert time.monotonic() - started < 1.0 and never.cancelled()
+    late = concurrent.futures.Future()
+    with pytest.raises(TimeoutError):
+        result_within(late, timeout_s=0.3, cancel=threading.Event())
+    assert late.cancelled()
+    done = concurrent.futures.Future()
+    done.set_result(7)
+    assert result_within(done, timeout_s=0, cancel=cancel) == 7  # a result that is in wins over a stop
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_request_while_the_trainer_syncs_its_state_ends_the_join(tmp_path, monkeypatch):
+    """A Trainer joining looks for the run's newest sealed state, up to ``load_state_timeout_s`` (60 s by
+    default, beyond a supervisor's grace): a stop request (``cancel``, swarm.peer's SIGTERM) ends it at once,
+    the constructor raises Stopped and nothing of the trainer is left running."""
+    import asyncio
+    import threading
+    import time
+
+    import torch
+
+    from bootstrap import Stopped
+    from bootstrap.runtime import NetworkRuntime
+    from swarm.checkpoint.gossip import ManifestGossip
+    from swarm.trainer import Trainer
+
+    searching = threading.Event()
+
+    async def a_search_that_never_ends(self):  # the fault: a DHT index read that does not return
+        searching.set()
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(ManifestGossip, "_from_index", a_search_that_never_ends)
+    cancel = threading.Event()
+    threading.Thread(target=lambda: searching.wait(30) and cancel.set(), daemon=True).start()
+    model = torch.nn.Linear(4, 2)
+    started = time.monotonic()
+    with pytest.raises(Stopped):
+        Trainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            run="stopped-joining",
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            checkpoint_dir=str(tmp_path / "ck"),
+            ledger_dir=str(tmp_path / "ledgers"),
+            identity_key=str(tmp_path / "k"),
+            load_state_timeout_s=60,
+            cancel=cancel,
+        )
+    assert searching.is_set(), "the state sync never began: the fault did not fire"
+    assert time.monotonic() - started < 20, "the join ran on after the stop request"
+    assert NetworkRuntime.count() == 0, "the trainer's network runtime is still running"

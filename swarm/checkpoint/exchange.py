@@ -47,6 +47,7 @@ import logging
 import math
 import os
 import re
+import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -777,8 +778,10 @@ class ShardExchange(ServedFacade):
         *,
         partial: Mapping[str, bytes] | None = None,
         timeout_s: float | None = None,
+        cancel: threading.Event | None = None,
     ) -> tuple[dict[str, bytes], FetchReport]:
-        """`fetch_shards` on this exchange's P2P, bounded by `timeout_s` (default: `fetch_timeout_s`).
+        """`fetch_shards` on this exchange's P2P, bounded by `timeout_s` (default: `fetch_timeout_s`); once
+        ``cancel`` is set (a stop request), the fetch is cancelled and `bootstrap.Stopped` raised.
 
         Returns ({digest: bytes}, report). Raises `FetchError` (its `report` attached) when a shard
         cannot be had, `ValueError`/`TypeError` for malformed arguments, `RuntimeError` once closed.
@@ -793,7 +796,7 @@ class ShardExchange(ServedFacade):
         report = FetchReport()
         coro = fetch_shards(p2p, wanted, donors, config, partial=partial, report=report)
         try:
-            shards = self._served.call(coro, timeout_s=config.fetch_timeout_s + _RPC_TIMEOUT_S)
+            shards = self._served.call(coro, timeout_s=config.fetch_timeout_s + _RPC_TIMEOUT_S, cancel=cancel)
         except TimeoutError:
             raise FetchError(
                 f"the fetch did not end within {config.fetch_timeout_s:.1f} s", reason="timeout", report=report

@@ -33,7 +33,7 @@ import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
 from bootstrap.framing import ProtocolError, read_blob
-from bootstrap.runtime import Handler
+from bootstrap.runtime import Handler, result_within
 
 logger = logging.getLogger(__name__)
 
@@ -138,10 +138,12 @@ class ManifestGossip:
         future = self._service.submit(self._accept(data, source=None))
         return future.result(timeout=timeout_s)
 
-    def fetch_newest_from_index(self, *, timeout_s: float = 30.0) -> bytes | None:
-        """The newest valid manifest announced in the run's DHT index (for a peer that was away)."""
-        future = self._service.submit(self._from_index())
-        return future.result(timeout=timeout_s)
+    def fetch_newest_from_index(
+        self, *, timeout_s: float = 30.0, cancel: threading.Event | None = None
+    ) -> bytes | None:
+        """The newest valid manifest announced in the run's DHT index (for a peer that was away); see
+        `bootstrap.runtime.result_within` for ``cancel``."""
+        return result_within(self._service.submit(self._from_index()), timeout_s=timeout_s, cancel=cancel)
 
     # ------------------------------------------------------------------------------------ internals
     def _check(self, data: Any) -> tuple[str, int]:

@@ -345,10 +345,17 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------ loading
     def load_newest(
-        self, *, timeout_s: float = 120.0, attempts: int = 3, newer_than: int | None = None
+        self,
+        *,
+        timeout_s: float = 120.0,
+        attempts: int = 3,
+        newer_than: int | None = None,
+        cancel: threading.Event | None = None,
     ) -> tuple[Manifest, dict[str, torch.Tensor]] | None:
         """The newest sealed state of the run, verified end to end, or None if there is none yet (or,
-        with ``newer_than``, none sealed at a later round than that: nothing is downloaded then).
+        with ``newer_than``, none sealed at a later round than that: nothing is downloaded then). Once
+        ``cancel`` is set (a stop request), the search or download in progress ends and `bootstrap.Stopped`
+        is raised.
 
         Donors keep only their last few checkpoints, so a manifest can be pruned while a joiner
         downloads it: then the joiner asks again for the newest one and retries.
@@ -356,7 +363,7 @@ class CheckpointManager:
         deadline = time.monotonic() + timeout_s
         last_error: Exception | None = None
         for _ in range(attempts):
-            data = self.gossip.fetch_newest_from_index(timeout_s=max(1.0, deadline - time.monotonic()))
+            data = self.gossip.fetch_newest_from_index(timeout_s=max(1.0, deadline - time.monotonic()), cancel=cancel)
             if data is not None:
                 self.gossip.publish(data)  # verifies it; if newer than what we had, it becomes ours
             with self._lock:
@@ -364,23 +371,29 @@ class CheckpointManager:
             if newest is None or (newer_than is not None and newest.round <= newer_than):
                 return None
             try:
-                return newest, self._download(newest, timeout_s=max(1.0, deadline - time.monotonic()))
+                return newest, self._download(newest, timeout_s=max(1.0, deadline - time.monotonic()), cancel=cancel)
             except Exception as e:  # pruned by its donors meanwhile, or unreachable: try the newest again
                 last_error = e
                 logger.info("could not download sealed step %s: %r; asking for the newest again", newest.step, e)
         raise RuntimeError(f"no sealed checkpoint could be downloaded in {attempts} attempts: {last_error!r}")
 
     def resume(
-        self, outer: Any, *, timeout_s: float, newer_than: int | None = None, reason: str = "join"
+        self,
+        outer: Any,
+        *,
+        timeout_s: float,
+        newer_than: int | None = None,
+        reason: str = "join",
+        cancel: threading.Event | None = None,
     ) -> tuple[Manifest | None, str | None]:
         """Load the run's newest sealed state into ``outer`` (a `swarm.outer.DiLoCo`) if it fits it, and
-        record it ("state_synced", with ``reason``).
+        record it ("state_synced", with ``reason``); ``cancel`` as in `load_newest`.
 
         Returns (manifest, None) once loaded, (None, problem) when one was refused or could not be had
         (logged), and (None, None) when there is none (with ``newer_than``: none sealed after that round)."""
         started = time.monotonic()
         try:
-            loaded = self.load_newest(timeout_s=timeout_s, newer_than=newer_than)
+            loaded = self.load_newest(timeout_s=timeout_s, newer_than=newer_than, cancel=cancel)
         except Exception as e:  # a bad or unreachable checkpoint: say why; the caller trains on
             logger.warning("could not load the newest sealed checkpoint: %r", e)
             return None, "sealed checkpoint"
@@ -413,12 +426,14 @@ class CheckpointManager:
         )
         return manifest, None
 
-    def _download(self, manifest: Manifest, *, timeout_s: float) -> dict[str, torch.Tensor]:
+    def _download(
+        self, manifest: Manifest, *, timeout_s: float, cancel: threading.Event | None = None
+    ) -> dict[str, torch.Tensor]:
         missing = self.store.missing_shards(manifest)
         if missing:
             donors = [p for p in manifest.participants if p in self.run_peers()] or sorted(self.run_peers())
             fetched, report = self.exchange.fetch(
-                {s.digest: s.size_bytes for s in missing}, donors, timeout_s=timeout_s
+                {s.digest: s.size_bytes for s in missing}, donors, timeout_s=timeout_s, cancel=cancel
             )
             for shard in missing:
                 self.store.put_shard_bytes(
