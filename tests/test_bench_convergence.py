@@ -49,7 +49,7 @@ def test_plan_gives_every_arm_the_same_whole_rounds():
         Plan.of(ConvergenceConfig(samples=100, peers=2, sync_every=5))
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)  # 30 s alone, 126 s in one make test beside the chaos run: no timing is checked
 @pytest.mark.heavy(seconds=43)
 def test_four_arms_on_loopback_write_curves_and_table(tmp_path):
     out = tmp_path / "convergence.json"
