@@ -722,7 +722,7 @@ def joiners_summary(arm: _Arm) -> dict[str, Any] | None:
 
 
 def rss_summary(arm: _Arm) -> dict[str, Any]:
-    growth = {}
+    growth, series = {}, {}
     for inc in arm.incarnations:
         samples = [(t - inc.started, rss) for t, rss in inc.rss]
         if not samples or samples[-1][0] < 150:
@@ -730,9 +730,12 @@ def rss_summary(arm: _Arm) -> dict[str, Any]:
         early = [rss for age, rss in samples if 60 <= age <= 75] or [samples[0][1]]
         late = [rss for _, rss in samples[-3:]]
         growth[inc.name] = (statistics.mean(late) - statistics.mean(early)) / 2**20
+        every = max(1, len(samples) // 60)  # at most ~60 points: a step (a sync, a served state) or a slope
+        series[inc.name] = [[round(age, 1), round(rss / 2**20, 1)] for age, rss in samples[::every] + samples[-1:]]
     return {
         "peers_measured": len(growth),
         "growth_mib": growth,
+        "series_mib": series,  # [age s, RSS MiB] of each measured peer
         "max_growth_mib": max(growth.values()) if growth else None,
         "median_rss_mib": _median([rss / 2**20 for inc in arm.incarnations for _, rss in inc.rss]),
     }
