@@ -47,20 +47,22 @@ _CANCEL_POLL_S = 0.1
 def result_within(
     future: concurrent.futures.Future[T], *, timeout_s: float, cancel: threading.Event | None = None
 ) -> T:
-    """``future``'s result within ``timeout_s`` (else it is cancelled and TimeoutError raised); once ``cancel``
-    is set (a stop request: it is polled every 0.1 s), the future is cancelled and `Stopped` raised."""
+    """``future``'s result within ``timeout_s`` (else it is cancelled and TimeoutError raised, as when the work
+    itself raised one); once ``cancel`` is set (a stop request: it is polled every 0.1 s), the future is
+    cancelled and `Stopped` raised."""
     deadline = time.monotonic() + timeout_s
     while True:
         remaining = deadline - time.monotonic()
         try:
             return future.result(timeout=max(0.0, min(remaining, _CANCEL_POLL_S) if cancel is not None else remaining))
         except concurrent.futures.TimeoutError:
+            # done: the work's own TimeoutError, not a poll's (polling on would spin until the deadline)
+            if future.done() or time.monotonic() >= deadline:
+                future.cancel()
+                raise TimeoutError(f"no result within {timeout_s:.1f} s") from None
             if cancel is not None and cancel.is_set():
                 future.cancel()
                 raise Stopped("stop requested") from None
-            if time.monotonic() >= deadline:
-                future.cancel()
-                raise TimeoutError(f"no result within {timeout_s:.1f} s") from None
 
 
 def peer_id_of(value: PeerID | str) -> PeerID:

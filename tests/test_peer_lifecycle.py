@@ -89,6 +89,12 @@ def test_a_wait_on_the_network_runtime_ends_at_a_stop_request_or_its_deadline():
     with pytest.raises(TimeoutError):
         result_within(late, timeout_s=0.3, cancel=threading.Event())
     assert late.cancelled()
+    failed = concurrent.futures.Future()  # the work itself timed out: at once, not by polling until the deadline
+    failed.set_exception(TimeoutError("the work's own"))
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        result_within(failed, timeout_s=30, cancel=threading.Event())
+    assert time.monotonic() - started < 1.0
     done = concurrent.futures.Future()
     done.set_result(7)
     assert result_within(done, timeout_s=0, cancel=cancel) == 7  # a result that is in wins over a stop
