@@ -730,8 +730,9 @@ def rss_summary(arm: _Arm) -> dict[str, Any]:
         early = [rss for age, rss in samples if 60 <= age <= 75] or [samples[0][1]]
         late = [rss for _, rss in samples[-3:]]
         growth[inc.name] = (statistics.mean(late) - statistics.mean(early)) / 2**20
-        every = max(1, len(samples) // 60)  # at most ~60 points: a step (a sync, a served state) or a slope
-        series[inc.name] = [[round(age, 1), round(rss / 2**20, 1)] for age, rss in samples[::every] + samples[-1:]]
+        every = -(-len(samples) // 60)  # at most 60 points (and the last): a step (a sync, a served state) or a slope
+        picked = samples[::every] if (len(samples) - 1) % every == 0 else samples[::every] + samples[-1:]
+        series[inc.name] = [[round(age, 1), round(rss / 2**20, 1)] for age, rss in picked]
     return {
         "peers_measured": len(growth),
         "growth_mib": growth,
