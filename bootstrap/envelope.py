@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from bootstrap.errors import Rejected
-from bootstrap.identity import canonical_json
+from bootstrap.identity import Identity, canonical_json
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +138,15 @@ class Signable(JsonFields):
     def digest(self) -> str:
         """SHA-256 hex of `payload`."""
         return hashlib.sha256(self.payload()).hexdigest()
+
+    def signature_by(self, identity: Identity, *, signer: str, kind: str, run: str) -> str:
+        """Hex Ed25519 signature of `payload` (``kind`` and ``run`` bound in) by ``identity``, which must be
+        ``signer``, the peer the record names as its writer; else ValueError."""
+        if identity.peer_id != signer:
+            raise ValueError(
+                f"the {type(self).__name__} names {signer} as its signer, not the signing identity {identity.peer_id}"
+            )
+        return identity.sign(kind=kind, run_id=run, payload=self.payload()).hex()
 
 
 def _plain(value: Any) -> Any:

@@ -48,7 +48,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from bootstrap.envelope import Signable, check_hex, check_int, check_str, from_dict, strict_json
+from bootstrap.envelope import JsonFields, Signable, check_hex, check_int, check_str, from_dict, strict_json
 from bootstrap.errors import Rejected
 from bootstrap.identity import Identity, public_key_from_peer_id, verify
 from swarm.recipe import inner_step
@@ -242,20 +242,15 @@ class Commitment(Signable):
 
 
 @dataclass(frozen=True, slots=True)
-class SignedCommitment:
+class SignedCommitment(JsonFields):
     commitment: Commitment
     signature: str
     """Hex Ed25519 signature of ``commitment.payload()`` by ``commitment.peer``, kind ``swarm/work``."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"commitment": self.commitment.to_dict(), "signature": self.signature}
-
 
 def sign_commitment(commitment: Commitment, identity: Identity) -> SignedCommitment:
-    if identity.peer_id != commitment.peer:
-        raise ValueError(f"commitment.peer is {commitment.peer}, the signing identity {identity.peer_id}")
-    signature = identity.sign(kind=COMMITMENT_KIND, run_id=commitment.run, payload=commitment.payload())
-    return SignedCommitment(commitment, signature.hex())
+    signature = commitment.signature_by(identity, signer=commitment.peer, kind=COMMITMENT_KIND, run=commitment.run)
+    return SignedCommitment(commitment, signature)
 
 
 def verify_commitment(data: Any, *, run: str | None = None) -> SignedCommitment:
@@ -549,8 +544,8 @@ class Verdict(Signable):
 
 
 def sign_verdict(verdict: Verdict, identity: Identity) -> dict[str, Any]:
-    signature = identity.sign(kind=VERDICT_KIND, run_id=verdict.run, payload=verdict.payload())
-    return {"verdict": verdict.to_dict(), "signature": signature.hex()}
+    signature = verdict.signature_by(identity, signer=verdict.verifier, kind=VERDICT_KIND, run=verdict.run)
+    return {"verdict": verdict.to_dict(), "signature": signature}
 
 
 def verify_verdict(data: Any) -> Verdict:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bootstrap.envelope import Signable, check_hex, check_int, check_str, expect_keys, strict_json
+from bootstrap.envelope import JsonFields, Signable, check_hex, check_int, check_str, expect_keys, strict_json
 from bootstrap.errors import Rejected
 from bootstrap.identity import Identity, canonical_json, public_key_from_peer_id, verify
 from swarm.ledger.chain import GENESIS, LedgerEntry, LedgerVerdict
@@ -125,25 +125,21 @@ class Receipt(Signable):
 
 
 @dataclass(frozen=True, slots=True)
-class SignedReceipt:
-    """A receipt and its signer's signature (the signer is ``receipt.peer``)."""
+class SignedReceipt(JsonFields):
+    """A receipt and its signer's signature (the signer is ``receipt.peer``); ``to_dict()`` is
+    ``{"receipt": {...}, "signature": hex}``: ints and strings only (fit for a DHT or a ledger)."""
 
     receipt: Receipt
     """The signed receipt."""
     signature: str
     """Hex (128 chars) Ed25519 signature of ``receipt.payload()``, kind ``swarm/receipt``."""
 
-    def to_dict(self) -> dict[str, Any]:
-        """``{"receipt": {...}, "signature": hex}``: ints and strings only (fit for a DHT or a ledger)."""
-        return {"receipt": self.receipt.to_dict(), "signature": self.signature}
-
 
 def sign_receipt(receipt: Receipt, identity: Identity) -> SignedReceipt:
     """``identity``'s signature of ``receipt``; ValueError unless ``identity`` is ``receipt.peer``."""
-    if identity.peer_id != receipt.peer:
-        raise ValueError(f"receipt.peer is {receipt.peer}, but the signing identity is {identity.peer_id}")
-    signature = identity.sign(kind=RECEIPT_KIND, run_id=receipt.run, payload=receipt.payload())
-    return SignedReceipt(receipt=receipt, signature=signature.hex())
+    return SignedReceipt(
+        receipt, receipt.signature_by(identity, signer=receipt.peer, kind=RECEIPT_KIND, run=receipt.run)
+    )
 
 
 def verify_receipt(data: Any, *, run_id: str | None = None, counter: Counter[str] | None = None) -> SignedReceipt:

@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import hashlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -244,6 +244,23 @@ def _model_device(model: nn.Module) -> torch.device:
 # --- task -----------------------------------------------------------------------------------------
 
 
+def evaluate_batches(
+    model: nn.Module, batches: list[Any], max_batches: int | None, mean_loss: Callable[[nn.Module, list[Any]], float]
+) -> float:
+    """``mean_loss(model, batches[:max_batches])`` (all batches by default) in eval mode without gradients; the
+    model's train/eval mode is restored. Every built-in task's ``evaluate``."""
+    if max_batches is not None:
+        _require_int("max_batches", max_batches, minimum=1)
+        batches = batches[:max_batches]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return mean_loss(model, batches)
+    finally:
+        model.train(was_training)
+
+
 class CharLMTask:
     """The `charlm` task: model factory, sharded training stream and fixed validation set for one config."""
 
@@ -412,19 +429,10 @@ class CharLMTask:
 
         Runs in eval mode without gradients on the model's device; the model's mode is restored.
         """
-        batches = self.val_batches()
-        if max_batches is not None:
-            _require_int("max_batches", max_batches, minimum=1)
-            batches = batches[:max_batches]
-        was_training = model.training
-        model.eval()
-        try:
-            return self._mean_loss(model, batches)
-        finally:
-            model.train(was_training)
+        return evaluate_batches(model, self.val_batches(), max_batches, self._mean_loss)
 
-    @torch.no_grad()
-    def _mean_loss(self, model: nn.Module, batches: list[Batch]) -> float:
+    @staticmethod
+    def _mean_loss(model: nn.Module, batches: list[Batch]) -> float:
         device = _model_device(model)
         total_loss, total_chars = 0.0, 0
         for inputs, targets in batches:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from swarm.tasks.charlm import _require_fraction, _require_int, config_from_preset
+from swarm.tasks.charlm import _require_fraction, _require_int, config_from_preset, evaluate_batches
 
 Batch = tuple[Tensor, Tensor]
 """``(inputs, labels)``: a float32 ``[batch_size, input_dim]`` tensor and a LongTensor ``[batch_size]``."""
@@ -214,20 +214,14 @@ class TeacherTask:
     def evaluate(self, model: nn.Module, *, max_batches: int | None = None) -> float:
         """Mean validation cross-entropy over the first ``max_batches`` batches (all by default); the
         model's train/eval mode is restored."""
-        batches = self.val_batches()
-        if max_batches is not None:
-            _require_int("max_batches", max_batches, minimum=1)
-            batches = batches[:max_batches]
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                device = next(model.parameters()).device
-                total, count = 0.0, 0
-                for inputs, labels in batches:
-                    logits = model(inputs.to(device))
-                    total += F.cross_entropy(logits.float(), labels.to(device), reduction="sum").item()
-                    count += labels.numel()
-            return total / count
-        finally:
-            model.train(was_training)
+        return evaluate_batches(model, self.val_batches(), max_batches, _mean_loss)
+
+
+def _mean_loss(model: nn.Module, batches: list[Batch]) -> float:
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for inputs, labels in batches:
+        logits = model(inputs.to(device))
+        total += F.cross_entropy(logits.float(), labels.to(device), reduction="sum").item()
+        count += labels.numel()
+    return total / count
