@@ -244,12 +244,16 @@ def test_get_codec_lists_known_names() -> None:
 def test_bitsandbytes_starts_without_its_optional_kernel_warnings():
     """bitsandbytes warns at import about kernels no codec or optimizer of ours uses ("Failed to load CPU
     gemm_4bit_forward from kernels-community" on CPUs with avx512bf16); the int8 codec and adamw8bit start
-    quietly."""
+    quietly. Nor do they import TorchInductor for bitsandbytes' torch.compile'd fallback kernels (0.9 s of
+    CPU in every peer), and torch.compile still compiles afterwards."""
     code = (
-        "import torch; from averaging.compression import get_codec; from swarm.peer import PeerConfig, "
+        "import os, sys, torch; from averaging.compression import get_codec; from swarm.peer import PeerConfig, "
         "make_inner_optimizer; get_codec('int8').encode(torch.randn(4096)); "
-        "make_inner_optimizer(PeerConfig(optimizer='adamw8bit'), torch.nn.Linear(4, 4).parameters())"
+        "make_inner_optimizer(PeerConfig(optimizer='adamw8bit'), torch.nn.Linear(4, 4).parameters()); "
+        "print('inductor', 'torch._inductor.compile_fx' in sys.modules, os.environ.get('TORCHDYNAMO_DISABLE')); "
+        "f = lambda x: x + 1; print('compiles', torch.compile(f) is not f)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "Failed to load" not in done.stderr and "gemm_4bit" not in done.stderr, done.stderr
+    assert done.stdout.split("\n")[:2] == ["inductor False None", "compiles True"], done.stdout
