@@ -295,8 +295,9 @@ def import_bitsandbytes() -> Any:
 
     bitsandbytes wraps those fallbacks (``backends/default/ops.py``) in ``torch.compile`` at import, which
     imports TorchInductor: 0.9 s of CPU in every process that averages in int8, measured here (1.32 s to
-    import it after torch._dynamo, 0.45 s without). The CPU and CUDA backends run their own kernels, so the
-    fallbacks stay eager. ``TORCHDYNAMO_DISABLE`` is read by ``torch.compile`` when it is called, not at
+    import it after torch._dynamo, 0.45 s without). The fallbacks only run where no device kernel is registered (the
+    CPU kernels need bitsandbytes' native library; CUDA has its own); there they now run eagerly instead of
+    compiling on their first call. ``TORCHDYNAMO_DISABLE`` is read by ``torch.compile`` when it is called, not at
     import, so setting it for the import alone changes nothing after it (torch's own test helpers do the
     same); torch._dynamo is imported first, as any optimizer would.
     """
