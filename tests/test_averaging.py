@@ -136,6 +136,25 @@ def test_a_second_all_reduce_keeps_a_part_for_a_member_not_there_yet(make_group)
         assert (out - reference).abs().max().item() < 1e-5
 
 
+class _AwaitedFuture(concurrent.futures.Future):
+    """A tensor future that tells when an averager began to wait for it: `step` does so once its group has
+    formed (`asyncio.wrap_future` adds a done callback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.awaited = threading.Event()
+
+    def add_done_callback(self, fn) -> None:
+        super().add_done_callback(fn)
+        self.awaited.set()
+
+
+def _wait_for_the_group(futures: list[_AwaitedFuture]) -> None:
+    wait_until(
+        lambda: all(f.awaited.is_set() for f in futures), 20.0, message="no group formed to wait for the tensors"
+    )
+
+
 @pytest.mark.timeout(120)
 def test_a_group_formed_before_its_tensors_averages_them_when_they_come(make_group):
     """`step` with a future of (tensor, weight) (an overlapped trainer matchmakes before its sync point): the
@@ -144,15 +163,14 @@ def test_a_group_formed_before_its_tensors_averages_them_when_they_come(make_gro
     leaves the group at once: the others average without it, well before the sender deadline (4 s)."""
     averagers = make_group(aggregator="mean")
     tensors, weights = _inputs()
-    futures = [concurrent.futures.Future() for _ in range(NUM_PEERS)]
+    futures = [_AwaitedFuture() for _ in range(NUM_PEERS)]
 
     def one(i):
         return averagers[i].step(futures[i], weight=1.0, gather={"i": i}, timeout_s=30.0)
 
     with ThreadPoolExecutor(NUM_PEERS) as pool:
         running = [pool.submit(one, i) for i in range(NUM_PEERS)]
-        wait_until(lambda: all(a._states or a._activity.rounds for a in averagers), 10.0, message="no round began")
-        time.sleep(1.5)  # matchmaking's window (1 s) is over: the group has formed
+        _wait_for_the_group(futures)
         for i, future in enumerate(futures):  # one after another, the last 0.9 s after the first
             future.set_result((tensors[i], weights[i]))
             time.sleep(0.3)  # the delay under test (members hand their tensors at different times)
@@ -164,11 +182,10 @@ def test_a_group_formed_before_its_tensors_averages_them_when_they_come(make_gro
         assert record.phase_s["ready"] > record.phase_s["matchmaking"]  # the tensor came after the group formed
     assert max(r.phase_s["last_sender"] for _, r, _ in results) > 0.5  # the first waited for the last
 
-    futures = [concurrent.futures.Future() for _ in range(NUM_PEERS)]
+    futures = [_AwaitedFuture() for _ in range(NUM_PEERS)]
     with ThreadPoolExecutor(NUM_PEERS) as pool:
         running = [pool.submit(one, i) for i in range(NUM_PEERS)]
-        wait_until(lambda: all(a._activity.rounds for a in averagers), 10.0, message="no round began")
-        time.sleep(1.5)  # matchmaking's window (1 s) is over: the group has formed
+        _wait_for_the_group(futures)
         assert futures[-1].cancel()
         began = time.monotonic()
         for i, future in enumerate(futures[:-1]):
