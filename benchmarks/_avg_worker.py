@@ -160,8 +160,9 @@ class _Ours(_Peer):
                 round_timeout_s=60.0,
             )
         self.averager = GroupAverager(self.dht, prefix="avgbench", config=config)
-        # the first int8 encode imports bitsandbytes (seconds of CPU, on the averager's event loop, where
-        # it stalls joins and streams): a one-off start-up cost, paid here rather than in a round
+        # the first int8 encode imports bitsandbytes (about 0.5 s of CPU, 1.3 s before it skipped TorchInductor,
+        # on the averager's event loop, where it stalls joins and streams): a one-off start-up cost, paid here
+        # rather than in a round
         codec = get_codec(args.codec)
         codec.decode(codec.encode(torch.ones(8192)), numel=8192)
         if args.victim == args.rank:

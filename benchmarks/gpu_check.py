@@ -43,8 +43,9 @@ def _autocast(bf16: bool) -> contextlib.AbstractContextManager:
 
 def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     if name == "adamw8bit":
-        import bitsandbytes as bnb
+        from averaging.compression import import_bitsandbytes  # as swarm.peer imports it
 
+        bnb = import_bitsandbytes()
         return bnb.optim.AdamW8bit(params, lr=3e-3, weight_decay=0.01)
     return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
 
