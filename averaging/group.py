@@ -327,8 +327,13 @@ class _Window:
     """Expected members it stopped waiting for: not looking `_PROBE_WINDOW_AFTER_S` in, and a probe's dial or
     stream failed (killed, crashed, or restarted with its averager not up yet) or it said it is loading state."""
     leader: str | None = None
-    """The leader this window drew for this peer (itself when it leads), None before the draw or when its chunk
-    was too small: a leader that drew this peer and asks is told `_ELSEWHERE` when it is another."""
+    """The leader this round's last draw gave this peer (itself when it leads, or when its chunk was too small),
+    None before the round's first draw: a leader that drew this peer and asks is told `_ELSEWHERE` when it is
+    another. It is kept through the next window until that one draws. CI of stop 52: a peer whose view of the
+    candidates misses its leader leads a chunk, hears that the others went to that leader, and looks again with
+    them as suspects (a chunk too small); a probe in those windows was answered "not drawn yet" (wait for it),
+    so its leader waited until the join deadline. One that does draw the leader later still joins while the
+    leader's lobby is open."""
 
 
 @dataclass
@@ -623,6 +628,7 @@ class GroupAverager:
         started = time.monotonic()
         group: Group | None = None
         self._activity.rounds += 1
+        self._window.leader = None  # this round has drawn nothing yet
         try:
             lonely_windows = 0
             while group is None and time.monotonic() + self.config.matchmaking_time_s < deadline:
@@ -684,7 +690,7 @@ class GroupAverager:
     async def _form_group(self, gather: Any, record: RoundRecord, deadline: float, suspects: set[str]) -> Group | None:
         cfg = self.config
         key, in_my_shard = self._shard()
-        self._window.key, self._window.leader = key, None
+        self._window.key = key  # its leader stays the last draw's until this window draws (see `_Window.leader`)
         my_class = (self.region, bandwidth_class(self._bandwidth_mbps()))
         expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s
         entry = self._entry(key, expiration)
@@ -733,6 +739,7 @@ class GroupAverager:
         drawn = guard.core(candidates, self.peer_id)
         chunk = next(c for c in draw_groups(drawn, cfg.target_group_size, cfg.min_group_size) if self.peer_id in c)
         if len(chunk) < cfg.min_group_size:
+            self._window.leader = self.peer_id  # a chunk of its own, too small: no other leader comes for it
             return None
         await self._fault("matchmaking", self.peer_id)
         guarded = drawn is not candidates  # drawn only from the peers with history (averaging.membership)

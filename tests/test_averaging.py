@@ -422,9 +422,30 @@ def test_a_leader_stops_waiting_for_a_follower_that_drew_another_leader(make_gro
             hidden.append(key)
         return candidates
 
+    # CI of stop 52: the blind peer's chunk fails at once (the others went to the leader), so it looks again
+    # (those others are its suspects now: a chunk too small), and a probe that came after its first draw was
+    # answered "not drawn yet" (wait for it). Every probe of the blind peer is made to come once it looks again.
+    windows, late = [0], []
+    form_group, ask_probe = averagers[blind]._form_group, averagers[leader]._ask_probe
+
+    async def counted(*args, **kwargs):
+        windows[0] += 1
+        return await form_group(*args, **kwargs)
+
+    async def once_it_looks_again(peer, group_id, timeout_s, **how):
+        if peer == averagers[blind].peer_id:
+            until = time.monotonic() + 5.0
+            while windows[0] < 2 and time.monotonic() < until:
+                await asyncio.sleep(0.01)
+            late.append(windows[0] >= 2)
+        return await ask_probe(peer, group_id, timeout_s, **how)
+
     averagers[blind]._read_candidates = without_the_leader
+    averagers[blind]._form_group = counted
+    averagers[leader]._ask_probe = once_it_looks_again
     results = _run(averagers, tensors, weights, timeout_s=8.0)
     assert hidden, "the fault must have fired: the blind peer's reads missed the leader"
+    assert late and all(late), f"the fault must have fired: every probe came once the blind peer looked again {late}"
     out, record, group = results[leader]
     members = [i for i in range(NUM_PEERS) if i != blind]
     assert out is not None and sorted(group.members) == sorted(averagers[i].peer_id for i in members), record.to_dict()
