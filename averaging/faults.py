@@ -22,7 +22,7 @@ class Crashed(SwarmError):
     """Raised inside a crashed peer's step; the peer is gone from the others' point of view."""
 
 
-PHASES = ("matchmaking", "joined", "send", "piece", "agree", "reduce")
+PHASES = ("matchmaking", "joined", "grouped", "send", "piece", "agree", "reduce")
 ACTIONS = ("crash", "stall", "kill")
 
 
@@ -31,6 +31,7 @@ class FaultInjector:
     stall_s: float = 60.0
     plan: dict[tuple[str, int, str], str] = field(default_factory=dict)
     """(peer name, round, phase) -> action; phase is matchmaking, joined (a follower, after its join went out),
+    grouped (a follower, after its leader answered with the group, before it looks at it),
     send, piece (before each piece of a part but the first), agree (before a reducer sends its list of senders)
     or reduce (after the agreement)."""
     fired: Counter = field(default_factory=Counter)

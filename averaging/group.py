@@ -651,7 +651,7 @@ class GroupAverager:
                     if asyncio.current_task().cancelling():
                         raise
                     record.fail(self.peer_id, "round", "no tensor: cancelled, or none by the deadline")
-                    self._activity.left_groups.append(group.group_id)
+                    self._leave(group.group_id)
                     return None, None
                 tensor = self._checked(tensor, weight)
                 record.phase_s["ready"] = time.monotonic() - started
@@ -929,6 +929,7 @@ class GroupAverager:
         if reply.get("status") != "ok":
             record.fail(leader, "matchmaking", f"leader said {str(reply.get('status'))[:50]}")
             return None
+        await self._fault("grouped", leader)
         try:
             members = tuple(header_field(reply, "members", list))
             gathered = header_field(reply, "gathered", dict)
@@ -949,7 +950,7 @@ class GroupAverager:
         if excluded:  # the leader has not excluded it (yet): this peer does not average with it
             self.rejected["group with an excluded peer"] += 1
             record.fail(excluded[0], "matchmaking", "an excluded peer is in the group")
-            self._activity.left_groups.append(group_id)  # the others' parts and probes hear so at once: no waiting
+            self._leave(group_id)  # the others' parts and probes hear so at once: no waiting
             return None
         return Group(group_id=group_id, members=members, gathered=gathered)
 
@@ -1051,8 +1052,7 @@ class GroupAverager:
         state.pieces.weights[self.peer_id] = weight
         state.parts.add(self.peer_id)
         self._states[group.group_id] = state
-        self._state_added.set()
-        self._state_added = asyncio.Event()
+        self._wake_part_waiters()
         self._activity.rounds += 1
         try:
             reduce_task = asyncio.create_task(self._reduce(state, record))
@@ -1475,6 +1475,19 @@ class GroupAverager:
         """In a round, or lately: a group of it may still come (the second all-reduce of `average_in_group`
         starts after `step` returned). A peer restarted since is in none, and says so at once."""
         return self._activity.in_a_round(grace_s=self.config.sender_timeout_s + self.config.agreement_timeout_s)
+
+    def _wake_part_waiters(self) -> None:
+        """Parts and lists of senders that came before their group's state (`_find_state`) look again."""
+        self._state_added.set()
+        self._state_added = asyncio.Event()
+
+    def _leave(self, group_id: str) -> None:
+        """This peer takes no part in ``group_id``: its parts and probes are told so at once, those already waiting
+        for its state included. CI of stop 52: a follower that declined a group (an excluded member) after the
+        leader's part had come left that part waiting out the sender and agreement deadlines, so the others'
+        retry went past the reducer deadline."""
+        self._activity.left_groups.append(group_id)
+        self._wake_part_waiters()
 
     async def _find_state(self, group_id: str) -> _ReduceState:
         # a peer may start an attempt (or a retry) while this one is still finishing the previous one

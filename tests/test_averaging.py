@@ -473,8 +473,21 @@ def test_a_member_that_excluded_another_declines_its_group_and_nobody_waits_for_
         averagers[excluder].exclude(averagers[excluded].peer_id, "failed a replay check (test)")
     else:
         averagers[excluder].require(lambda peer, gathered: "unverified" if gathered == {"i": excluded} else None)
+    # CI of stop 52: the leader's part came before the excluder had looked at the group, and waited for a state
+    # that never came until the sender and agreement deadlines. The excluder looks only once a part is there.
+    waited = []
+
+    async def after_a_part_came(round_, phase, peer):
+        if phase == "grouped":
+            until = time.monotonic() + 10.0
+            while averagers[excluder]._activity.serves == 0 and time.monotonic() < until:
+                await asyncio.sleep(0.01)
+            waited.append(averagers[excluder]._activity.serves > 0)
+
+    averagers[excluder].fault_hook = after_a_part_came
     results = _run(averagers, tensors, weights)
     assert averagers[excluder].rejected["group with an excluded peer"] == 1  # the fault fired
+    assert waited == [True], f"the fault must have fired: a part came before the excluder looked {waited}"
     index_of = {averager.peer_id: j for j, averager in enumerate(averagers)}
     for i in (leader, excluded):
         out, record, _ = results[i]
