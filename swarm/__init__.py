@@ -10,7 +10,8 @@ registry (`swarm.tasks`), sealed checkpoints (`swarm.checkpoint`: store, signed 
 verified shard exchange, state sync), the evidence of a run (`swarm.ledger`: hash-chained signed
 ledgers and participation receipts; `swarm.status`: the live board; `swarm.report`: the HTML report;
 `swarm.metrics`: Prometheus), verified work (`swarm.verify`: phase commitments and their replay;
-`swarm.work`: checks, verdicts and exclusion in a trainer) and the one-command demo (`python -m swarm.demo`).
+`swarm.work`: checks, verdicts and exclusion in a trainer; `swarm.replayer`: replays in a process of
+their own for tasks that draw random numbers) and the one-command demo (`python -m swarm.demo`).
 
 Composes the other packages: `bootstrap` (the ground floor: DHT start-up, identity and signatures,
 capability records, process lifetime), `peers` (probes, advertiser, resource graph) and `averaging`

@@ -626,9 +626,12 @@ def check(
     *,
     base: torch.Tensor,
     streams: Streams | None = None,
+    replayer: Callable[..., Boundary] | None = None,
 ) -> tuple[bool, str, str]:
     """Check segment ``segment`` of ``commitment`` against the round's ``base`` parameters (flat fp32), with
-    the prover's ``inputs`` (None: it refused or did not answer). Returns (ok, reason, replayed digest)."""
+    the prover's ``inputs`` (None: it refused or did not answer). Returns (ok, reason, replayed digest).
+    ``replayer`` runs the replay (default `replay`, here; `swarm.replayer.Replayer.replay`: in a process of
+    its own); what it raises other than WorkRejected is the verifier's failure, and propagates."""
     if commitment.task != task_digest:
         return False, "another task", ""
     if (
@@ -650,7 +653,7 @@ def check(
     if params_digest(start.params) != commitment.params[segment] or start.inner.digest() != commitment.inner[segment]:
         return False, "served start differs from the commitment", ""
     try:
-        replayed = replay(task, commitment, segment, start, streams=streams)
+        replayed = (replayer or replay)(task, commitment, segment, start, streams=streams)
     except WorkRejected as e:
         return False, f"served start does not load: {e.reason}", ""
     got = params_digest(replayed.params)
@@ -687,13 +690,16 @@ def arbitrate(
     *,
     base: torch.Tensor,
     streams: Streams | None = None,
+    replayer: Callable[..., Boundary] | None = None,
 ) -> str:
     """A third replay of a disputed check: ``"prover"`` (the prover's work fails it too), ``"verifier"`` (the
     verdict is wrong: the work checks out, or the verdict is about another commitment) or ``"agree"``."""
     commitment = signed.commitment
     if verdict.commitment != commitment.digest() or verdict.prover != commitment.peer:
         return "verifier"
-    ok, _, _ = check(task, task_digest, commitment, verdict.segment, inputs, base=base, streams=streams)
+    ok, _, _ = check(
+        task, task_digest, commitment, verdict.segment, inputs, base=base, streams=streams, replayer=replayer
+    )
     if ok == verdict.ok:
         return "agree" if ok else "prover"
     return "verifier"

@@ -34,9 +34,11 @@ refuses them, round by round (`averaging.GroupAverager.require`; ledger: ``work_
 a leader refuses their join, a follower declines a group that holds one. An honest peer's phase that
 cannot be committed (its first after loading a sealed state mid-phase) is refused that one round.
 
-Known limit: the replay runs on a worker thread and reseeds torch's global RNG for the segment; a task
-whose training step draws random numbers (dropout > 0) can then differ from its replay. The built-in
-tasks' presets draw none.
+Replays of a task whose training draws random numbers (dropout > 0; a task that does not say, see
+`swarm.replayer.random_in_training`) run in a process of their own (`swarm.replayer`): torch has one CPU
+random generator per process, and a replay on the worker thread would reseed and draw from the stream this
+peer's own training draws its dropout masks from, and the other way round. The others replay on the worker
+thread (no process to start).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from bootstrap.identity import Identity
 from bootstrap.runtime import Handler, peer_id_of
 from swarm import verify
 from swarm.config import WorkConfig
+from swarm.replayer import Replayer, random_in_training
 from swarm.verify import Commitment, ReplayInputs, WorkRecorder, WorkRejected
 
 logger = logging.getLogger(__name__)
@@ -216,6 +219,9 @@ class _Replays:
     rounds, by digest (re-checks), and its batch streams, each left where its last replay stopped."""
 
     streams: verify.Streams
+    replayer: Replayer | None = None
+    """Replays in a process of their own, for a task whose training draws random numbers (`swarm.replayer`);
+    None: on the worker thread."""
     bases: OrderedDict[str, torch.Tensor] = field(default_factory=OrderedDict)
     committed: tuple[torch.Tensor, str] | None = None
     """The base of this peer's last commitment, with its digest: `after_round` does not hash that base again."""
@@ -269,7 +275,8 @@ class WorkChecks:
         """checks / passed / failed / refused / late (skipped: `_late`) / unverified / rechecked / confirmed /
         liars (false accusations found) / cannot recheck: WHY / refused members / rejected:REASON."""
         self.standing = _Standing()
-        self.replays = _Replays(verify.Streams(spec.task))
+        apart = Replayer(nice=config.replay_nice) if random_in_training(spec.task) else None
+        self.replays = _Replays(verify.Streams(spec.task), apart)
         self._lag, self._disputes = _Lag(), _Disputes(dht)
         self._served: OrderedDict[tuple[int, int], bytes] = OrderedDict()
         """Replay inputs being fetched chunk by chunk, serialized once (the newest `_SERVED_KEPT`)."""
@@ -532,7 +539,7 @@ class WorkChecks:
                 commitment.round, commitment.peer, segment, asked_again, self._lag.newest_round,
             )  # fmt: skip
         outcome = verify.check(
-            self.spec.task, self.spec.task_digest, commitment, segment, inputs, base=base, streams=self.replays.streams
+            self.spec.task, self.spec.task_digest, commitment, segment, inputs, **self._replaying(base)
         )
         ok, reason, _ = outcome
         self.counts["checks"] += 1
@@ -546,6 +553,11 @@ class WorkChecks:
         logger.warning("round %s: the work of %s failed its check: %s", commitment.round, commitment.peer, reason)
         self._exclude_peer(commitment.peer, f"failed a replay check: {reason}")
         self._publish({**signed, "work": work})  # the commitment as the prover signed it: anyone can re-check
+
+    def _replaying(self, base: torch.Tensor) -> dict[str, Any]:
+        """`verify.check`'s and `verify.arbitrate`'s keywords: the base, and where the replay runs."""
+        replayer = self.replays.replayer
+        return {"base": base, "streams": self.replays.streams, "replayer": replayer and replayer.replay}
 
     def _fetch(self, prover: str, round_: int, segment: int, attempts: int = 2) -> ReplayInputs | None:
         """The prover's replay inputs; None if it answered that it has none (or sent malformed ones), or a chunk
@@ -758,7 +770,7 @@ class WorkChecks:
             self.counts["cannot recheck: " + ("inputs not served" if inputs is None else "no base")] += 1
             return
         outcome = verify.arbitrate(
-            self.spec.task, self.spec.task_digest, signed, verdict, inputs, base=base, streams=self.replays.streams
+            self.spec.task, self.spec.task_digest, signed, verdict, inputs, **self._replaying(base)
         )
         self.counts["rechecked"] += 1
         self._record("work_dispute", {"verdict": entry["verdict"], "outcome": outcome})
@@ -787,3 +799,5 @@ class WorkChecks:
         self._lag.quiet.set()  # a fetch waiting for the round to end stops at once
         self._service.close(timeout_s)
         self._worker.join(timeout_s)
+        if self.replays.replayer is not None:
+            self.replays.replayer.close()

@@ -27,6 +27,7 @@ from swarm import verify
 from swarm import work as work_module
 from swarm.config import TaskInfo, WorkConfig
 from swarm.recipe import inner_step
+from swarm.replayer import Replayer, random_in_training
 from swarm.tasks import get_task
 from swarm.work import WorkChecks, WorkSpec, _Standing
 from tests.helpers import Child, python_cmd, spawn, terminate_all, wait_until
@@ -339,6 +340,7 @@ def test_replay_inputs_travel_in_chunks_and_only_between_the_verifiers_rounds(mo
     dhts.append(start_swarm_dht(ids[1], initial_peers=visible_maddrs(dhts[0]), host_maddrs=LOOPBACK))
     checks: list[WorkChecks] = []
     model = TASK.build_model(seed=0)
+    replayer = None
     try:
         for dht, identity in zip(dhts, ids):
             params = verify.trainable(model if not checks else TASK.build_model(seed=0))
@@ -384,6 +386,10 @@ def test_replay_inputs_travel_in_chunks_and_only_between_the_verifiers_rounds(mo
         assert not fetch.is_alive() and fetched["inputs"].to_bytes() == expected
         assert prover.counts["served chunks"] == -(-len(expected) // 4096)
         assert verify.check(TASK, DIGEST, commitment, 1, fetched["inputs"], base=base)[:2] == (True, "match")
+        # the same check with replays in a process of their own (a task that draws random numbers does so)
+        replayer = verifier.replays.replayer = Replayer(nice=verifier.config.replay_nice)
+        verifier._check_one(commitment, signed, 1, base)
+        assert verifier.counts["passed"] == 1 and replayer.started == 1, verifier.counts
         # a chunk cut off mid-stream (p2pd resets a stream whose serving end went away) is a link failure, asked
         # again, never the prover's answer: before, it counted as malformed inputs, a refusal, and an exclusion
         cuts: list[int] = []
@@ -414,11 +420,13 @@ def test_replay_inputs_travel_in_chunks_and_only_between_the_verifiers_rounds(mo
         assert verifier.counts["refused"] == 1 and ids[0].peer_id in verifier.standing.excluded
         own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # replays yield the CPU to training
         assert os.getpriority(os.PRIO_PROCESS, verifier._worker.thread.native_id) == min(19, own + 10)
+        assert os.getpriority(os.PRIO_PROCESS, replayer._proc.pid) == min(19, own + 10)
     finally:
         for item in checks:
             item.close()
         for dht in dhts:
             stop_dht(dht)
+    assert replayer._proc is None  # closed with the checks
 
 
 SCRIPT = """
@@ -541,3 +549,77 @@ def test_cheaters_and_a_lying_verifier_are_excluded_within_5_rounds(bootstrap_no
         counts = rounds[-1]["counts"]
         fired = counts.get("failed", 0) + counts.get("confirmed", 0) + counts.get("liars", 0)
         assert fired >= 1, counts  # the faults fired and were seen here
+
+
+def test_a_task_with_dropout_replays_apart_from_the_training_beside_it() -> None:
+    """Verified work with dropout (issue 18). torch has one CPU random generator per process: a replay on a
+    thread beside this peer's own training reseeds it and draws from it, so the training's dropout masks
+    leave its seeded stream and its own committed segments no longer replay (the negative control). Replays
+    in `swarm.replayer`'s process leave the training's stream alone: every segment replays bit for bit, and
+    the child's replay equals one done here."""
+    task = get_task("charlm", preset="tiny", dropout=0.1)
+    digest = TaskInfo.of(task, "tiny").config_digest
+    assert random_in_training(task) and not random_in_training(TASK)
+
+    def phase(beside=None) -> tuple[verify.Commitment, verify.WorkRecorder, torch.Tensor]:
+        """One committed phase of 8 steps (segments of 2), ``beside`` looping on a thread meanwhile."""
+        identity, model = Identity.generate(), task.build_model(seed=0)
+        params = verify.trainable(model)
+        optimizer = torch.optim.AdamW(params, lr=3e-3)
+        recorder = verify.WorkRecorder(task, peer=identity.peer_id, shard_index=0, num_shards=2, segment_steps=2)
+        base, batches = verify.flat_params(params), recorder.batches()
+        stop, looped = threading.Event(), threading.Event()
+
+        def loop() -> None:
+            while not stop.is_set():
+                beside()
+                looped.set()
+
+        thread = threading.Thread(target=loop, daemon=True)
+        if beside is not None:
+            thread.start()
+            assert looped.wait(60), "the replay beside the training never ran"
+        recorder.begin(params, optimizer, first_step=1)
+        for step in range(1, 9):
+            task.loss(model, next(batches)).backward()
+            inner_step(optimizer, step, 0)
+            recorder.stepped(params, optimizer)
+        stop.set()
+        if beside is not None:
+            thread.join(60)
+        signed = recorder.commit(
+            params, optimizer, base=base, identity=identity, run=RUN, round_=0, task_digest=digest, samples=8,
+            warmup_steps=0,
+        )  # fmt: skip
+        return signed.commitment, recorder, base
+
+    def replayed(commitment, recorder, base) -> list[bool]:
+        return [
+            verify.check(task, digest, commitment, k, recorder.inputs(0, k), base=base)[0]
+            for k in range(commitment.segments)
+        ]
+
+    other, other_recorder, other_base = phase()  # the work a verifier replays beside its own training
+    start = other_recorder.inputs(0, 1).start
+    here = verify.replay(task, other, 1, start)
+    assert replayed(other, other_recorder, other_base) == [True] * 4  # alone, every segment replays
+
+    def in_thread() -> None:
+        verify.replay(task, other, 1, start)
+
+    assert not all(replayed(*phase(beside=in_thread))), "the negative control: a replay beside broke the stream"
+
+    replayer = Replayer()
+    try:
+        apart = replayer.replay(task, other, 1, start)
+        assert verify.params_digest(apart.params) == verify.params_digest(here.params)
+        assert apart.inner.digest() == here.inner.digest()
+
+        def in_its_process() -> None:
+            replayer.replay(task, other, 1, start)
+
+        assert replayed(*phase(beside=in_its_process)) == [True] * 4
+        assert replayer.started == 1
+    finally:
+        replayer.close()
+    assert replayer._proc is None

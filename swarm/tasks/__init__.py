@@ -71,6 +71,10 @@ class Task(Protocol):
         """Mean validation loss without gradients; the model's train/eval mode is restored."""
         ...
 
+    # Optional: ``random_in_training: bool``, whether a training step draws random numbers (dropout). Verified
+    # work replays such a task's segments in a process of their own (`swarm.replayer`), as it does a task
+    # that does not say.
+
 
 def num_params(model: nn.Module) -> int:
     """Number of distinct parameters' elements (a tied weight counts once)."""

@@ -276,6 +276,12 @@ class CharLMTask:
         self._check_split_sizes()
         self._val_batches: list[Batch] | None = None
 
+    @property
+    def random_in_training(self) -> bool:
+        """Whether a training step draws random numbers (dropout): its verified work replays in a process of
+        its own (`swarm.replayer`)."""
+        return self.config.dropout > 0
+
     @classmethod
     def from_overrides(cls, preset: str = "default", **overrides: Any) -> CharLMTask:
         """The task for `CharLMConfig.preset(preset, **overrides)`."""

@@ -151,6 +151,8 @@ class TeacherTask:
     """The ``teacher`` task: model factory, sharded training stream and fixed validation set for one config."""
 
     name = "teacher"
+    random_in_training = False
+    """A training step draws no random numbers (see `swarm.replayer`)."""
 
     def __init__(self, config: TeacherConfig | None = None) -> None:
         self.config = TEACHER_PRESETS["default"] if config is None else config

@@ -1,0 +1,267 @@
+"""A verifier's replays in a process of their own, for tasks whose training draws random numbers.
+
+torch has one CPU random generator per process. A replay reseeds it and draws from it (dropout), and so
+does this peer's own training, on another thread: in one process each would take numbers from the
+other's stream, so a replay would not match an honest prover, and this peer's own committed phase would
+not replay either (``tests/test_work.py``, with a negative control). `Replayer.replay` has the signature
+of `swarm.verify.replay` and runs it in a child process (``python -m swarm.replayer``), started at the
+first replay and kept: a JSON header and the replay inputs' safetensors bytes go to its stdin, the
+replayed boundary's safetensors bytes come back on its stdout; no pickle. The child rebuilds the task by
+its name and config (the registry's convention: a factory that takes the config's fields as keywords),
+refuses a task whose description differs from the parent's, runs at the niceness it is given, and exits
+when its stdin closes (the peer stopped, or died). `swarm.work` uses it for a task whose
+``random_in_training`` is true, or unknown (a task from another package that does not say). Known limit:
+a task that the child cannot rebuild that way (named by ``package.module:factory`` with another ``name``)
+is not checked, unless it says ``random_in_training = False`` (then it replays on the worker thread).
+
+Every wait is bounded: a reply that does not come within ``timeout_s`` (or a child that died) raises
+`ReplayerError` and the child is killed; the next replay starts a new one. That error is this peer's
+failure, never the prover's: `swarm.work` records no verdict for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, BinaryIO
+
+import torch
+
+from bootstrap.envelope import from_dict
+from swarm.verify import MAX_BOUNDARIES, MAX_INPUT_BYTES, Boundary, Commitment, ReplayInputs, WorkRejected, replay
+
+logger = logging.getLogger(__name__)
+
+_MAX_HEADER = 1 << 20
+_LENGTH = struct.Struct(">Q")
+_ID_CHARS = 128
+
+
+class ReplayerError(RuntimeError):
+    """The replay process failed (did not start, died, timed out, answered nonsense): this peer's fault."""
+
+
+def random_in_training(task: Any) -> bool:
+    """Whether ``task``'s training step may draw random numbers: its own ``random_in_training`` when it says
+    (the built-in tasks do: charlm with dropout), else True (replayed apart, to be safe)."""
+    value = getattr(task, "random_in_training", True)
+    return value if isinstance(value, bool) else True
+
+
+class Replayer:
+    """`swarm.verify.replay` in a child process (see the module docstring). One caller at a time (a lock)."""
+
+    def __init__(self, *, nice: int = 0, timeout_s: float = 600.0) -> None:
+        self.nice, self.timeout_s = nice, timeout_s
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self.started = 0
+        """Child processes started (one, unless one failed)."""
+
+    def replay(
+        self, task: Any, commitment: Commitment, segment: int, start: Boundary, *, streams: Any = None
+    ) -> Boundary:
+        """As `swarm.verify.replay` (``streams`` is unused: the child keeps its own positioned streams).
+        WorkRejected where that raises it; ReplayerError when the child fails."""
+        header = {
+            "task": task.name,
+            "config": task.config_dict(),
+            "overrides": _overrides(task),
+            "commitment": commitment.to_dict(),
+            "segment": segment,
+            "threads": torch.get_num_threads(),
+        }
+        data = ReplayInputs(start, torch.empty(0)).to_bytes()
+        with self._lock:
+            deadline = time.monotonic() + self.timeout_s
+            proc = self._running()
+            try:
+                _write_frame(proc.stdin, json.dumps(header).encode(), deadline)
+                _write_frame(proc.stdin, data, deadline)
+                answer = json.loads(_read_frame(proc.stdout, _MAX_HEADER, deadline))
+                body = _read_frame(proc.stdout, MAX_INPUT_BYTES, deadline) if answer.get("ok") else b""
+            except (OSError, EOFError, ValueError, TimeoutError) as e:
+                self._kill()
+                raise ReplayerError(f"the replay process failed: {e!r}"[:300]) from None
+        if not isinstance(answer, dict):
+            raise ReplayerError("the replay process answered nonsense")
+        if "rejected" in answer:
+            raise WorkRejected(str(answer["rejected"])[:50], str(answer.get("detail", ""))[:200])
+        if not answer.get("ok"):
+            raise ReplayerError(f"the replay process could not replay: {str(answer.get('error'))[:200]}")
+        try:
+            return ReplayInputs.from_bytes(body).start
+        except WorkRejected as e:
+            raise ReplayerError(f"the replay process sent malformed state: {e}") from None
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Close the child's stdin (it exits), and kill it if it has not within ``timeout_s``."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout_s)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+
+    def _running(self) -> subprocess.Popen:
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        self._kill()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        # the niceness it is to have, from the process's (this thread's may be raised already: the worker's)
+        target = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + max(0, self.nice))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "swarm.replayer", str(target)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None,  # its warnings go where this peer's go
+            env=env,
+            start_new_session=True,  # Ctrl+C reaches the peer, which closes the child's stdin
+        )
+        for stream in (proc.stdin, proc.stdout):
+            flags = fcntl.fcntl(stream.fileno(), fcntl.F_GETFL)
+            fcntl.fcntl(stream.fileno(), fcntl.F_SETFL, flags | os.O_NONBLOCK)
+        self._proc, self.started = proc, self.started + 1
+        return proc
+
+    def _kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(OSError):
+                proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5.0)
+            for stream in (proc.stdin, proc.stdout):
+                with contextlib.suppress(OSError):
+                    stream.close()
+
+
+def _overrides(task: Any) -> dict[str, Any]:
+    """The task's config as keyword overrides of its factory (a dataclass config: its fields)."""
+    import dataclasses
+
+    config = getattr(task, "config", None)
+    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {}
+
+
+def _write_frame(stream: BinaryIO, data: bytes, deadline: float) -> None:
+    view = memoryview(_LENGTH.pack(len(data)) + data)
+    fd = stream.fileno()
+    while view:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the replay process does not read")
+        _, writable, _ = select.select([], [fd], [], remaining)
+        if writable:
+            try:
+                view = view[os.write(fd, view) :]
+            except BlockingIOError:
+                continue
+
+
+def _read_exactly(fd: int, size: int, deadline: float) -> bytes:
+    parts, got = [], 0
+    while got < size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("no answer from the replay process in time")
+        readable, _, _ = select.select([fd], [], [], remaining)
+        if not readable:
+            continue
+        try:
+            chunk = os.read(fd, min(size - got, 1 << 20))
+        except BlockingIOError:
+            continue
+        if not chunk:
+            raise EOFError("the replay process ended")
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _read_frame(stream: BinaryIO, max_bytes: int, deadline: float) -> bytes:
+    fd = stream.fileno()
+    (size,) = _LENGTH.unpack(_read_exactly(fd, _LENGTH.size, deadline))
+    if size > max_bytes:
+        raise ValueError(f"a frame of {size} bytes (at most {max_bytes})")
+    return _read_exactly(fd, size, deadline)
+
+
+# ------------------------------------------------------------------------------------ the child
+def _read_blocking(stream: BinaryIO, size: int) -> bytes:
+    data = stream.read(size)
+    if data is None or len(data) < size:
+        raise EOFError
+    return data
+
+
+def _serve(nice: int) -> None:
+    """The child, at niceness ``nice``: replay jobs from stdin until it closes (its parent's, never the network's)."""
+    from swarm.tasks import get_task
+    from swarm.verify import Streams
+
+    with contextlib.suppress(OSError):
+        if nice > os.getpriority(os.PRIO_PROCESS, 0):
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+    stdin = sys.stdin.buffer
+    stdout = os.fdopen(os.dup(1), "wb")  # the answers; anything the task prints goes to stderr instead
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    tasks: dict[str, tuple[Any, Streams]] = {}
+    while True:
+        try:
+            (size,) = _LENGTH.unpack(_read_blocking(stdin, _LENGTH.size))
+            header = json.loads(_read_blocking(stdin, size)) if size <= _MAX_HEADER else None
+            (size,) = _LENGTH.unpack(_read_blocking(stdin, _LENGTH.size))
+            data = _read_blocking(stdin, size) if size <= MAX_INPUT_BYTES and header is not None else None
+        except EOFError:
+            return
+        if data is None:
+            return  # not its parent's framing: nothing more can be read in step
+        answer: dict[str, Any] = {"ok": True}
+        body = b""
+        try:
+            torch.set_num_threads(int(header["threads"]))
+            described = json.dumps(header["config"], sort_keys=True)
+            if described not in tasks:
+                task = get_task(header["task"], **header["overrides"])
+                if json.dumps(task.config_dict(), sort_keys=True) != described:
+                    raise ValueError("the task built here differs from the peer's")
+                tasks[described] = (task, Streams(task))
+            task, streams = tasks[described]
+            commitment = from_dict(
+                Commitment, header["commitment"], "commitment", max_str=_ID_CHARS, max_items=MAX_BOUNDARIES
+            )
+            start = ReplayInputs.from_bytes(data).start
+            replayed = replay(task, commitment, int(header["segment"]), start, streams=streams)
+            body = ReplayInputs(replayed, torch.empty(0)).to_bytes()
+        except WorkRejected as e:
+            answer = {"rejected": e.reason, "detail": str(e)}
+        except Exception as e:  # reported to the parent, which records no verdict
+            answer = {"error": repr(e)[:300]}
+        stdout.write(_LENGTH.pack(len(payload := json.dumps(answer).encode())) + payload)
+        if answer.get("ok"):
+            stdout.write(_LENGTH.pack(len(body)) + body)
+        stdout.flush()
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
