@@ -1,18 +1,24 @@
-"""A verifier's replays in a process of their own, for tasks whose training draws random numbers.
+"""A verifier's replays in a process of their own: for tasks whose training draws random numbers, and for
+provers that trained with another number of torch threads.
 
 torch has one CPU random generator per process. A replay reseeds it and draws from it (dropout), and so
 does this peer's own training, on another thread: in one process each would take numbers from the
 other's stream, so a replay would not match an honest prover, and this peer's own committed phase would
-not replay either (``tests/test_work.py``, with a negative control). `Replayer.replay` has the signature
-of `swarm.verify.replay` and runs it in a child process (``python -m swarm.replayer``), started at the
-first replay and kept: a JSON header and the replay inputs' safetensors bytes go to its stdin, the
+not replay either. torch's thread count is per process too, and a replay must use the prover's: CPU
+reductions split their sums by thread (``tests/test_work.py``: both, with negative controls).
+
+`Replayer.replay` has the signature of `swarm.verify.replay` and runs it in a child process
+(``python -m swarm.replayer``), started by `Replayer.start` (`swarm.work` does when its checks begin) or
+at the first replay, and kept: a JSON header and the replay inputs' safetensors bytes go to its stdin, the
 replayed boundary's safetensors bytes come back on its stdout; no pickle. The child rebuilds the task by
 its name and config (the registry's convention: a factory that takes the config's fields as keywords),
-refuses a task whose description differs from the parent's, runs at the niceness it is given, and exits
-when its stdin closes (the peer stopped, or died). `swarm.work` uses it for a task whose
-``random_in_training`` is true, or unknown (a task from another package that does not say). Known limit:
-a task that the child cannot rebuild that way (named by ``package.module:factory`` with another ``name``)
-is not checked, unless it says ``random_in_training = False`` (then it replays on the worker thread).
+refuses a task whose description differs from the parent's, runs at the niceness it is given, replays
+with the prover's number of threads (the commitment names it), and exits when its stdin closes (the peer
+stopped, or died). `swarm.work` uses it for a task whose ``random_in_training`` is true or unknown (a task
+from another package that does not say), and for a prover whose thread count is not this process's.
+Known limit: a task that the child cannot rebuild that way (named by ``package.module:factory`` with
+another ``name``) is checked only where it says ``random_in_training = False`` and its prover's thread
+count is the verifier's (then it replays on the worker thread).
 
 Every wait is bounded: a reply that does not come within ``timeout_s`` (or a child that died) raises
 `ReplayerError` and the child is killed; the next replay starts a new one. That error is this peer's
@@ -78,7 +84,6 @@ class Replayer:
             "overrides": _overrides(task),
             "commitment": commitment.to_dict(),
             "segment": segment,
-            "threads": torch.get_num_threads(),
         }
         data = ReplayInputs(start, torch.empty(0)).to_bytes()
         with self._lock:
@@ -102,6 +107,12 @@ class Replayer:
             return ReplayInputs.from_bytes(body).start
         except WorkRejected as e:
             raise ReplayerError(f"the replay process sent malformed state: {e}") from None
+
+    def start(self) -> None:
+        """Start the child now (it imports torch and builds the task while this peer trains), not at the first
+        replay, which would then wait for that inside the round's check backpressure."""
+        with self._lock:
+            self._running()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Close the child's stdin (it exits), and kill it if it has not within ``timeout_s``."""
@@ -239,7 +250,6 @@ def _serve(nice: int) -> None:
         answer: dict[str, Any] = {"ok": True}
         body = b""
         try:
-            torch.set_num_threads(int(header["threads"]))
             described = json.dumps(header["config"], sort_keys=True)
             if described not in tasks:
                 task = get_task(header["task"], **header["overrides"])
@@ -251,6 +261,7 @@ def _serve(nice: int) -> None:
                 Commitment, header["commitment"], "commitment", max_str=_ID_CHARS, max_items=MAX_BOUNDARIES
             )
             start = ReplayInputs.from_bytes(data).start
+            torch.set_num_threads(commitment.threads)  # the prover's: reductions split their sums by thread
             replayed = replay(task, commitment, int(header["segment"]), start, streams=streams)
             body = ReplayInputs(replayed, torch.empty(0)).to_bytes()
         except WorkRejected as e:

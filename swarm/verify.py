@@ -15,8 +15,12 @@ start and the end parameters; safetensors bytes, never pickle) and `check` then:
 1. the phase started from the round's base: ``params[0]`` is the digest of the base parameters;
 2. the served states are the committed ones (digests), else the prover served something else;
 3. the pseudo-gradient is ``base - end parameters`` (its digest);
-4. replaying the segment (same batches, same optimizer, same warm-up factors, the same RNG seed)
-   from its start gives the committed next boundary, bit for bit on a CPU (``tolerance`` 0).
+4. replaying the segment (same batches, same optimizer, same warm-up factors, the same RNG seed, the
+   prover's number of torch threads) from its start gives the committed next boundary, bit for bit on a
+   CPU (``tolerance`` 0). The thread count matters: torch's CPU reductions split their sums by thread,
+   and charlm replayed with 1 thread differs from its training with 2 in every segment. Not bound: the
+   CPU's instruction set (torch and its BLAS pick kernels by it), so provers and verifiers on CPUs of
+   another generation may still differ; not measured here (one kind of machine).
 
 A peer that did not train (a free rider), trained on another shard, or presents an earlier phase's
 work fails 1 or 4; one that will not serve its inputs is recorded as refusing. A `Verdict` is signed
@@ -57,11 +61,14 @@ COMMITMENT_KIND = "swarm/work"
 """Signature domain of work commitments."""
 VERDICT_KIND = "swarm/verdict"
 """Signature domain of check verdicts."""
-VERSION = 1
+VERSION = 2
+"""Schema version of commitments and verdicts (2: commitments name the prover's torch threads)."""
 MAX_BOUNDARIES = 33
 """Most boundaries a commitment may name (32 segments): 8 commitments fit a round's gathered metadata."""
 MAX_INPUT_BYTES = 4 << 30
 """Largest `ReplayInputs` accepted."""
+MAX_REPLAY_THREADS = 256
+"""Most torch threads a commitment may name (a replay runs with as many)."""
 MAX_REPLAY_STEPS = 256
 """Most inner steps one check replays (a segment); a phase with longer segments is not committed."""
 MAX_STREAM_POSITION = 1 << 22
@@ -203,6 +210,9 @@ class Commitment(Signable):
     """Samples claimed (steps x batch size for a registry task)."""
     optimizer: str
     """The inner optimizer's class (a key of `REPLAYABLE_OPTIMIZERS`)."""
+    threads: int
+    """torch's intra-op threads while the prover trained: CPU reductions split their sums by thread, so a
+    replay with another count differs in the last bits (`swarm.replayer` replays with this many)."""
     params: tuple[str, ...]
     """Digest of the parameters at each boundary: step 0, segment_steps, 2 x segment_steps, ..., steps."""
     inner: tuple[str, ...]
@@ -220,6 +230,7 @@ class Commitment(Signable):
             for name in ("num_shards", "first_step", "steps", "segment_steps"):
                 check_int(name, getattr(self, name), minimum=1)
             check_int("shard_index", self.shard_index, maximum=self.num_shards - 1)
+            check_int("threads", self.threads, minimum=1, maximum=MAX_REPLAY_THREADS)
             for digest in (self.task, self.pseudo, *self.params, *self.inner):
                 check_hex("digest", digest)
         except ValueError as e:
@@ -406,6 +417,8 @@ class WorkRecorder:
         end = phase.boundaries[-1].params
         if not same_bits(phase.boundaries[0].params, base):  # (its digest is digests[0]: not hashed again)
             return None  # the phase did not start from this base (the state was reloaded meanwhile): nothing to claim
+        if torch.get_num_threads() > MAX_REPLAY_THREADS:
+            return None  # no verifier replays with that many threads: unverified, never accused
         commitment = Commitment(
             run=run,
             round=round_,
@@ -421,6 +434,7 @@ class WorkRecorder:
             segment_steps=phase.segment_steps,
             samples=samples,
             optimizer=type(optimizer).__name__,
+            threads=torch.get_num_threads(),
             params=tuple(p for p, _ in phase.digests),
             inner=tuple(i for _, i in phase.digests),
             pseudo=params_digest(base - end),

@@ -34,11 +34,12 @@ refuses them, round by round (`averaging.GroupAverager.require`; ledger: ``work_
 a leader refuses their join, a follower declines a group that holds one. An honest peer's phase that
 cannot be committed (its first after loading a sealed state mid-phase) is refused that one round.
 
-Replays of a task whose training draws random numbers (dropout > 0; a task that does not say, see
-`swarm.replayer.random_in_training`) run in a process of their own (`swarm.replayer`): torch has one CPU
-random generator per process, and a replay on the worker thread would reseed and draw from the stream this
-peer's own training draws its dropout masks from, and the other way round. The others replay on the worker
-thread (no process to start).
+Replays run in a process of their own (`swarm.replayer`) for a task whose training draws random numbers
+(dropout > 0; a task that does not say, see `swarm.replayer.random_in_training`), since torch has one CPU
+random generator per process and a replay on the worker thread would reseed and draw from the stream this
+peer's own training draws its dropout masks from, and the other way round; and for a prover that trained
+with another number of torch threads than this process has (the count is per process, and a replay must
+use the prover's: `swarm.verify`, step 4). The others replay on the worker thread (no process to start).
 """
 
 from __future__ import annotations
@@ -219,9 +220,12 @@ class _Replays:
     rounds, by digest (re-checks), and its batch streams, each left where its last replay stopped."""
 
     streams: verify.Streams
-    replayer: Replayer | None = None
-    """Replays in a process of their own, for a task whose training draws random numbers (`swarm.replayer`);
-    None: on the worker thread."""
+    replayer: Replayer
+    """Replays in a process of their own (`swarm.replayer`): every replay of a task whose training draws random
+    numbers, and of a commitment whose prover trained with another number of torch threads than this process
+    has (`_replaying`); the others run on the worker thread."""
+    random: bool = False
+    """The task's training draws random numbers (`swarm.replayer.random_in_training`)."""
     bases: OrderedDict[str, torch.Tensor] = field(default_factory=OrderedDict)
     committed: tuple[torch.Tensor, str] | None = None
     """The base of this peer's last commitment, with its digest: `after_round` does not hash that base again."""
@@ -275,8 +279,8 @@ class WorkChecks:
         """checks / passed / failed / refused / late (skipped: `_late`) / unverified / rechecked / confirmed /
         liars (false accusations found) / cannot recheck: WHY / refused members / rejected:REASON."""
         self.standing = _Standing()
-        apart = Replayer(nice=config.replay_nice) if random_in_training(spec.task) else None
-        self.replays = _Replays(verify.Streams(spec.task), apart)
+        random = random_in_training(spec.task)
+        self.replays = _Replays(verify.Streams(spec.task), Replayer(nice=config.replay_nice), random)
         self._lag, self._disputes = _Lag(), _Disputes(dht)
         self._served: OrderedDict[tuple[int, int], bytes] = OrderedDict()
         """Replay inputs being fetched chunk by chunk, serialized once (the newest `_SERVED_KEPT`)."""
@@ -286,6 +290,8 @@ class WorkChecks:
         self.begin(first_step=first_step)
         if config.require_verified:
             require(self._policy)
+        if random:
+            self.replays.replayer.start()  # its imports run while this peer trains, not in its first check
 
     @classmethod
     def for_trainer(cls, trainer: Any, spec: WorkSpec | None) -> WorkChecks | None:
@@ -539,7 +545,7 @@ class WorkChecks:
                 commitment.round, commitment.peer, segment, asked_again, self._lag.newest_round,
             )  # fmt: skip
         outcome = verify.check(
-            self.spec.task, self.spec.task_digest, commitment, segment, inputs, **self._replaying(base)
+            self.spec.task, self.spec.task_digest, commitment, segment, inputs, **self._replaying(base, commitment)
         )
         ok, reason, _ = outcome
         self.counts["checks"] += 1
@@ -554,10 +560,16 @@ class WorkChecks:
         self._exclude_peer(commitment.peer, f"failed a replay check: {reason}")
         self._publish({**signed, "work": work})  # the commitment as the prover signed it: anyone can re-check
 
-    def _replaying(self, base: torch.Tensor) -> dict[str, Any]:
-        """`verify.check`'s and `verify.arbitrate`'s keywords: the base, and where the replay runs."""
-        replayer = self.replays.replayer
-        return {"base": base, "streams": self.replays.streams, "replayer": replayer and replayer.replay}
+    def _replaying(self, base: torch.Tensor, commitment: Commitment) -> dict[str, Any]:
+        """`verify.check`'s and `verify.arbitrate`'s keywords for ``commitment``: the base, and where its replay
+        runs (`_Replays.replayer`; torch's thread count is per process, so a replay with the prover's count,
+        when it is not this process's, runs in the replayer's)."""
+        apart = self.replays.random or commitment.threads != torch.get_num_threads()
+        return {
+            "base": base,
+            "streams": self.replays.streams,
+            "replayer": self.replays.replayer.replay if apart else None,
+        }
 
     def _fetch(self, prover: str, round_: int, segment: int, attempts: int = 2) -> ReplayInputs | None:
         """The prover's replay inputs; None if it answered that it has none (or sent malformed ones), or a chunk
@@ -770,7 +782,7 @@ class WorkChecks:
             self.counts["cannot recheck: " + ("inputs not served" if inputs is None else "no base")] += 1
             return
         outcome = verify.arbitrate(
-            self.spec.task, self.spec.task_digest, signed, verdict, inputs, **self._replaying(base)
+            self.spec.task, self.spec.task_digest, signed, verdict, inputs, **self._replaying(base, signed.commitment)
         )
         self.counts["rechecked"] += 1
         self._record("work_dispute", {"verdict": entry["verdict"], "outcome": outcome})
@@ -799,5 +811,4 @@ class WorkChecks:
         self._lag.quiet.set()  # a fetch waiting for the round to end stops at once
         self._service.close(timeout_s)
         self._worker.join(timeout_s)
-        if self.replays.replayer is not None:
-            self.replays.replayer.close()
+        self.replays.replayer.close()

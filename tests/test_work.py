@@ -7,6 +7,7 @@ the end-to-end test runs honest peers and cheaters as separate processes of a us
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -387,9 +388,10 @@ def test_replay_inputs_travel_in_chunks_and_only_between_the_verifiers_rounds(mo
         assert prover.counts["served chunks"] == -(-len(expected) // 4096)
         assert verify.check(TASK, DIGEST, commitment, 1, fetched["inputs"], base=base)[:2] == (True, "match")
         # the same check with replays in a process of their own (a task that draws random numbers does so)
-        replayer = verifier.replays.replayer = Replayer(nice=verifier.config.replay_nice)
+        replayer, verifier.replays.random = verifier.replays.replayer, True
         verifier._check_one(commitment, signed, 1, base)
         assert verifier.counts["passed"] == 1 and replayer.started == 1, verifier.counts
+        verifier.replays.random = False
         # a chunk cut off mid-stream (p2pd resets a stream whose serving end went away) is a link failure, asked
         # again, never the prover's answer: before, it counted as malformed inputs, a refusal, and an exclusion
         cuts: list[int] = []
@@ -551,15 +553,18 @@ def test_cheaters_and_a_lying_verifier_are_excluded_within_5_rounds(bootstrap_no
         assert fired >= 1, counts  # the faults fired and were seen here
 
 
-def test_a_task_with_dropout_replays_apart_from_the_training_beside_it() -> None:
+def test_a_task_with_dropout_replays_apart_from_the_training_beside_it(request) -> None:
     """Verified work with dropout (issue 18). torch has one CPU random generator per process: a replay on a
     thread beside this peer's own training reseeds it and draws from it, so the training's dropout masks
     leave its seeded stream and its own committed segments no longer replay (the negative control). Replays
     in `swarm.replayer`'s process leave the training's stream alone: every segment replays bit for bit, and
-    the child's replay equals one done here."""
+    the child's replay equals one done here. That process also replays a prover that trained with another
+    number of torch threads than the verifier has, with the prover's number."""
     task = get_task("charlm", preset="tiny", dropout=0.1)
     digest = TaskInfo.of(task, "tiny").config_digest
     assert random_in_training(task) and not random_in_training(TASK)
+    request.addfinalizer(functools.partial(torch.set_num_threads, torch.get_num_threads()))
+    torch.set_num_threads(2)  # the provers'
 
     def phase(beside=None) -> tuple[verify.Commitment, verify.WorkRecorder, torch.Tensor]:
         """One committed phase of 8 steps (segments of 2), ``beside`` looping on a thread meanwhile."""
@@ -593,12 +598,13 @@ def test_a_task_with_dropout_replays_apart_from_the_training_beside_it() -> None
         )  # fmt: skip
         return signed.commitment, recorder, base
 
-    def replayed(commitment, recorder, base) -> list[bool]:
+    def replayed(commitment, recorder, base, replayer=None) -> list[bool]:
         return [
-            verify.check(task, digest, commitment, k, recorder.inputs(0, k), base=base)[0]
+            verify.check(task, digest, commitment, k, recorder.inputs(0, k), base=base, replayer=replayer)[0]
             for k in range(commitment.segments)
         ]
 
+    replayer = Replayer()
     other, other_recorder, other_base = phase()  # the work a verifier replays beside its own training
     start = other_recorder.inputs(0, 1).start
     here = verify.replay(task, other, 1, start)
@@ -609,7 +615,6 @@ def test_a_task_with_dropout_replays_apart_from_the_training_beside_it() -> None
 
     assert not all(replayed(*phase(beside=in_thread))), "the negative control: a replay beside broke the stream"
 
-    replayer = Replayer()
     try:
         apart = replayer.replay(task, other, 1, start)
         assert verify.params_digest(apart.params) == verify.params_digest(here.params)
@@ -619,6 +624,13 @@ def test_a_task_with_dropout_replays_apart_from_the_training_beside_it() -> None
             replayer.replay(task, other, 1, start)
 
         assert replayed(*phase(beside=in_its_process)) == [True] * 4
+        # torch's CPU reductions split their sums by thread: a verifier with another thread count than the
+        # prover's replays differently (the negative control), so it replays in the replayer's process, with
+        # the prover's count (the commitment names it)
+        assert other.threads == 2
+        torch.set_num_threads(1)
+        assert not all(replayed(other, other_recorder, other_base)), "the negative control: 1 thread against 2"
+        assert replayed(other, other_recorder, other_base, replayer.replay) == [True] * 4
         assert replayer.started == 1
     finally:
         replayer.close()
