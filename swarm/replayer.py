@@ -1,11 +1,12 @@
 """A verifier's replays in a process of their own: for tasks whose training draws random numbers, and for
-provers that trained with another number of torch threads.
+provers that trained with another number of torch threads or at another CPU kernel level.
 
 torch has one CPU random generator per process. A replay reseeds it and draws from it (dropout), and so
 does this peer's own training, on another thread: in one process each would take numbers from the
 other's stream, so a replay would not match an honest prover, and this peer's own committed phase would
-not replay either. torch's thread count is per process too, and a replay must use the prover's: CPU
-reductions split their sums by thread (``tests/test_work.py``: both, with negative controls).
+not replay either. torch's thread count and CPU kernel level (AVX512, AVX2, DEFAULT, ...) are per process
+too, and a replay must use the prover's: CPU reductions split their sums by thread, and kernels of another
+level round differently (``tests/test_work.py``: all three, with negative controls).
 
 `Replayer.replay` has the signature of `swarm.verify.replay` and runs it in a child process
 (``python -m swarm.replayer``), started by `Replayer.start` (`swarm.work` does when its checks begin) or
@@ -13,12 +14,14 @@ at the first replay, and kept: a JSON header and the replay inputs' safetensors 
 replayed boundary's safetensors bytes come back on its stdout; no pickle. The child rebuilds the task by
 its name and config (the registry's convention: a factory that takes the config's fields as keywords),
 refuses a task whose description differs from the parent's, runs at the niceness it is given, replays
-with the prover's number of threads (the commitment names it), and exits when its stdin closes (the peer
-stopped, or died). `swarm.work` uses it for a task whose ``random_in_training`` is true or unknown (a task
-from another package that does not say), and for a prover whose thread count is not this process's.
+with the prover's number of threads and at its kernel level (the commitment names both; the level through
+``ATEN_CPU_CAPABILITY``, one process per level: a level this CPU lacks raises `CannotReplayHere`), and
+exits when its stdin closes (the peer stopped, or died). `swarm.work` uses it for a task whose
+``random_in_training`` is true or unknown (a task from another package that does not say), and for a
+prover whose thread count or level is not this process's.
 Known limit: a task that the child cannot rebuild that way (named by ``package.module:factory`` with
 another ``name``) is checked only where it says ``random_in_training = False`` and its prover's thread
-count is the verifier's (then it replays on the worker thread).
+count and level are the verifier's (then it replays on the worker thread).
 
 Every wait is bounded: a reply that does not come within ``timeout_s`` (or a child that died) raises
 `ReplayerError` and the child is killed; the next replay starts a new one. That error is this peer's
@@ -43,7 +46,16 @@ from typing import Any, BinaryIO
 import torch
 
 from bootstrap.envelope import from_dict
-from swarm.verify import MAX_BOUNDARIES, MAX_INPUT_BYTES, Boundary, Commitment, ReplayInputs, WorkRejected, replay
+from swarm.verify import (
+    MAX_BOUNDARIES,
+    MAX_INPUT_BYTES,
+    Boundary,
+    Commitment,
+    ReplayInputs,
+    WorkRejected,
+    cpu_capability,
+    replay,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +68,10 @@ class ReplayerError(RuntimeError):
     """The replay process failed (did not start, died, timed out, answered nonsense): this peer's fault."""
 
 
+class CannotReplayHere(ReplayerError):
+    """This machine cannot replay at the prover's CPU kernel level (it lacks it, or torch knows no such level)."""
+
+
 def random_in_training(task: Any) -> bool:
     """Whether ``task``'s training step may draw random numbers: its own ``random_in_training`` when it says
     (the built-in tasks do: charlm with dropout), else True (replayed apart, to be safe)."""
@@ -66,8 +82,9 @@ def random_in_training(task: Any) -> bool:
 class Replayer:
     """`swarm.verify.replay` in a child process (see the module docstring). One caller at a time (a lock)."""
 
-    def __init__(self, *, nice: int = 0, timeout_s: float = 600.0) -> None:
-        self.nice, self.timeout_s = nice, timeout_s
+    def __init__(self, *, nice: int = 0, cpu: str | None = None, timeout_s: float = 600.0) -> None:
+        self.nice, self.cpu, self.timeout_s = nice, cpu, timeout_s
+        """``cpu``: the CPU kernel level the child runs torch at (``ATEN_CPU_CAPABILITY``); None: this machine's."""
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self.started = 0
@@ -101,6 +118,8 @@ class Replayer:
             raise ReplayerError("the replay process answered nonsense")
         if "rejected" in answer:
             raise WorkRejected(str(answer["rejected"])[:50], str(answer.get("detail", ""))[:200])
+        if "unavailable" in answer:
+            raise CannotReplayHere(str(answer["unavailable"])[:200])
         if not answer.get("ok"):
             raise ReplayerError(f"the replay process could not replay: {str(answer.get('error'))[:200]}")
         try:
@@ -137,6 +156,8 @@ class Replayer:
             return self._proc
         self._kill()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        if self.cpu is not None:
+            env["ATEN_CPU_CAPABILITY"] = self.cpu.lower()
         # the niceness it is to have, from the process's (this thread's may be raised already: the worker's)
         target = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + max(0, self.nice))
         proc = subprocess.Popen(
@@ -217,6 +238,10 @@ def _read_frame(stream: BinaryIO, max_bytes: int, deadline: float) -> bytes:
 
 
 # ------------------------------------------------------------------------------------ the child
+class _Unavailable(Exception):
+    pass
+
+
 def _read_blocking(stream: BinaryIO, size: int) -> bytes:
     data = stream.read(size)
     if data is None or len(data) < size:
@@ -261,9 +286,13 @@ def _serve(nice: int) -> None:
                 Commitment, header["commitment"], "commitment", max_str=_ID_CHARS, max_items=MAX_BOUNDARIES
             )
             start = ReplayInputs.from_bytes(data).start
+            if cpu_capability() != commitment.cpu:
+                raise _Unavailable(f"the prover's CPU kernel level {commitment.cpu!r:.40}, here {cpu_capability()}")
             torch.set_num_threads(commitment.threads)  # the prover's: reductions split their sums by thread
             replayed = replay(task, commitment, int(header["segment"]), start, streams=streams)
             body = ReplayInputs(replayed, torch.empty(0)).to_bytes()
+        except _Unavailable as e:
+            answer = {"unavailable": str(e)}
         except WorkRejected as e:
             answer = {"rejected": e.reason, "detail": str(e)}
         except Exception as e:  # reported to the parent, which records no verdict

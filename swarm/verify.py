@@ -17,10 +17,11 @@ start and the end parameters; safetensors bytes, never pickle) and `check` then:
 3. the pseudo-gradient is ``base - end parameters`` (its digest);
 4. replaying the segment (same batches, same optimizer, same warm-up factors, the same RNG seed, the
    prover's number of torch threads) from its start gives the committed next boundary, bit for bit on a
-   CPU (``tolerance`` 0). The thread count matters: torch's CPU reductions split their sums by thread,
-   and charlm replayed with 1 thread differs from its training with 2 in every segment. Not bound: the
-   CPU's instruction set (torch and its BLAS pick kernels by it), so provers and verifiers on CPUs of
-   another generation may still differ; not measured here (one kind of machine).
+   CPU (``tolerance`` 0), at the prover's number of torch threads and its CPU kernel level (both in the
+   commitment). Both matter: torch's CPU reductions split their sums by thread, and charlm replayed with
+   1 thread differs from its training with 2 in every segment; trained with AVX2 kernels and replayed with
+   AVX512 ones, too. A verifier replays at the prover's level by running torch with ``ATEN_CPU_CAPABILITY``
+   lowered to it (`swarm.replayer`); a prover whose level this CPU lacks is not checked here.
 
 A peer that did not train (a free rider), trained on another shard, or presents an earlier phase's
 work fails 1 or 4; one that will not serve its inputs is recorded as refusing. A `Verdict` is signed
@@ -62,7 +63,8 @@ COMMITMENT_KIND = "swarm/work"
 VERDICT_KIND = "swarm/verdict"
 """Signature domain of check verdicts."""
 VERSION = 2
-"""Schema version of commitments and verdicts (2: commitments name the prover's torch threads)."""
+"""Schema version of commitments and verdicts (2: commitments name the prover's torch threads and CPU
+kernel level)."""
 MAX_BOUNDARIES = 33
 """Most boundaries a commitment may name (32 segments): 8 commitments fit a round's gathered metadata."""
 MAX_INPUT_BYTES = 4 << 30
@@ -97,6 +99,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def cpu_capability() -> str:
+    """The level of torch's CPU kernels in this process ("AVX512", "AVX2", "DEFAULT", ...; the environment
+    variable ``ATEN_CPU_CAPABILITY`` lowers it): a replay is bit for bit only at the prover's level."""
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def flat_params(params: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -213,6 +221,9 @@ class Commitment(Signable):
     threads: int
     """torch's intra-op threads while the prover trained: CPU reductions split their sums by thread, so a
     replay with another count differs in the last bits (`swarm.replayer` replays with this many)."""
+    cpu: str
+    """torch's CPU kernel level while the prover trained (`cpu_capability`: "AVX512", "AVX2", "DEFAULT", ...):
+    kernels of another level round differently (`swarm.replayer` replays at this one where this CPU has it)."""
     params: tuple[str, ...]
     """Digest of the parameters at each boundary: step 0, segment_steps, 2 x segment_steps, ..., steps."""
     inner: tuple[str, ...]
@@ -225,6 +236,9 @@ class Commitment(Signable):
             check_int("v", self.v, minimum=VERSION, maximum=VERSION)
             for name in ("run", "peer", "optimizer"):
                 check_str(name, getattr(self, name), max_chars=_MAX_ID, printable=True)
+            check_str("cpu", self.cpu, max_chars=32, printable=True)
+            if not self.cpu.replace("_", "").isalnum():
+                raise ValueError(f"cpu must be a kernel level such as AVX2, got {self.cpu!r:.40}")
             for name in ("round", "shard_index", "seed", "stream_start", "warmup_steps", "samples"):
                 check_int(name, getattr(self, name))
             for name in ("num_shards", "first_step", "steps", "segment_steps"):
@@ -435,6 +449,7 @@ class WorkRecorder:
             samples=samples,
             optimizer=type(optimizer).__name__,
             threads=torch.get_num_threads(),
+            cpu=cpu_capability(),
             params=tuple(p for p, _ in phase.digests),
             inner=tuple(i for _, i in phase.digests),
             pseudo=params_digest(base - end),
@@ -732,6 +747,7 @@ __all__ = [
     "WorkRejected",
     "arbitrate",
     "check",
+    "cpu_capability",
     "draw_checks",
     "flat_params",
     "params_digest",

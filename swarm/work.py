@@ -38,8 +38,11 @@ Replays run in a process of their own (`swarm.replayer`) for a task whose traini
 (dropout > 0; a task that does not say, see `swarm.replayer.random_in_training`), since torch has one CPU
 random generator per process and a replay on the worker thread would reseed and draw from the stream this
 peer's own training draws its dropout masks from, and the other way round; and for a prover that trained
-with another number of torch threads than this process has (the count is per process, and a replay must
-use the prover's: `swarm.verify`, step 4). The others replay on the worker thread (no process to start).
+with another number of torch threads or at another CPU kernel level than this process has (both are per
+process, and a replay must use the prover's: `swarm.verify`, step 4). The others replay on the worker
+thread (no process to start). A prover whose level this machine lacks is not checked here ("cannot replay
+here"): no verdict either way. Known gap: a cheater can thus escape checks by claiming a level that none of
+its verifiers has (or one torch does not know); ``require_verified`` does not refuse such a claim yet.
 """
 
 from __future__ import annotations
@@ -68,12 +71,14 @@ from bootstrap.identity import Identity
 from bootstrap.runtime import Handler, peer_id_of
 from swarm import verify
 from swarm.config import WorkConfig
-from swarm.replayer import Replayer, random_in_training
+from swarm.replayer import CannotReplayHere, Replayer, random_in_training
 from swarm.verify import Commitment, ReplayInputs, WorkRecorder, WorkRejected
 
 logger = logging.getLogger(__name__)
 
 _MAX_HEADER = 1024
+_REPLAYERS = 3
+"""Replay processes kept at once (one per CPU kernel level replayed at: `_Replays.apart`)."""
 _VERDICTS_KEPT = 8
 """Failing verdicts a verifier keeps published (newest first)."""
 _VERDICT_EXPIRY_S = 600.0
@@ -220,15 +225,31 @@ class _Replays:
     rounds, by digest (re-checks), and its batch streams, each left where its last replay stopped."""
 
     streams: verify.Streams
-    replayer: Replayer
-    """Replays in a process of their own (`swarm.replayer`): every replay of a task whose training draws random
-    numbers, and of a commitment whose prover trained with another number of torch threads than this process
-    has (`_replaying`); the others run on the worker thread."""
+    nice: int = 0
     random: bool = False
     """The task's training draws random numbers (`swarm.replayer.random_in_training`)."""
+    apart: OrderedDict[str, Replayer] = field(default_factory=OrderedDict)
+    """Replays in processes of their own (`swarm.replayer`), by the CPU kernel level each runs torch at (at most
+    `_REPLAYERS`; the least recently used is closed): every replay of a task whose training draws random
+    numbers, and of a commitment whose prover trained with another number of torch threads or at another
+    level than this process has (`WorkChecks._replaying`). The others run on the worker thread."""
     bases: OrderedDict[str, torch.Tensor] = field(default_factory=OrderedDict)
     committed: tuple[torch.Tensor, str] | None = None
     """The base of this peer's last commitment, with its digest: `after_round` does not hash that base again."""
+
+    def replayer(self, cpu: str) -> Replayer:
+        """The process that replays at CPU kernel level ``cpu`` (untrusted: a commitment's)."""
+        if cpu in self.apart:
+            self.apart.move_to_end(cpu)
+            return self.apart[cpu]
+        self.apart[cpu] = Replayer(nice=self.nice, cpu=None if cpu == verify.cpu_capability() else cpu)
+        while len(self.apart) > _REPLAYERS:
+            self.apart.popitem(last=False)[1].close()
+        return self.apart[cpu]
+
+    def close(self) -> None:
+        for replayer in self.apart.values():
+            replayer.close()
 
 
 @dataclass
@@ -280,7 +301,7 @@ class WorkChecks:
         liars (false accusations found) / cannot recheck: WHY / refused members / rejected:REASON."""
         self.standing = _Standing()
         random = random_in_training(spec.task)
-        self.replays = _Replays(verify.Streams(spec.task), Replayer(nice=config.replay_nice), random)
+        self.replays = _Replays(verify.Streams(spec.task), nice=config.replay_nice, random=random)
         self._lag, self._disputes = _Lag(), _Disputes(dht)
         self._served: OrderedDict[tuple[int, int], bytes] = OrderedDict()
         """Replay inputs being fetched chunk by chunk, serialized once (the newest `_SERVED_KEPT`)."""
@@ -290,8 +311,8 @@ class WorkChecks:
         self.begin(first_step=first_step)
         if config.require_verified:
             require(self._policy)
-        if random:
-            self.replays.replayer.start()  # its imports run while this peer trains, not in its first check
+        if random:  # its imports run while this peer trains, not in its first check
+            self.replays.replayer(verify.cpu_capability()).start()
 
     @classmethod
     def for_trainer(cls, trainer: Any, spec: WorkSpec | None) -> WorkChecks | None:
@@ -544,9 +565,14 @@ class WorkChecks:
                 "round %s: no replay inputs from %s (segment %s, asked again: %s, this peer at round %s)",
                 commitment.round, commitment.peer, segment, asked_again, self._lag.newest_round,
             )  # fmt: skip
-        outcome = verify.check(
-            self.spec.task, self.spec.task_digest, commitment, segment, inputs, **self._replaying(base, commitment)
-        )
+        try:
+            outcome = verify.check(
+                self.spec.task, self.spec.task_digest, commitment, segment, inputs, **self._replaying(base, commitment)
+            )
+        except CannotReplayHere as e:  # this machine lacks the prover's CPU kernel level: no verdict here
+            self.counts["cannot replay here"] += 1
+            logger.info("round %s: cannot replay the work of %s here: %s", commitment.round, commitment.peer, e)
+            return
         ok, reason, _ = outcome
         self.counts["checks"] += 1
         self.counts["passed" if ok else ("refused" if inputs is None else "failed")] += 1
@@ -562,14 +588,15 @@ class WorkChecks:
 
     def _replaying(self, base: torch.Tensor, commitment: Commitment) -> dict[str, Any]:
         """`verify.check`'s and `verify.arbitrate`'s keywords for ``commitment``: the base, and where its replay
-        runs (`_Replays.replayer`; torch's thread count is per process, so a replay with the prover's count,
-        when it is not this process's, runs in the replayer's)."""
-        apart = self.replays.random or commitment.threads != torch.get_num_threads()
-        return {
-            "base": base,
-            "streams": self.replays.streams,
-            "replayer": self.replays.replayer.replay if apart else None,
-        }
+        runs (`_Replays.apart`: torch's thread count and CPU kernel level are per process, so a replay at the
+        prover's, when they are not this process's, runs in a replayer's)."""
+        apart = (
+            self.replays.random
+            or commitment.threads != torch.get_num_threads()
+            or commitment.cpu != verify.cpu_capability()
+        )
+        replayer = self.replays.replayer(commitment.cpu).replay if apart else None
+        return {"base": base, "streams": self.replays.streams, "replayer": replayer}
 
     def _fetch(self, prover: str, round_: int, segment: int, attempts: int = 2) -> ReplayInputs | None:
         """The prover's replay inputs; None if it answered that it has none (or sent malformed ones), or a chunk
@@ -781,9 +808,18 @@ class WorkChecks:
         if base is None or inputs is None:  # not served (any more): no one is excluded on this verdict here
             self.counts["cannot recheck: " + ("inputs not served" if inputs is None else "no base")] += 1
             return
-        outcome = verify.arbitrate(
-            self.spec.task, self.spec.task_digest, signed, verdict, inputs, **self._replaying(base, signed.commitment)
-        )
+        try:
+            outcome = verify.arbitrate(
+                self.spec.task,
+                self.spec.task_digest,
+                signed,
+                verdict,
+                inputs,
+                **self._replaying(base, signed.commitment),
+            )
+        except CannotReplayHere:
+            self.counts["cannot recheck: its CPU kernel level"] += 1
+            return
         self.counts["rechecked"] += 1
         self._record("work_dispute", {"verdict": entry["verdict"], "outcome": outcome})
         if outcome == "prover":
@@ -811,4 +847,4 @@ class WorkChecks:
         self._lag.quiet.set()  # a fetch waiting for the round to end stops at once
         self._service.close(timeout_s)
         self._worker.join(timeout_s)
-        self.replays.replayer.close()
+        self.replays.close()

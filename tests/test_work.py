@@ -28,7 +28,7 @@ from swarm import verify
 from swarm import work as work_module
 from swarm.config import TaskInfo, WorkConfig
 from swarm.recipe import inner_step
-from swarm.replayer import Replayer, random_in_training
+from swarm.replayer import CannotReplayHere, Replayer, random_in_training
 from swarm.tasks import get_task
 from swarm.work import WorkChecks, WorkSpec, _Standing
 from tests.helpers import Child, python_cmd, spawn, terminate_all, wait_until
@@ -388,7 +388,7 @@ def test_replay_inputs_travel_in_chunks_and_only_between_the_verifiers_rounds(mo
         assert prover.counts["served chunks"] == -(-len(expected) // 4096)
         assert verify.check(TASK, DIGEST, commitment, 1, fetched["inputs"], base=base)[:2] == (True, "match")
         # the same check with replays in a process of their own (a task that draws random numbers does so)
-        replayer, verifier.replays.random = verifier.replays.replayer, True
+        replayer, verifier.replays.random = verifier.replays.replayer(verify.cpu_capability()), True
         verifier._check_one(commitment, signed, 1, base)
         assert verifier.counts["passed"] == 1 and replayer.started == 1, verifier.counts
         verifier.replays.random = False
@@ -635,3 +635,75 @@ def test_a_task_with_dropout_replays_apart_from_the_training_beside_it(request) 
     finally:
         replayer.close()
     assert replayer._proc is None
+
+
+PROVE_AT_A_LEVEL = """
+import sys, torch
+from pathlib import Path
+from bootstrap.identity import Identity
+from swarm import verify
+from swarm.recipe import inner_step
+from swarm.tasks import get_task
+
+out = Path(sys.argv[1])
+torch.set_num_threads(1)
+task = get_task("charlm", preset="tiny")
+identity, model = Identity.generate(), task.build_model(seed=0)
+params = verify.trainable(model)
+optimizer = torch.optim.AdamW(params, lr=3e-3)
+recorder = verify.WorkRecorder(task, peer=identity.peer_id, shard_index=0, num_shards=2, segment_steps=2)
+base, batches = verify.flat_params(params), recorder.batches()
+recorder.begin(params, optimizer, first_step=1)
+for step in range(1, 5):
+    task.loss(model, next(batches)).backward()
+    inner_step(optimizer, step, 0)
+    recorder.stepped(params, optimizer)
+signed = recorder.commit(params, optimizer, base=base, identity=identity, run="verified-work", round_=0,
+                         task_digest=sys.argv[2], samples=4, warmup_steps=0)
+(out / "signed.json").write_text(__import__("json").dumps(signed.to_dict()))
+(out / "base.st").write_bytes(verify.ReplayInputs(recorder.inputs(0, 0).start, base).to_bytes())
+for k in range(signed.commitment.segments):
+    (out / f"{k}.st").write_bytes(recorder.inputs(0, k).to_bytes())
+"""
+
+
+def test_a_prover_at_another_cpu_kernel_level_is_replayed_at_its_level(tmp_path: Path) -> None:
+    """Kernels of another CPU level (AVX2, AVX512, or none: DEFAULT) round differently, so a verifier on a newer
+    CPU than its prover's accused it (the negative control: a prover at the DEFAULT level, replayed here at
+    this machine's). The commitment names the level, and the verifier replays in a process whose torch runs
+    at it (``ATEN_CPU_CAPABILITY``); a level that this machine lacks or torch does not know is "cannot
+    replay here", never a verdict."""
+    task = get_task("charlm", preset="tiny")
+    digest = TaskInfo.of(task, "tiny").config_digest
+    script = tmp_path / "prove.py"
+    script.write_text(PROVE_AT_A_LEVEL)
+    child = spawn(python_cmd(str(script), str(tmp_path), digest), env={"ATEN_CPU_CAPABILITY": "default"})
+    wait_until(lambda: child.popen.poll() is not None, 120, message=child.describe)
+    assert child.popen.returncode == 0, child.describe()
+    commitment = verify.verify_commitment((tmp_path / "signed.json").read_bytes(), run=RUN).commitment
+    assert commitment.cpu == "DEFAULT" and commitment.threads == 1
+    assert verify.cpu_capability() != "DEFAULT", "this test needs a CPU with vector kernels"
+    base = verify.ReplayInputs.from_bytes((tmp_path / "base.st").read_bytes()).end_params
+    inputs = [verify.ReplayInputs.from_bytes((tmp_path / f"{k}.st").read_bytes()) for k in range(commitment.segments)]
+
+    def replayed(replayer=None) -> list[bool]:
+        return [
+            verify.check(task, digest, commitment, k, inputs[k], base=base, replayer=replayer)[0]
+            for k in range(commitment.segments)
+        ]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the prover's count: only the level differs
+    try:
+        assert not all(replayed()), "the negative control: replayed at this machine's level"
+    finally:
+        torch.set_num_threads(threads)
+    at_its_level, unknown = Replayer(cpu=commitment.cpu), Replayer(cpu="NOSUCHLEVEL")
+    try:
+        assert replayed(at_its_level.replay) == [True] * commitment.segments
+        with pytest.raises(CannotReplayHere):
+            claimed = _replace(commitment, cpu="NOSUCHLEVEL")
+            verify.check(task, digest, claimed, 0, inputs[0], base=base, replayer=unknown.replay)
+    finally:
+        at_its_level.close()
+        unknown.close()
