@@ -107,6 +107,18 @@ def cpu_capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
+_X86_LEVELS = ("DEFAULT", "AVX2", "AVX512")
+
+
+def replayable_levels() -> frozenset[str]:
+    """The CPU kernel levels this machine replays at: its own and the lower ones (``ATEN_CPU_CAPABILITY``
+    lowers torch's level, never raises it; outside x86, its own and DEFAULT)."""
+    own = cpu_capability()
+    if own in _X86_LEVELS:
+        return frozenset(_X86_LEVELS[: _X86_LEVELS.index(own) + 1])
+    return frozenset({"DEFAULT", own})
+
+
 def flat_params(params: Sequence[torch.Tensor]) -> torch.Tensor:
     """The parameters as one flat fp32 CPU tensor (a copy), in order."""
     return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
@@ -748,6 +760,7 @@ __all__ = [
     "arbitrate",
     "check",
     "cpu_capability",
+    "replayable_levels",
     "draw_checks",
     "flat_params",
     "params_digest",

@@ -41,8 +41,8 @@ peer's own training draws its dropout masks from, and the other way round; and f
 with another number of torch threads or at another CPU kernel level than this process has (both are per
 process, and a replay must use the prover's: `swarm.verify`, step 4). The others replay on the worker
 thread (no process to start). A prover whose level this machine lacks is not checked here ("cannot replay
-here"): no verdict either way. Known gap: a cheater can thus escape checks by claiming a level that none of
-its verifiers has (or one torch does not know); ``require_verified`` does not refuse such a claim yet.
+here"): no verdict either way; with ``require_verified`` such a member is refused in matchmaking, since a
+claimed level that none of its verifiers has (or one torch does not know) would escape every check.
 """
 
 from __future__ import annotations
@@ -300,6 +300,7 @@ class WorkChecks:
         """checks / passed / failed / refused / late (skipped: `_late`) / unverified / rechecked / confirmed /
         liars (false accusations found) / cannot recheck: WHY / refused members / rejected:REASON."""
         self.standing = _Standing()
+        self._levels = verify.replayable_levels()
         random = random_in_training(spec.task)
         self.replays = _Replays(verify.Streams(spec.task), nice=config.replay_nice, random=random)
         self._lag, self._disputes = _Lag(), _Disputes(dht)
@@ -452,13 +453,17 @@ class WorkChecks:
 
     def _policy(self, peer: str, gathered: Any) -> str | None:
         """``require_verified``: matchmaking admits only members whose metadata carries a commitment signed
-        by them for this run (runs on the averager's loop; the first refusal of a peer goes to the ledger)."""
+        by them for this run, at a CPU kernel level this peer can replay (a claimed level that no verifier has
+        would escape every check); runs on the averager's loop; the first refusal of a peer goes to the ledger."""
         work = gathered.get("work") if isinstance(gathered, dict) else None
         reason = "sent no commitment (verified work required)" if work is None else None
         if work is not None:
             try:
-                if verify.verify_commitment(work, run=self.run).commitment.peer != peer:
+                commitment = verify.verify_commitment(work, run=self.run).commitment
+                if commitment.peer != peer:
                     reason = "sent another peer's commitment"
+                elif commitment.cpu not in self._levels:
+                    reason = f"trains at a CPU kernel level this peer cannot replay ({commitment.cpu})"
             except WorkRejected as e:
                 reason = f"sent a refused commitment: {e.reason}"
         if reason is not None:

@@ -392,6 +392,11 @@ def test_replay_inputs_travel_in_chunks_and_only_between_the_verifiers_rounds(mo
         verifier._check_one(commitment, signed, 1, base)
         assert verifier.counts["passed"] == 1 and replayer.started == 1, verifier.counts
         verifier.replays.random = False
+        # require_verified: a commitment at a CPU kernel level this peer cannot replay is refused (it would
+        # escape every check here), an honest one is admitted
+        assert verifier._policy(ids[0].peer_id, {"work": signed}) is None
+        elsewhere = verify.sign_commitment(_replace(commitment, cpu="NOSUCHLEVEL"), ids[0]).to_dict()
+        assert "cannot replay (NOSUCHLEVEL)" in verifier._policy(ids[0].peer_id, {"work": elsewhere})
         # a chunk cut off mid-stream (p2pd resets a stream whose serving end went away) is a link failure, asked
         # again, never the prover's answer: before, it counted as malformed inputs, a refusal, and an exclusion
         cuts: list[int] = []
