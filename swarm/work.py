@@ -594,7 +594,11 @@ class WorkChecks:
     def _replaying(self, base: torch.Tensor, commitment: Commitment) -> dict[str, Any]:
         """`verify.check`'s and `verify.arbitrate`'s keywords for ``commitment``: the base, and where its replay
         runs (`_Replays.apart`: torch's thread count and CPU kernel level are per process, so a replay at the
-        prover's, when they are not this process's, runs in a replayer's)."""
+        prover's, when they are not this process's, runs in a replayer's). CannotReplayHere for a level this
+        CPU lacks, without starting a process for it (an untrusted claim: one process per claimed level would
+        let a prover make this peer start one per check)."""
+        if commitment.cpu not in self._levels:
+            raise CannotReplayHere(f"the prover's CPU kernel level {commitment.cpu!r:.40}, here {sorted(self._levels)}")
         apart = (
             self.replays.random
             or commitment.threads != torch.get_num_threads()

@@ -397,6 +397,10 @@ def test_replay_inputs_travel_in_chunks_and_only_between_the_verifiers_rounds(mo
         assert verifier._policy(ids[0].peer_id, {"work": signed}) is None
         elsewhere = verify.sign_commitment(_replace(commitment, cpu="NOSUCHLEVEL"), ids[0]).to_dict()
         assert "cannot replay (NOSUCHLEVEL)" in verifier._policy(ids[0].peer_id, {"work": elsewhere})
+        # and a check of it gives no verdict, and starts no process for that level
+        verifier._check_one(_replace(commitment, cpu="NOSUCHLEVEL"), elsewhere, 1, base)
+        assert verifier.counts["cannot replay here"] == 1 and list(verifier.replays.apart) == [verify.cpu_capability()]
+        assert verifier.counts["checks"] == 1, verifier.counts
         # a chunk cut off mid-stream (p2pd resets a stream whose serving end went away) is a link failure, asked
         # again, never the prover's answer: before, it counted as malformed inputs, a refusal, and an exclusion
         cuts: list[int] = []
