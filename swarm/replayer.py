@@ -87,6 +87,7 @@ class Replayer:
         """``cpu``: the CPU kernel level the child runs torch at (``ATEN_CPU_CAPABILITY``); None: this machine's."""
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
+        self._closed = False
         self.started = 0
         """Child processes started (one, unless one failed)."""
 
@@ -106,7 +107,7 @@ class Replayer:
         with self._lock:
             deadline = time.monotonic() + self.timeout_s
             proc = self._running()
-            try:
+            try:  # a `close` meanwhile closes these pipes: OSError or ValueError here
                 _write_frame(proc.stdin, json.dumps(header).encode(), deadline)
                 _write_frame(proc.stdin, data, deadline)
                 answer = json.loads(_read_frame(proc.stdout, _MAX_HEADER, deadline))
@@ -134,9 +135,11 @@ class Replayer:
             self._running()
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Close the child's stdin (it exits), and kill it if it has not within ``timeout_s``."""
-        with self._lock:
-            proc, self._proc = self._proc, None
+        """Close the child's stdin (it exits), and kill it if it has not within ``timeout_s``; no replay starts
+        one after this. Not under the lock: a replay in progress on another thread (a shutdown whose worker
+        did not stop in time) then fails on the closed pipes instead of holding the shutdown."""
+        self._closed = True
+        proc, self._proc = self._proc, None
         if proc is None:
             return
         with contextlib.suppress(OSError):
@@ -152,6 +155,8 @@ class Replayer:
                     stream.close()
 
     def _running(self) -> subprocess.Popen:
+        if self._closed:
+            raise ReplayerError("the replayer is closed")
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
         self._kill()

@@ -28,7 +28,7 @@ from swarm import verify
 from swarm import work as work_module
 from swarm.config import TaskInfo, WorkConfig
 from swarm.recipe import inner_step
-from swarm.replayer import CannotReplayHere, Replayer, random_in_training
+from swarm.replayer import CannotReplayHere, Replayer, ReplayerError, random_in_training
 from swarm.tasks import get_task
 from swarm.work import WorkChecks, WorkSpec, _Standing
 from tests.helpers import Child, python_cmd, spawn, terminate_all, wait_until
@@ -644,6 +644,9 @@ def test_a_task_with_dropout_replays_apart_from_the_training_beside_it(request) 
     finally:
         replayer.close()
     assert replayer._proc is None
+    with pytest.raises(ReplayerError):  # closed: no replay starts a process again (a late one at shutdown)
+        replayer.replay(task, other, 1, start)
+    assert replayer._proc is None and replayer.started == 1
 
 
 PROVE_AT_A_LEVEL = """
@@ -707,12 +710,12 @@ def test_a_prover_at_another_cpu_kernel_level_is_replayed_at_its_level(tmp_path:
         assert not all(replayed()), "the negative control: replayed at this machine's level"
     finally:
         torch.set_num_threads(threads)
-    at_its_level, unknown = Replayer(cpu=commitment.cpu), Replayer(cpu="NOSUCHLEVEL")
+    at_its_level = Replayer(cpu=commitment.cpu)
     try:
         assert replayed(at_its_level.replay) == [True] * commitment.segments
-        with pytest.raises(CannotReplayHere):
+        with pytest.raises(CannotReplayHere):  # the process checks the level it runs at against the claim
             claimed = _replace(commitment, cpu="NOSUCHLEVEL")
-            verify.check(task, digest, claimed, 0, inputs[0], base=base, replayer=unknown.replay)
+            verify.check(task, digest, claimed, 0, inputs[0], base=base, replayer=at_its_level.replay)
+        assert at_its_level.started == 1
     finally:
         at_its_level.close()
-        unknown.close()
