@@ -228,6 +228,8 @@ class _Replays:
     nice: int = 0
     random: bool = False
     """The task's training draws random numbers (`swarm.replayer.random_in_training`)."""
+    levels: frozenset[str] = field(default_factory=verify.replayable_levels)
+    """The CPU kernel levels this machine replays at (`swarm.verify.replayable_levels`)."""
     apart: OrderedDict[str, Replayer] = field(default_factory=OrderedDict)
     """Replays in processes of their own (`swarm.replayer`), by the CPU kernel level each runs torch at (at most
     `_REPLAYERS`; the least recently used is closed): every replay of a task whose training draws random
@@ -300,7 +302,6 @@ class WorkChecks:
         """checks / passed / failed / refused / late (skipped: `_late`) / unverified / rechecked / confirmed /
         liars (false accusations found) / cannot recheck: WHY / refused members / rejected:REASON."""
         self.standing = _Standing()
-        self._levels = verify.replayable_levels()
         random = random_in_training(spec.task)
         self.replays = _Replays(verify.Streams(spec.task), nice=config.replay_nice, random=random)
         self._lag, self._disputes = _Lag(), _Disputes(dht)
@@ -462,7 +463,7 @@ class WorkChecks:
                 commitment = verify.verify_commitment(work, run=self.run).commitment
                 if commitment.peer != peer:
                     reason = "sent another peer's commitment"
-                elif commitment.cpu not in self._levels:
+                elif commitment.cpu not in self.replays.levels:
                     reason = f"trains at a CPU kernel level this peer cannot replay ({commitment.cpu})"
             except WorkRejected as e:
                 reason = f"sent a refused commitment: {e.reason}"
@@ -597,8 +598,9 @@ class WorkChecks:
         prover's, when they are not this process's, runs in a replayer's). CannotReplayHere for a level this
         CPU lacks, without starting a process for it (an untrusted claim: one process per claimed level would
         let a prover make this peer start one per check)."""
-        if commitment.cpu not in self._levels:
-            raise CannotReplayHere(f"the prover's CPU kernel level {commitment.cpu!r:.40}, here {sorted(self._levels)}")
+        if commitment.cpu not in self.replays.levels:
+            levels = sorted(self.replays.levels)
+            raise CannotReplayHere(f"the prover's CPU kernel level {commitment.cpu!r:.40}, here {levels}")
         apart = (
             self.replays.random
             or commitment.threads != torch.get_num_threads()
