@@ -11,7 +11,8 @@ level round differently (``tests/test_work.py``: all three, with negative contro
 `Replayer.replay` has the signature of `swarm.verify.replay` and runs it in a child process
 (``python -m swarm.replayer``), started by `Replayer.start` (`swarm.work` does when its checks begin) or
 at the first replay, and kept: a JSON header and the replay inputs' safetensors bytes go to its stdin, the
-replayed boundary's safetensors bytes come back on its stdout; no pickle. The child rebuilds the task by
+replayed boundary's safetensors bytes come back on its stdout, each message in the frame layout of
+`bootstrap.framing` (a length, a JSON header, the payload it announces in ``"bytes"``); no pickle. The child rebuilds the task by
 its name and config (the registry's convention: a factory that takes the config's fields as keywords),
 refuses a task whose description differs from the parent's, runs at the niceness it is given, replays
 with the prover's number of threads and at its kernel level (the commitment names both; the level through
@@ -31,12 +32,12 @@ failure, never the prover's: `swarm.work` records no verdict for it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import logging
 import os
 import select
-import struct
 import subprocess
 import sys
 import threading
@@ -46,6 +47,7 @@ from typing import Any, BinaryIO
 import torch
 
 from bootstrap.envelope import from_dict
+from bootstrap.framing import LENGTH
 from swarm.verify import (
     MAX_BOUNDARIES,
     MAX_INPUT_BYTES,
@@ -60,7 +62,6 @@ from swarm.verify import (
 logger = logging.getLogger(__name__)
 
 _MAX_HEADER = 1 << 20
-_LENGTH = struct.Struct(">Q")
 _ID_CHARS = 128
 
 
@@ -108,15 +109,12 @@ class Replayer:
             deadline = time.monotonic() + self.timeout_s
             proc = self._running()
             try:  # a `close` meanwhile closes these pipes: OSError or ValueError here
-                _write_frame(proc.stdin, json.dumps(header).encode(), deadline)
-                _write_frame(proc.stdin, data, deadline)
-                answer = json.loads(_read_frame(proc.stdout, _MAX_HEADER, deadline))
-                body = _read_frame(proc.stdout, MAX_INPUT_BYTES, deadline) if answer.get("ok") else b""
+                _write_all(proc.stdin.fileno(), _frame(header, data), deadline)
+                answer, body = _read_message(proc.stdout.fileno(), deadline)
             except (OSError, EOFError, ValueError, TimeoutError) as e:
-                self._kill()
+                _end(proc, gently=False)
+                self._proc = None
                 raise ReplayerError(f"the replay process failed: {e!r}"[:300]) from None
-        if not isinstance(answer, dict):
-            raise ReplayerError("the replay process answered nonsense")
         if "rejected" in answer:
             raise WorkRejected(str(answer["rejected"])[:50], str(answer.get("detail", ""))[:200])
         if "unavailable" in answer:
@@ -140,26 +138,15 @@ class Replayer:
         did not stop in time) then fails on the closed pipes instead of holding the shutdown."""
         self._closed = True
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        with contextlib.suppress(OSError):
-            proc.stdin.close()
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout_s)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
+        _end(proc, gently=True, timeout_s=timeout_s)
 
     def _running(self) -> subprocess.Popen:
         if self._closed:
             raise ReplayerError("the replayer is closed")
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
-        self._kill()
+        _end(self._proc, gently=False)
+        self._proc = None
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         if self.cpu is not None:
             env["ATEN_CPU_CAPABILITY"] = self.cpu.lower()
@@ -179,29 +166,42 @@ class Replayer:
         self._proc, self.started = proc, self.started + 1
         return proc
 
-    def _kill(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            with contextlib.suppress(OSError):
-                proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(5.0)
-            for stream in (proc.stdin, proc.stdout):
-                with contextlib.suppress(OSError):
-                    stream.close()
+
+def _end(proc: subprocess.Popen | None, *, gently: bool, timeout_s: float = 5.0) -> None:
+    """End a child: ``gently``, close its stdin (it exits after the job in hand) and kill it only if it has not
+    within ``timeout_s``; otherwise kill it at once (it failed). Then close its pipes."""
+    if proc is None:
+        return
+    with contextlib.suppress(OSError):
+        if gently:
+            proc.stdin.close()
+        else:
+            proc.kill()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout_s)
+    for stream in (proc.stdin, proc.stdout):
+        with contextlib.suppress(OSError):
+            stream.close()
 
 
 def _overrides(task: Any) -> dict[str, Any]:
     """The task's config as keyword overrides of its factory (a dataclass config: its fields)."""
-    import dataclasses
-
     config = getattr(task, "config", None)
     return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {}
 
 
-def _write_frame(stream: BinaryIO, data: bytes, deadline: float) -> None:
-    view = memoryview(_LENGTH.pack(len(data)) + data)
-    fd = stream.fileno()
+def _frame(header: dict, payload: bytes) -> bytes:
+    """One message in `bootstrap.framing`'s layout: the header announces its payload's size."""
+    data = json.dumps({**header, "bytes": len(payload)}).encode()
+    return LENGTH.pack(len(data)) + data + payload
+
+
+def _write_all(fd: int, data: bytes, deadline: float) -> None:
+    view = memoryview(data)
     while view:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -234,12 +234,16 @@ def _read_exactly(fd: int, size: int, deadline: float) -> bytes:
     return b"".join(parts)
 
 
-def _read_frame(stream: BinaryIO, max_bytes: int, deadline: float) -> bytes:
-    fd = stream.fileno()
-    (size,) = _LENGTH.unpack(_read_exactly(fd, _LENGTH.size, deadline))
-    if size > max_bytes:
-        raise ValueError(f"a frame of {size} bytes (at most {max_bytes})")
-    return _read_exactly(fd, size, deadline)
+def _read_message(fd: int, deadline: float) -> tuple[dict, bytes]:
+    """The child's answer: its header and the payload the header announces (ValueError if malformed)."""
+    (size,) = LENGTH.unpack(_read_exactly(fd, LENGTH.size, deadline))
+    if size > _MAX_HEADER:
+        raise ValueError(f"a header of {size} bytes (at most {_MAX_HEADER})")
+    header = json.loads(_read_exactly(fd, size, deadline))
+    payload_bytes = header.get("bytes") if isinstance(header, dict) else None
+    if type(payload_bytes) is not int or not 0 <= payload_bytes <= MAX_INPUT_BYTES:
+        raise ValueError("the replay process answered nonsense")
+    return header, _read_exactly(fd, payload_bytes, deadline)
 
 
 # ------------------------------------------------------------------------------------ the child
@@ -269,10 +273,10 @@ def _serve(nice: int) -> None:
     tasks: dict[str, tuple[Any, Streams]] = {}
     while True:
         try:
-            (size,) = _LENGTH.unpack(_read_blocking(stdin, _LENGTH.size))
-            header = json.loads(_read_blocking(stdin, size)) if size <= _MAX_HEADER else None
-            (size,) = _LENGTH.unpack(_read_blocking(stdin, _LENGTH.size))
-            data = _read_blocking(stdin, size) if size <= MAX_INPUT_BYTES and header is not None else None
+            (size,) = LENGTH.unpack(_read_blocking(stdin, LENGTH.size))
+            header = json.loads(_read_blocking(stdin, size)) if size <= _MAX_HEADER else {}
+            size = header.get("bytes", -1)
+            data = _read_blocking(stdin, size) if 0 <= size <= MAX_INPUT_BYTES else None
         except EOFError:
             return
         if data is None:
@@ -302,9 +306,7 @@ def _serve(nice: int) -> None:
             answer = {"rejected": e.reason, "detail": str(e)}
         except Exception as e:  # reported to the parent, which records no verdict
             answer = {"error": repr(e)[:300]}
-        stdout.write(_LENGTH.pack(len(payload := json.dumps(answer).encode())) + payload)
-        if answer.get("ok"):
-            stdout.write(_LENGTH.pack(len(body)) + body)
+        stdout.write(_frame(answer, body))
         stdout.flush()
 
 

@@ -15,10 +15,9 @@ start and the end parameters; safetensors bytes, never pickle) and `check` then:
 1. the phase started from the round's base: ``params[0]`` is the digest of the base parameters;
 2. the served states are the committed ones (digests), else the prover served something else;
 3. the pseudo-gradient is ``base - end parameters`` (its digest);
-4. replaying the segment (same batches, same optimizer, same warm-up factors, the same RNG seed, the
-   prover's number of torch threads) from its start gives the committed next boundary, bit for bit on a
-   CPU (``tolerance`` 0), at the prover's number of torch threads and its CPU kernel level (both in the
-   commitment). Both matter: torch's CPU reductions split their sums by thread, and charlm replayed with
+4. replaying the segment (same batches, same optimizer, same warm-up factors, the same RNG seed) from its
+   start gives the committed next boundary, bit for bit on a CPU (``tolerance`` 0), at the prover's number
+   of torch threads and its CPU kernel level (both in the commitment). Both matter: torch's CPU reductions split their sums by thread, and charlm replayed with
    1 thread differs from its training with 2 in every segment; trained with AVX2 kernels and replayed with
    AVX512 ones, too. A verifier replays at the prover's level by running torch with ``ATEN_CPU_CAPABILITY``
    lowered to it (`swarm.replayer`); a prover whose level this CPU lacks is not checked here.
