@@ -198,7 +198,7 @@ class PeerRunner:
         cfg = self.config  # verified work (--verify-work) replays this peer's shard of the task's stream
         work = WorkSpec(
             task=self.task, task_digest=task_info.config_digest, shard_index=self.shard_index,
-            num_shards=cfg.num_shards, seed=cfg.seed,
+            num_shards=cfg.num_shards, seed=cfg.seed, task_name=cfg.task,
         ) if self.node is None else None  # fmt: skip
         self.trainer = Trainer(
             self.model,

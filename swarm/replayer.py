@@ -9,20 +9,19 @@ too, and a replay must use the prover's: CPU reductions split their sums by thre
 level round differently (``tests/test_work.py``: all three, with negative controls).
 
 `Replayer.replay` has the signature of `swarm.verify.replay` and runs it in a child process
-(``python -m swarm.replayer``), started by `Replayer.start` (`swarm.work` does when its checks begin) or
-at the first replay, and kept: a JSON header and the replay inputs' safetensors bytes go to its stdin, the
-replayed boundary's safetensors bytes come back on its stdout, each message in the frame layout of
-`bootstrap.framing` (a length, a JSON header, the payload it announces in ``"bytes"``); no pickle. The child rebuilds the task by
-its name and config (the registry's convention: a factory that takes the config's fields as keywords),
-refuses a task whose description differs from the parent's, runs at the niceness it is given, replays
-with the prover's number of threads and at its kernel level (the commitment names both; the level through
-``ATEN_CPU_CAPABILITY``, one process per level: a level this CPU lacks raises `CannotReplayHere`), and
+(``python -m swarm.replayer``), started by `Replayer.start` (`swarm.work` does when its checks begin) or at the first
+replay, and kept: a JSON header and the replay inputs' safetensors bytes go to its stdin, the replayed
+boundary's safetensors bytes come back on its stdout, each message in the frame layout of `bootstrap.framing`
+(a length, a JSON header, the payload it announces in ``"bytes"``); no pickle. The child rebuilds the task by
+the name it was built from (`WorkSpec.task_name`: a built-in name, an installed entry point or
+``package.module:factory``, importable in the child as in its parent: the child gets the parent's
+``sys.path``) and its config (the registry's convention: a factory that takes the config's fields as
+keywords), refuses a task whose description differs from the parent's, runs at the niceness it is given,
+replays with the prover's number of threads and at its kernel level (the commitment names both; the level
+through ``ATEN_CPU_CAPABILITY``, one process per level: a level this CPU lacks raises `CannotReplayHere`), and
 exits when its stdin closes (the peer stopped, or died). `swarm.work` uses it for a task whose
 ``random_in_training`` is true or unknown (a task from another package that does not say), and for a
 prover whose thread count or level is not this process's.
-Known limit: a task that the child cannot rebuild that way (named by ``package.module:factory`` with
-another ``name``) is checked only where it says ``random_in_training = False`` and its prover's thread
-count and level are the verifier's (then it replays on the worker thread).
 
 Every wait is bounded: a reply that does not come within ``timeout_s`` (or a child that died) raises
 `ReplayerError` and the child is killed; the next replay starts a new one. That error is this peer's
@@ -83,9 +82,13 @@ def random_in_training(task: Any) -> bool:
 class Replayer:
     """`swarm.verify.replay` in a child process (see the module docstring). One caller at a time (a lock)."""
 
-    def __init__(self, *, nice: int = 0, cpu: str | None = None, timeout_s: float = 600.0) -> None:
-        self.nice, self.cpu, self.timeout_s = nice, cpu, timeout_s
-        """``cpu``: the CPU kernel level the child runs torch at (``ATEN_CPU_CAPABILITY``); None: this machine's."""
+    def __init__(
+        self, *, nice: int = 0, cpu: str | None = None, task_name: str | None = None, timeout_s: float = 600.0
+    ) -> None:
+        self.nice, self.cpu, self.task_name, self.timeout_s = nice, cpu, task_name, timeout_s
+        """``cpu``: the CPU kernel level the child runs torch at (``ATEN_CPU_CAPABILITY``); None: this machine's.
+        ``task_name``: the name the child rebuilds the task by (`swarm.tasks.get_task`: a built-in name, an
+        installed entry point or ``package.module:factory``); None: the task's own ``name``."""
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -98,7 +101,7 @@ class Replayer:
         """As `swarm.verify.replay` (``streams`` is unused: the child keeps its own positioned streams).
         WorkRejected where that raises it; ReplayerError when the child fails."""
         header = {
-            "task": task.name,
+            "task": self.task_name or task.name,
             "config": task.config_dict(),
             "overrides": _overrides(task),
             "commitment": commitment.to_dict(),

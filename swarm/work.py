@@ -122,6 +122,10 @@ class WorkSpec:
     shard_index: int
     num_shards: int
     seed: int = 0
+    task_name: str | None = None
+    """The name `swarm.tasks.get_task` built ``task`` from (a built-in name, an installed entry point or
+    ``package.module:factory``): a replay in a process of its own (`swarm.replayer`) rebuilds the task by it.
+    None: the task's own ``name`` (right for the built-in and installed tasks)."""
 
 
 class _Worker:
@@ -225,6 +229,8 @@ class _Replays:
     rounds, by digest (re-checks), and its batch streams, each left where its last replay stopped."""
 
     streams: verify.Streams
+    task_name: str | None = None
+    """How the replayers' processes rebuild the task (`WorkSpec.task_name`)."""
     nice: int = 0
     random: bool = False
     """The task's training draws random numbers (`swarm.replayer.random_in_training`)."""
@@ -244,7 +250,8 @@ class _Replays:
         if cpu in self.apart:
             self.apart.move_to_end(cpu)
             return self.apart[cpu]
-        self.apart[cpu] = Replayer(nice=self.nice, cpu=None if cpu == verify.cpu_capability() else cpu)
+        level = None if cpu == verify.cpu_capability() else cpu
+        self.apart[cpu] = Replayer(nice=self.nice, cpu=level, task_name=self.task_name)
         while len(self.apart) > _REPLAYERS:
             self.apart.popitem(last=False)[1].close()
         return self.apart[cpu]
@@ -303,7 +310,9 @@ class WorkChecks:
         liars (false accusations found) / cannot recheck: WHY / refused members / rejected:REASON."""
         self.standing = _Standing()
         random = random_in_training(spec.task)
-        self.replays = _Replays(verify.Streams(spec.task), nice=config.replay_nice, random=random)
+        self.replays = _Replays(
+            verify.Streams(spec.task), task_name=spec.task_name, nice=config.replay_nice, random=random
+        )
         self._lag, self._disputes = _Lag(), _Disputes(dht)
         self._served: OrderedDict[tuple[int, int], bytes] = OrderedDict()
         """Replay inputs being fetched chunk by chunk, serialized once (the newest `_SERVED_KEPT`)."""

@@ -679,6 +679,49 @@ for k in range(signed.commitment.segments):
 """
 
 
+def test_a_task_named_by_its_module_path_is_rebuilt_by_that_name_in_the_replay_process(monkeypatch) -> None:
+    """A task from ``package.module:factory`` whose own name is another: the example package's `mlp`, which does
+    not say whether its training draws random numbers, so its replays run in `swarm.replayer`'s process. That
+    process rebuilds the task by the name it was built from (`WorkSpec.task_name`, carried by `_Replays`) and
+    every segment replays. By the task's own name (the negative control: what the process was told before) it
+    cannot build the task: an error of this peer's, never a verdict."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples" / "swarm_mlp_task"))
+    name = "swarm_mlp_task:MLPTask.from_overrides"  # the child gets this process's sys.path
+    task = get_task(name, preset="tiny")
+    digest = TaskInfo.of(task, "tiny").config_digest
+    assert task.name == "mlp" and random_in_training(task)
+    identity, model = Identity.generate(), task.build_model(seed=0)
+    params = verify.trainable(model)
+    optimizer = torch.optim.AdamW(params, lr=3e-3)
+    recorder = verify.WorkRecorder(task, peer=identity.peer_id, shard_index=0, num_shards=2, segment_steps=2)
+    base, batches = verify.flat_params(params), recorder.batches()
+    recorder.begin(params, optimizer, first_step=1)
+    for step in range(1, 5):
+        task.loss(model, next(batches)).backward()
+        inner_step(optimizer, step, 0)
+        recorder.stepped(params, optimizer)
+    commitment = recorder.commit(
+        params, optimizer, base=base, identity=identity, run=RUN, round_=0, task_digest=digest, samples=4,
+        warmup_steps=0,
+    ).commitment  # fmt: skip
+    replays = work_module._Replays(verify.Streams(task), task_name=name)
+    replayer = replays.replayer(verify.cpu_capability())
+    try:
+        assert replayer.task_name == name
+        replayer.task_name = None
+        with pytest.raises(ReplayerError, match="unknown task 'mlp'"):
+            verify.check(task, digest, commitment, 0, recorder.inputs(0, 0), base=base, replayer=replayer.replay)
+        replayer.task_name = name
+        checked = [
+            verify.check(task, digest, commitment, k, recorder.inputs(0, k), base=base, replayer=replayer.replay)[0]
+            for k in range(commitment.segments)
+        ]
+        assert checked == [True] * commitment.segments == [True] * 2
+        assert replayer.started == 1  # one process answered both
+    finally:
+        replays.close()
+
+
 def test_a_prover_at_another_cpu_kernel_level_is_replayed_at_its_level(tmp_path: Path) -> None:
     """Kernels of another CPU level (AVX2, AVX512, or none: DEFAULT) round differently, so a verifier on a newer
     CPU than its prover's accused it (the negative control: a prover at the DEFAULT level, replayed here at
