@@ -702,7 +702,9 @@ class GroupAverager:
         # the gathering window; it closes early once exactly a full group is looking, or every live member
         # of the run this peer knows of, and that view is stable (what hivemind's leader does when its
         # group fills up); otherwise peers wait the whole window, so that everyone draws the groups from
-        # the same list
+        # the same list. Exactly the live members it knows of, and nobody else, close it at once: a second
+        # read 0.1 s later would only catch a member it does not know of yet, which it would not wait for
+        # either (a blocking round's last member to arrive, which read everyone at once, waited 0.1 s for it)
         window_end = time.monotonic() + cfg.matchmaking_time_s
         probe_at = time.monotonic() + min(_PROBE_WINDOW_AFTER_S, cfg.matchmaking_time_s / 2)
         probing: asyncio.Task | None = None
@@ -726,7 +728,8 @@ class GroupAverager:
                 everyone = len(candidates) == cfg.target_group_size or (
                     expected is not None and expected <= set(candidates)
                 )
-                full_and_stable = everyone and set(candidates) == previous
+                exact = expected is not None and set(candidates) == expected
+                full_and_stable = exact or (everyone and set(candidates) == previous)
                 if full_and_stable or time.monotonic() >= window_end:
                     break
                 previous = set(candidates)

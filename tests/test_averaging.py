@@ -705,6 +705,45 @@ def test_the_window_closes_early_once_every_live_member_is_looking(make_group, t
         assert matchmaking < 3.0 if told else matchmaking >= 6.0, record.to_dict()
 
 
+@pytest.mark.timeout(120)
+def test_the_last_member_to_look_closes_the_window_at_its_first_read(make_group, monkeypatch):
+    """3 of 4 members, told who the run's live members are, are looking (a 6 s window); the 4th steps once their
+    entries are in the DHT. Its first read finds exactly the live members it knows of: it closes its window at
+    once, without a second read 0.1 s later (what a blocking round's last member to arrive waited each
+    round), and all 4 average exactly."""
+    averagers = make_group(aggregator="mean", matchmaking_time_s=6.0)
+    members = {a.peer_id for a in averagers}
+    reads: Counter[str] = Counter()
+    read = GroupAverager._read_candidates
+
+    async def counted(self, *args, **kwargs):
+        reads[self.peer_id] += 1
+        return await read(self, *args, **kwargs)
+
+    monkeypatch.setattr(GroupAverager, "_read_candidates", counted)
+    tensors, weights = _inputs()
+    last = averagers[-1]
+
+    def one(i):
+        return averagers[i].step(tensors[i], weight=weights[i], timeout_s=40.0, expected=members)
+
+    def looking() -> int:
+        found = last.dht.get(matchmaking_key(last.prefix, 1, 0), latest=True)
+        return len(found.value) if found is not None and isinstance(found.value, dict) else 0
+
+    with ThreadPoolExecutor(NUM_PEERS) as pool:
+        early = [pool.submit(one, i) for i in range(NUM_PEERS - 1)]
+        wait_until(lambda: looking() == NUM_PEERS - 1, 20, message="the first 3 entries never showed")
+        late = pool.submit(one, NUM_PEERS - 1)
+        results = [f.result() for f in [*early, late]]
+    reference = _weighted_mean(tensors, weights, range(NUM_PEERS))
+    for out, record, group in results:
+        assert record.outcome == "ok" and len(group.members) == NUM_PEERS, record.to_dict()
+        assert (out - reference).abs().max().item() < 1e-5
+    assert reads[last.peer_id] == 1, reads  # before: 2, the second one 0.1 s after the first
+    assert min(reads[a.peer_id] for a in averagers[:-1]) > 1  # the early ones read until the last one came
+
+
 def _all_step_expecting(averagers, members):
     """Every peer steps at once, told ``members``; each must average exactly with all the others. Returns
     (seconds of matchmaking, record) of each."""
