@@ -519,7 +519,8 @@ class GroupAverager:
     ) -> tuple[torch.Tensor | None, RoundRecord, Group | None]:
         """Average ``tensor`` (1-D float32) with a group; see the class docstring. ``expected``: the peers this
         one believes to be the live members of the run (itself included); once all of them are looking (at
-        least ``min_group_size``) and that view is stable, the matchmaking window closes early.
+        least ``min_group_size``), the matchmaking window closes early: at once when nobody else is looking,
+        else once that view is stable (the same in two reads 0.1 s apart).
 
         ``tensor`` may be a future of ``(tensor, weight)`` (then ``weight`` is ignored): the group forms now and
         the all-reduce starts once the future is set (an overlapped trainer matchmakes before its sync point);

@@ -313,6 +313,8 @@ class _Arm:
             "--no-progress",
             "--eval-batches",
             str(cfg.eval_batches),
+            "--eval-every",
+            "1",  # each slot's last validation loss is its last round's (the "validation loss fell" check)
             "--checkpoint-dir",
             str(self.work / "checkpoints"),
             "--ledger-dir",

@@ -386,6 +386,8 @@ def run_ours(lab: netlab.Lab, config: ConvergenceConfig, plan: Plan, work: Path,
             str(WEIGHT_DECAY),
             "--eval-batches",
             str(config.eval_batches),
+            "--eval-every",
+            "1",  # the curve: every round, as the data parallel arm evaluates every sync_every steps
             # a one-off 1 MiB-each-way probe per peer pair: a short benchmark cannot amortise it
             "--bandwidth-probe-period-s",
             "0",

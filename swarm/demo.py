@@ -143,6 +143,8 @@ class _Swarm:
             "--no-progress",
             "--eval-batches",
             "4",
+            "--eval-every",
+            "1",  # the demo's loss curve: a point every round
             "--checkpoint-dir",
             str(self.out / "checkpoints"),
             "--ledger-dir",

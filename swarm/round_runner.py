@@ -288,7 +288,9 @@ class RoundRunner:
     def observe_val(self, val_loss: float | None) -> None:
         """Keep a grouped round's validation loss (of the new global parameters) and watch for divergence."""
         if val_loss is not None:
-            self.book.last_val_loss = self.book.shown_val_loss = val_loss
+            self.book.last_val_loss = val_loss
+            if math.isfinite(val_loss):  # NaN: not measured this round (`swarm.peer --eval-every`); the board keeps
+                self.book.shown_val_loss = val_loss  # the last value measured
         rising = self.book.divergence.observe(val_loss, round_=self.outer.round)
         if rising is not None:
             logger.warning(rising.message(sync_every=self.config.sync_every, outer=self.outer.settings))

@@ -138,6 +138,8 @@ def test_metrics_and_status_board_of_a_live_run(bootstrap_node, tmp_path):
                     str(tmp_path / "ledgers"),
                     "--duration-s",
                     "120",
+                    "--eval-every",
+                    "1",  # the board's validation loss from the first rounds on
                     *extra,
                 )
             )
