@@ -679,6 +679,28 @@ for k in range(signed.commitment.segments):
 """
 
 
+def _a_committed_phase(
+    task, digest: str, steps: int = 4
+) -> tuple[verify.Commitment, verify.WorkRecorder, torch.Tensor]:
+    """One committed phase of ``steps`` steps (segments of 2) of ``task`` here (PROVE_AT_A_LEVEL does the same in a
+    process of its own)."""
+    identity, model = Identity.generate(), task.build_model(seed=0)
+    params = verify.trainable(model)
+    optimizer = torch.optim.AdamW(params, lr=3e-3)
+    recorder = verify.WorkRecorder(task, peer=identity.peer_id, shard_index=0, num_shards=2, segment_steps=2)
+    base, batches = verify.flat_params(params), recorder.batches()
+    recorder.begin(params, optimizer, first_step=1)
+    for step in range(1, steps + 1):
+        task.loss(model, next(batches)).backward()
+        inner_step(optimizer, step, 0)
+        recorder.stepped(params, optimizer)
+    signed = recorder.commit(
+        params, optimizer, base=base, identity=identity, run=RUN, round_=0, task_digest=digest, samples=steps,
+        warmup_steps=0,
+    )  # fmt: skip
+    return signed.commitment, recorder, base
+
+
 def test_a_task_named_by_its_module_path_is_rebuilt_by_that_name_in_the_replay_process(monkeypatch) -> None:
     """A task from ``package.module:factory`` whose own name is another: the example package's `mlp`, which does
     not say whether its training draws random numbers, so its replays run in `swarm.replayer`'s process. That
@@ -690,20 +712,7 @@ def test_a_task_named_by_its_module_path_is_rebuilt_by_that_name_in_the_replay_p
     task = get_task(name, preset="tiny")
     digest = TaskInfo.of(task, "tiny").config_digest
     assert task.name == "mlp" and random_in_training(task)
-    identity, model = Identity.generate(), task.build_model(seed=0)
-    params = verify.trainable(model)
-    optimizer = torch.optim.AdamW(params, lr=3e-3)
-    recorder = verify.WorkRecorder(task, peer=identity.peer_id, shard_index=0, num_shards=2, segment_steps=2)
-    base, batches = verify.flat_params(params), recorder.batches()
-    recorder.begin(params, optimizer, first_step=1)
-    for step in range(1, 5):
-        task.loss(model, next(batches)).backward()
-        inner_step(optimizer, step, 0)
-        recorder.stepped(params, optimizer)
-    commitment = recorder.commit(
-        params, optimizer, base=base, identity=identity, run=RUN, round_=0, task_digest=digest, samples=4,
-        warmup_steps=0,
-    ).commitment  # fmt: skip
+    commitment, recorder, base = _a_committed_phase(task, digest)
     replays = work_module._Replays(verify.Streams(task), task_name=name)
     replayer = replays.replayer(verify.cpu_capability())
     try:
