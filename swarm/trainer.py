@@ -66,8 +66,8 @@ class Trainer:
     ``config`` holds every setting; keyword ``overrides`` replace single fields of it by plain name
     (`TrainerConfig.with_fields`), so ``Trainer(model, opt, run="r", sync_every=20, codec="fp32")``
     works without a config. Pass ``dht`` to share one DHT between components (the caller then owns
-    its shutdown). ``evaluate`` (optional) returns the validation loss of the current model; its
-    value is sealed into each checkpoint and shown on the status board. ``identity_key``: this peer's key
+    its shutdown). ``evaluate`` (optional): the current model's validation loss after each grouped round (NaN: not
+    measured); sealed into each checkpoint and shown on the status board. ``identity_key``: this peer's key
     file, by default ``~/.swarm/identity.key`` as swarm.peer's ``--identity-key`` (created 0600, refused
     if others can read it, held by one live peer at a time): a restarted script is the same peer. With ``work``
     (`swarm.work.WorkSpec`) and ``verify_work``, train on ``trainer.work.batches()``: each phase is checked by replay.
