@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -562,6 +563,43 @@ def test_cheaters_and_a_lying_verifier_are_excluded_within_5_rounds(bootstrap_no
         assert fired >= 1, counts  # the faults fired and were seen here
 
 
+def _a_committed_phase(
+    task, digest: str, *, steps: int = 4, beside: Callable[[], None] | None = None
+) -> tuple[verify.SignedCommitment, verify.WorkRecorder, torch.Tensor]:
+    """One committed phase of ``steps`` steps (segments of 2) of ``task``, shard 0 of 2, from the seed-0 model:
+    (signed commitment, recorder, base). ``beside`` loops on a thread meanwhile, seen running before the phase
+    begins. PROVE_AT_A_LEVEL runs it in a process of its own."""
+    identity, model = Identity.generate(), task.build_model(seed=0)
+    params = verify.trainable(model)
+    optimizer = torch.optim.AdamW(params, lr=3e-3)
+    recorder = verify.WorkRecorder(task, peer=identity.peer_id, shard_index=0, num_shards=2, segment_steps=2)
+    base, batches = verify.flat_params(params), recorder.batches()
+    stop, looped = threading.Event(), threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            beside()
+            looped.set()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    if beside is not None:
+        thread.start()
+        assert looped.wait(60), "the work beside the training never ran"
+    recorder.begin(params, optimizer, first_step=1)
+    for step in range(1, steps + 1):
+        task.loss(model, next(batches)).backward()
+        inner_step(optimizer, step, 0)
+        recorder.stepped(params, optimizer)
+    stop.set()
+    if beside is not None:
+        thread.join(60)
+    signed = recorder.commit(
+        params, optimizer, base=base, identity=identity, run=RUN, round_=0, task_digest=digest, samples=steps,
+        warmup_steps=0,
+    )  # fmt: skip
+    return signed, recorder, base
+
+
 def test_a_task_with_dropout_replays_apart_from_the_training_beside_it(request) -> None:
     """Verified work with dropout (issue 18). torch has one CPU random generator per process: a replay on a
     thread beside this peer's own training reseeds it and draws from it, so the training's dropout masks
@@ -577,34 +615,7 @@ def test_a_task_with_dropout_replays_apart_from_the_training_beside_it(request) 
 
     def phase(beside=None) -> tuple[verify.Commitment, verify.WorkRecorder, torch.Tensor]:
         """One committed phase of 8 steps (segments of 2), ``beside`` looping on a thread meanwhile."""
-        identity, model = Identity.generate(), task.build_model(seed=0)
-        params = verify.trainable(model)
-        optimizer = torch.optim.AdamW(params, lr=3e-3)
-        recorder = verify.WorkRecorder(task, peer=identity.peer_id, shard_index=0, num_shards=2, segment_steps=2)
-        base, batches = verify.flat_params(params), recorder.batches()
-        stop, looped = threading.Event(), threading.Event()
-
-        def loop() -> None:
-            while not stop.is_set():
-                beside()
-                looped.set()
-
-        thread = threading.Thread(target=loop, daemon=True)
-        if beside is not None:
-            thread.start()
-            assert looped.wait(60), "the replay beside the training never ran"
-        recorder.begin(params, optimizer, first_step=1)
-        for step in range(1, 9):
-            task.loss(model, next(batches)).backward()
-            inner_step(optimizer, step, 0)
-            recorder.stepped(params, optimizer)
-        stop.set()
-        if beside is not None:
-            thread.join(60)
-        signed = recorder.commit(
-            params, optimizer, base=base, identity=identity, run=RUN, round_=0, task_digest=digest, samples=8,
-            warmup_steps=0,
-        )  # fmt: skip
+        signed, recorder, base = _a_committed_phase(task, digest, steps=8, beside=beside)
         return signed.commitment, recorder, base
 
     def replayed(commitment, recorder, base, replayer=None) -> list[bool]:
@@ -650,55 +661,21 @@ def test_a_task_with_dropout_replays_apart_from_the_training_beside_it(request) 
 
 
 PROVE_AT_A_LEVEL = """
-import sys, torch
+import json, sys, torch
 from pathlib import Path
-from bootstrap.identity import Identity
+sys.path.insert(0, sys.argv[3])  # the repository: its tests
 from swarm import verify
-from swarm.recipe import inner_step
 from swarm.tasks import get_task
+from tests.test_work import _a_committed_phase
 
 out = Path(sys.argv[1])
 torch.set_num_threads(1)
-task = get_task("charlm", preset="tiny")
-identity, model = Identity.generate(), task.build_model(seed=0)
-params = verify.trainable(model)
-optimizer = torch.optim.AdamW(params, lr=3e-3)
-recorder = verify.WorkRecorder(task, peer=identity.peer_id, shard_index=0, num_shards=2, segment_steps=2)
-base, batches = verify.flat_params(params), recorder.batches()
-recorder.begin(params, optimizer, first_step=1)
-for step in range(1, 5):
-    task.loss(model, next(batches)).backward()
-    inner_step(optimizer, step, 0)
-    recorder.stepped(params, optimizer)
-signed = recorder.commit(params, optimizer, base=base, identity=identity, run="verified-work", round_=0,
-                         task_digest=sys.argv[2], samples=4, warmup_steps=0)
-(out / "signed.json").write_text(__import__("json").dumps(signed.to_dict()))
+signed, recorder, base = _a_committed_phase(get_task("charlm", preset="tiny"), sys.argv[2])
+(out / "signed.json").write_text(json.dumps(signed.to_dict()))
 (out / "base.st").write_bytes(verify.ReplayInputs(recorder.inputs(0, 0).start, base).to_bytes())
 for k in range(signed.commitment.segments):
     (out / f"{k}.st").write_bytes(recorder.inputs(0, k).to_bytes())
 """
-
-
-def _a_committed_phase(
-    task, digest: str, steps: int = 4
-) -> tuple[verify.Commitment, verify.WorkRecorder, torch.Tensor]:
-    """One committed phase of ``steps`` steps (segments of 2) of ``task`` here (PROVE_AT_A_LEVEL does the same in a
-    process of its own)."""
-    identity, model = Identity.generate(), task.build_model(seed=0)
-    params = verify.trainable(model)
-    optimizer = torch.optim.AdamW(params, lr=3e-3)
-    recorder = verify.WorkRecorder(task, peer=identity.peer_id, shard_index=0, num_shards=2, segment_steps=2)
-    base, batches = verify.flat_params(params), recorder.batches()
-    recorder.begin(params, optimizer, first_step=1)
-    for step in range(1, steps + 1):
-        task.loss(model, next(batches)).backward()
-        inner_step(optimizer, step, 0)
-        recorder.stepped(params, optimizer)
-    signed = recorder.commit(
-        params, optimizer, base=base, identity=identity, run=RUN, round_=0, task_digest=digest, samples=steps,
-        warmup_steps=0,
-    )  # fmt: skip
-    return signed.commitment, recorder, base
 
 
 def test_a_task_named_by_its_module_path_is_rebuilt_by_that_name_in_the_replay_process(monkeypatch) -> None:
@@ -712,7 +689,8 @@ def test_a_task_named_by_its_module_path_is_rebuilt_by_that_name_in_the_replay_p
     task = get_task(name, preset="tiny")
     digest = TaskInfo.of(task, "tiny").config_digest
     assert task.name == "mlp" and random_in_training(task)
-    commitment, recorder, base = _a_committed_phase(task, digest)
+    signed, recorder, base = _a_committed_phase(task, digest)
+    commitment = signed.commitment
     replays = work_module._Replays(verify.Streams(task), task_name=name)
     replayer = replays.replayer(verify.cpu_capability())
     try:
@@ -741,7 +719,8 @@ def test_a_prover_at_another_cpu_kernel_level_is_replayed_at_its_level(tmp_path:
     digest = TaskInfo.of(task, "tiny").config_digest
     script = tmp_path / "prove.py"
     script.write_text(PROVE_AT_A_LEVEL)
-    child = spawn(python_cmd(str(script), str(tmp_path), digest), env={"ATEN_CPU_CAPABILITY": "default"})
+    repo = str(Path(__file__).resolve().parents[1])
+    child = spawn(python_cmd(str(script), str(tmp_path), digest, repo), env={"ATEN_CPU_CAPABILITY": "default"})
     wait_until(lambda: child.popen.poll() is not None, 120, message=child.describe)
     assert child.popen.returncode == 0, child.describe()
     commitment = verify.verify_commitment((tmp_path / "signed.json").read_bytes(), run=RUN).commitment
