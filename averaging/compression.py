@@ -43,7 +43,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import struct
 import sys
 from abc import ABC, abstractmethod
@@ -297,27 +296,34 @@ def import_bitsandbytes() -> Any:
     imports TorchInductor: 0.9 s of CPU in every process that averages in int8, measured here (1.32 s to
     import it after torch._dynamo, 0.45 s without). The fallbacks only run where no device kernel is registered (the
     CPU kernels need bitsandbytes' native library; CUDA has its own); there they now run eagerly instead of
-    compiling on their first call. ``TORCHDYNAMO_DISABLE`` is read by ``torch.compile`` when it is called, not at
-    import, so setting it for the import alone changes nothing after it (torch's own test helpers do the
-    same); torch._dynamo is imported first, as any optimizer would.
+    compiling on their first call. For the import alone, ``torch.compile`` returns its function as it is (what
+    ``disable=True`` or ``TORCHDYNAMO_DISABLE=1`` return); torch._dynamo is imported first, as any optimizer would.
+
+    Nor is the environment written: a real ``torch.compile`` call, even a disabled one, sets
+    ``TORCHINDUCTOR_CACHE_DIR`` (14 writes in this import), and so did the ``TORCHDYNAMO_DISABLE`` this used
+    to set. A process may import this on its first int8 round, beside other threads, and ``setenv`` may move
+    the C environment while another thread's ``getenv`` walks it (logging's ``localtime`` reads ``TZ``): a
+    use-after-free. Another thread that calls ``torch.compile`` during the import gets its function back.
     """
     for name in _BNB_PROBE_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     if "bitsandbytes.functional" not in sys.modules:
         import torch._dynamo  # noqa: F401
 
-        previous = os.environ.get("TORCHDYNAMO_DISABLE")
-        os.environ["TORCHDYNAMO_DISABLE"] = "1"
+        compile_ = torch.compile
+        torch.compile = _uncompiled
         try:
             import bitsandbytes.functional  # noqa: F401  (the codec's quantize_blockwise / dequantize_blockwise)
         finally:
-            if previous is None:
-                del os.environ["TORCHDYNAMO_DISABLE"]
-            else:
-                os.environ["TORCHDYNAMO_DISABLE"] = previous
+            torch.compile = compile_
     import bitsandbytes
 
     return bitsandbytes
+
+
+def _uncompiled(model: Any = None, **_options: Any) -> Any:
+    """``torch.compile`` without compiling, as a decorator or a call."""
+    return model if model is not None else (lambda fn: fn)
 
 
 @functools.cache

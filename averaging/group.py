@@ -401,6 +401,9 @@ class GroupAverager:
     ):
         self.dht, self.prefix, self.region = dht, prefix, (region or "")[:64]
         self.config = config or AveragingConfig()
+        # a codec's first use loads what it needs (int8: bitsandbytes, 0.5-1.3 s of CPU): here, on the thread
+        # that makes the averager before training starts, not in the first round against its deadlines
+        get_codec(self.config.codec).warm()
         self.rejected: Counter = Counter()
         self._admission = Admission(identity, run, self.config.suspect_s, self.rejected, self.config.guard_s)
         self._bandwidth_mbps = bandwidth_mbps or (lambda: None)

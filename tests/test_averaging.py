@@ -77,7 +77,6 @@ def make_group(dhts):
                 **config,
             }
         )
-        get_codec(cfg.codec).warm()  # a first int8 use loads bitsandbytes (seconds): not inside a round's deadline
         prefix = f"test{next(_prefixes)}"
         averagers = [GroupAverager(dht, prefix=prefix, config=cfg) for dht in dhts]
         made.extend(averagers)
@@ -86,6 +85,25 @@ def make_group(dhts):
     yield make
     for averager in made:
         averager.close()
+
+
+def test_an_averager_loads_its_codec_when_it_is_made_not_in_its_first_round(dhts, monkeypatch):
+    """A first int8 use imports bitsandbytes (seconds on a busy host): made averagers have done it already."""
+    warmed = []
+
+    class Spy:
+        def __init__(self, codec):
+            self.codec = codec
+
+        def warm(self):
+            warmed.append(self.codec.name)
+            self.codec.warm()
+
+    real = group_module.get_codec
+    monkeypatch.setattr(group_module, "get_codec", lambda name: Spy(real(name)))
+    for codec in ("int8", "fp32"):
+        GroupAverager(dhts[0], prefix=f"test{next(_prefixes)}", config=AveragingConfig(codec=codec)).close()
+    assert warmed == ["int8", "fp32"]
 
 
 def _inputs(numel=10_003, scale=1.0):

@@ -245,15 +245,18 @@ def test_bitsandbytes_starts_without_its_optional_kernel_warnings():
     """bitsandbytes warns at import about kernels no codec or optimizer of ours uses ("Failed to load CPU
     gemm_4bit_forward from kernels-community" on CPUs with avx512bf16); the int8 codec and adamw8bit start
     quietly. Nor do they import TorchInductor for bitsandbytes' torch.compile'd fallback kernels (0.9 s of
-    CPU in every peer), and torch.compile still compiles afterwards."""
+    CPU in every peer), and torch.compile still compiles afterwards. Nor do they write the process's
+    environment: a peer first uses the codec in a round, beside other threads, where ``setenv`` is unsafe
+    (torch._dynamo's own import writes it once: imported before the spy, as a first optimizer step does)."""
     code = (
-        "import os, sys, torch; from averaging.compression import get_codec; from swarm.peer import PeerConfig, "
-        "make_inner_optimizer; get_codec('int8').encode(torch.randn(4096)); "
+        "import os, sys, torch, torch._dynamo; writes = []; os.putenv = lambda k, v: writes.append(k); "
+        "os.unsetenv = lambda k: writes.append(k); from averaging.compression import get_codec; "
+        "from swarm.peer import PeerConfig, make_inner_optimizer; get_codec('int8').encode(torch.randn(4096)); "
         "make_inner_optimizer(PeerConfig(optimizer='adamw8bit'), torch.nn.Linear(4, 4).parameters()); "
-        "print('inductor', 'torch._inductor.compile_fx' in sys.modules, os.environ.get('TORCHDYNAMO_DISABLE')); "
+        "print('inductor', 'torch._inductor.compile_fx' in sys.modules, 'env', writes); "
         "f = lambda x: x + 1; print('compiles', torch.compile(f) is not f)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "Failed to load" not in done.stderr and "gemm_4bit" not in done.stderr, done.stderr
-    assert done.stdout.split("\n")[:2] == ["inductor False None", "compiles True"], done.stdout
+    assert done.stdout.split("\n")[:2] == ["inductor False env []", "compiles True"], done.stdout
