@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import faulthandler
 import hashlib
+import io
 import logging
 import math
 import os
@@ -433,8 +435,19 @@ def start_node(run: str | None, cfg: TrainerConfig, device: torch.device) -> Nod
     return Node.from_env(device, timeout_s=timeout_s)
 
 
+def _enable_faulthandler() -> None:
+    """A crash in native code (SIGSEGV, SIGABRT, ...) leaves every thread's Python stack on stderr, not a bare
+    exit. Left as it is where it is on already (PYTHONFAULTHANDLER, pytest), or where stderr is no file (main
+    called in a process whose stderr is captured in memory)."""
+    if faulthandler.is_enabled():
+        return
+    with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):
+        faulthandler.enable(file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _enable_faulthandler()
     console = stderr_console()
     logging.basicConfig(level=args.log_level.upper(), handlers=[log_handler()])
     for noisy in ("hivemind", "asyncio"):

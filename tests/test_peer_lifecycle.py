@@ -9,7 +9,7 @@ from swarm.events import read_events
 from tests.helpers import alive, descendants, python_cmd, spawn, terminate, wait_until
 
 
-def _start_standalone_peer(tmp_path):
+def _start_standalone_peer(tmp_path, env=None):
     events = tmp_path / "peer.jsonl"
     child = spawn(
         python_cmd(
@@ -34,7 +34,8 @@ def _start_standalone_peer(tmp_path):
             "10",
             "--load-state-timeout-s",
             "5",
-        )
+        ),
+        env=env,
     )
     wait_until(
         lambda: any(e["event"] == "first_step" for e in read_events(events)) or child.returncode is not None,
@@ -60,15 +61,23 @@ def test_signal_leaves_cleanly(tmp_path, sig):
 
 
 @pytest.mark.timeout(120)
-def test_sigkill_leaves_no_orphans_within_5_s(tmp_path):
-    child, tree, _ = _start_standalone_peer(tmp_path)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV], ids=["SIGKILL", "a crash (SIGSEGV)"])
+def test_a_killed_or_crashed_peer_leaves_no_orphans_within_5_s(tmp_path, sig):
+    """A killed or crashed peer leaves no children behind; a crash in native code leaves its threads' Python
+    stacks on stderr (swarm.peer enables faulthandler itself: the one spawn sets through the environment is off)."""
+    child, tree, _ = _start_standalone_peer(tmp_path, env={"PYTHONFAULTHANDLER": ""})
     p2pd = [p for p in tree if p.name() == "p2pd"]
-    child.popen.send_signal(signal.SIGKILL)
+    child.popen.send_signal(sig)
     child.popen.wait(timeout=10)
     # the hard kill really happened, and the children were alive right after it
-    assert child.popen.returncode == -signal.SIGKILL
+    assert child.popen.returncode == -sig
     assert all(isinstance(p, psutil.Process) for p in p2pd)
     wait_until(lambda: not alive(tree), timeout_s=5, message=lambda: f"orphans: {alive(tree)}")
+    if sig == signal.SIGSEGV:
+        wait_until(
+            lambda: "Fatal Python error: Segmentation fault" in child.stderr(), timeout_s=5, message=child.describe
+        )
+        assert 'File "' in child.stderr().split("Fatal Python error")[1], child.describe()
 
 
 def test_a_wait_on_the_network_runtime_ends_at_a_stop_request_or_its_deadline():
