@@ -13,6 +13,8 @@ For each preset and number of peers, in one run:
   that time; utilization is the mean peer rate over the mean plain rate. Also: each round's time by
   phase (median), the share of rounds that grouped, and the validation loss once training has ended
   (the global parameters, the last round landed: equal samples in both modes).
+* with ``--repeats N``: all of it N times, the plain loops again before each repeat and the modes' order
+  rotated by one each time; a second table gives each arm's median utilization and range.
 
 Prints a table and writes JSON (default benchmarks/results/utilization.json)::
 
@@ -282,40 +284,94 @@ def _swarm(
     }
 
 
+def arm_order(modes: list[str], repeat: int) -> list[str]:
+    """The modes in the order repeat ``repeat`` runs them: rotated by one each repeat, so that over
+    ``len(modes)`` repeats every mode runs in every position once (the arm that runs first after the plain
+    loops has paid 5-13% more CPU a step, cause unknown: benchmarks/README.md section 11)."""
+    shift = repeat % len(modes)
+    return modes[shift:] + modes[:shift]
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per (preset, peers, link, mode) over the repeats: median, lowest and highest utilization."""
+    arms: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        arms.setdefault((row["preset"], row["peers"], row["link_mbit"], row["mode"]), []).append(row)
+    out = []
+    for (preset, peers, link, mode), runs in arms.items():
+        values = [r["utilization"] for r in runs if r["utilization"] is not None]
+        losses = [r["val_loss"] for r in runs if r["val_loss"] is not None]
+        out.append(
+            {
+                "preset": preset,
+                "peers": peers,
+                "link_mbit": link,
+                "mode": mode,
+                "runs": len(runs),
+                "utilization_median": statistics.median(values) if values else None,
+                "utilization_min": min(values, default=None),
+                "utilization_max": max(values, default=None),
+                "positions": [r["position"] for r in runs],
+                "val_loss_median": statistics.median(losses) if losses else None,
+            }
+        )
+    return out
+
+
 def run(
-    *, presets: list[str], peer_counts: list[int], links: list[float], modes: list[str], steps: int, lab: str
+    *,
+    presets: list[str],
+    peer_counts: list[int],
+    links: list[float],
+    modes: list[str],
+    steps: int,
+    lab: str,
+    repeats: int = 1,
 ) -> dict[str, Any]:
     console = Console()
     rows = []
     for preset in presets:
         for peers in peer_counts:
-            with tempfile.TemporaryDirectory(prefix="swarm-plain-") as tmp:
-                plain, plain_cpu = _plain(preset, peers, steps, Path(tmp), timeout_s=60 + steps * peers)
-            console.print(f"{preset}, {peers} plain loops: {plain:.2f} steps/s each, {plain_cpu:.3f} CPU s a step")
-            for link in links:
-                for mode in modes:
-                    arm = _swarm(
-                        preset=preset, peers=peers, steps=steps, link=link, mode=mode, lab_kind=lab, console=console
-                    )
-                    rate = arm["steps_per_s"]
-                    row = {
-                        "preset": preset,
-                        "peers": peers,
-                        "link_mbit": link,
-                        "mode": mode,
-                        "plain_steps_per_s": plain,
-                        "plain_cpu_s_per_step": plain_cpu,
-                    }
-                    row.update(arm)
-                    row["utilization"] = rate / plain if rate else None
-                    rows.append(row)
-                    console.print(
-                        f"  {link or 'unshaped'} Mbit/s, {mode}: {rate or 0:.2f} steps/s,"
-                        f" utilization {row['utilization'] or 0:.3f}, val loss {arm['val_loss']}; CPU s a step: "
-                        + ", ".join(f"{part} {seconds:.3f}" for part, seconds in arm["cpu_s_per_step"].items())
-                        + f" (plain loop {plain_cpu:.3f})"
-                    )
-    return {"steps": steps, "peer_flags": list(PEER_FLAGS), "rows": rows}
+            for repeat in range(repeats):
+                # the plain loops again before each repeat: the machine's speed drifts over a long run
+                with tempfile.TemporaryDirectory(prefix="swarm-plain-") as tmp:
+                    plain, plain_cpu = _plain(preset, peers, steps, Path(tmp), timeout_s=60 + steps * peers)
+                console.print(
+                    f"{preset}, {peers} plain loops (repeat {repeat + 1}/{repeats}):"
+                    f" {plain:.2f} steps/s each, {plain_cpu:.3f} CPU s a step"
+                )
+                for link in links:
+                    for position, mode in enumerate(arm_order(modes, repeat)):
+                        arm = _swarm(
+                            preset=preset, peers=peers, steps=steps, link=link, mode=mode, lab_kind=lab, console=console
+                        )
+                        rate = arm["steps_per_s"]
+                        row = {
+                            "preset": preset,
+                            "peers": peers,
+                            "link_mbit": link,
+                            "mode": mode,
+                            "repeat": repeat,
+                            "position": position,
+                            "plain_steps_per_s": plain,
+                            "plain_cpu_s_per_step": plain_cpu,
+                        }
+                        row.update(arm)
+                        row["utilization"] = rate / plain if rate else None
+                        rows.append(row)
+                        console.print(
+                            f"  {link or 'unshaped'} Mbit/s, {mode}: {rate or 0:.2f} steps/s,"
+                            f" utilization {row['utilization'] or 0:.3f}, val loss {arm['val_loss']}; CPU s a step: "
+                            + ", ".join(f"{part} {seconds:.3f}" for part, seconds in arm["cpu_s_per_step"].items())
+                            + f" (plain loop {plain_cpu:.3f})"
+                        )
+    return {
+        "steps": steps,
+        "repeats": repeats,
+        "peer_flags": list(PEER_FLAGS),
+        "rows": rows,
+        "summary": summarize(rows),
+    }
 
 
 def print_table(result: dict[str, Any], console: Console) -> None:
@@ -340,6 +396,23 @@ def print_table(result: dict[str, Any], console: Console) -> None:
             "-" if r["val_loss"] is None else f"{r['val_loss']:.4f}",
         )
     console.print(table)
+    if result.get("repeats", 1) > 1:
+        summary = Table(title=f"over {result['repeats']} repeats, each mode's order rotated (median, lowest-highest)")
+        for column in ("preset", "peers", "link", "mode", "runs", "utilization", "range", "positions", "val loss"):
+            summary.add_column(column, justify="right")
+        for r in result["summary"]:
+            summary.add_row(
+                r["preset"],
+                str(r["peers"]),
+                f"{r['link_mbit']:g} Mbit/s" if r["link_mbit"] else "unshaped",
+                r["mode"],
+                str(r["runs"]),
+                f"{r['utilization_median'] or 0:.3f}",
+                f"{r['utilization_min'] or 0:.3f}-{r['utilization_max'] or 0:.3f}",
+                ",".join(str(p) for p in r["positions"]),
+                "-" if r["val_loss_median"] is None else f"{r['val_loss_median']:.4f}",
+            )
+        console.print(summary)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,12 +429,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200, help="steps per peer and plain loop (default: %(default)s)")
     parser.add_argument("--lab", choices=("auto", "netns", "loopback"), default="auto", help="(default: %(default)s)")
     parser.add_argument("--peer-flags", default="", help="extra swarm.peer flags, e.g. '--checkpoint-every 0'")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every arm this many times, the plain loops before each repeat and the modes' order rotated"
+        " by one each time (default: %(default)s)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON result (default: %(default)s)")
     parser.add_argument("--keep-logs", action="store_true", help="keep each arm's logs, events and ledgers")
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not set(modes) <= set(MODE_FLAGS) or args.steps < 20:
-        parser.error(f"--modes: some of {', '.join(MODE_FLAGS)}; --steps: at least 20")
+    if not set(modes) <= set(MODE_FLAGS) or args.steps < 20 or args.repeats < 1:
+        parser.error(f"--modes: some of {', '.join(MODE_FLAGS)}; --steps: at least 20; --repeats: at least 1")
     PEER_FLAGS[:] = shlex.split(args.peer_flags)
     global KEEP_LOGS
     KEEP_LOGS = args.keep_logs
@@ -375,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
                 modes=modes,
                 steps=args.steps,
                 lab=args.lab,
+                repeats=args.repeats,
             )
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]")
