@@ -286,8 +286,8 @@ def _swarm(
 
 def arm_order(modes: list[str], repeat: int) -> list[str]:
     """The modes in the order repeat ``repeat`` runs them: rotated by one each repeat, so that over
-    ``len(modes)`` repeats every mode runs in every position once (the arm that runs first after the plain
-    loops has paid 5-13% more CPU a step, cause unknown: benchmarks/README.md section 11)."""
+    ``len(modes)`` repeats every mode runs in every position once (two runs at stop 54 suggested that the arm
+    run first after the plain loops pays more CPU a step; four rotated repeats put it down to noise)."""
     shift = repeat % len(modes)
     return modes[shift:] + modes[:shift]
 
