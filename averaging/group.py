@@ -21,6 +21,13 @@ members read from the DHT; the window closes early once every live member *of th
 The load on a key's nodes is then bounded by ``shard_size`` whatever the run's size
 (`benchmarks/scale_model.py`).
 
+Wake-ups. Between its reads a member in its window also listens: a join from a follower that has closed
+its own window, or a "nudge" from the leader that drew it and has opened its lobby, makes it read the key
+at once instead of at its next 0.1 s tick (at most `_MAX_WAKES` times a window; a nudge only from a peer it
+knows to be looking, or a live member of its run). A join that comes before its leader's lobby opens waits
+for the lobby, not for a 0.05 s poll. So the last member to look closes the others' windows within a
+stream's latency, not a poll interval.
+
 All-reduce (butterfly). Member i reduces slice i: every member sends slice i of its vector to member
 i (encoded as fp32, fp16 or 8-bit), member i validates each part and aggregates the parts with a
 robust rule (CenteredClip by default), and sends the result back on the same stream. Each peer
@@ -113,6 +120,12 @@ _LOADING = "loading state"
 _ELSEWHERE = "another leader"
 """A leader's probe's answer from an expected follower that drew another leader in this window (or leads one
 itself): its view of the candidates differed, and it will not join."""
+_WINDOW_POLL_S = 0.1
+"""How often a member in its matchmaking window reads the key when nothing wakes it."""
+_MAX_WAKES = 4
+"""Most early reads that joins and nudges can cause in one matchmaking window (each is a DHT traversal)."""
+_NUDGE_TIMEOUT_S = 1.0
+"""Bound on a leader's nudge of one follower (best effort: a follower it misses reads at its next tick)."""
 _REPROBE_S = 1.0
 """How often a leader asks again the expected followers that have not joined and were not found gone or
 elsewhere (one still in its window has drawn nobody yet)."""
@@ -323,6 +336,13 @@ class _Window:
     """The matchmaking key it looked on (its entry is there; a "gone" entry goes there too)."""
     lonely: bool = False
     """Nobody else was looking."""
+    looking: set = field(default_factory=set)
+    """Who its last read in the window now open found looking (empty outside a window): nudges are taken
+    from them, and from live members of the run."""
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by a join or a nudge: a member in its matchmaking window reads the key again at once."""
+    lobby_opened: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set (and replaced) when this peer opens a lobby: joins that came before it stop waiting."""
     unreachable: frozenset = frozenset()
     """Expected members it stopped waiting for: not looking `_PROBE_WINDOW_AFTER_S` in, and a probe's dial or
     stream failed (killed, crashed, or restarted with its averager not up yet) or it said it is loading state."""
@@ -713,12 +733,22 @@ class GroupAverager:
         probe_at = time.monotonic() + min(_PROBE_WINDOW_AFTER_S, cfg.matchmaking_time_s / 2)
         probing: asyncio.Task | None = None
         previous: set[str] | None = None
-        poll_s = 0.0  # read at once (the others may all be looking already), then every 0.1 s
+        poll_s = 0.0  # read at once (the others may all be looking already), then every 0.1 s or when woken
+        wakes = 0
+        self._window.looking = set()
         try:
             while True:
-                await asyncio.sleep(min(poll_s, max(0.0, window_end - time.monotonic())))
-                poll_s = 0.1
+                wait_s = min(poll_s, max(0.0, window_end - time.monotonic()))
+                if wait_s > 0 and wakes < _MAX_WAKES:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._window.wake.wait(), wait_s)
+                        wakes += 1
+                elif wait_s > 0:
+                    await asyncio.sleep(wait_s)
+                self._window.wake.clear()  # after the wait: a wake that comes during the read below counts
+                poll_s = _WINDOW_POLL_S
                 candidates = await self._read_candidates(key, my_class, suspects)
+                self._window.looking = set(candidates)
                 # one that said it left is not waited for, nor one that looks on another key this epoch, nor
                 # one that this window's probe found unreachable (a killed or restarting member)
                 live = {p for p in self._admission.live_expected() if in_my_shard(p)} | {self.peer_id}
@@ -740,6 +770,7 @@ class GroupAverager:
         finally:
             if probing is not None and not probing.done():
                 probing.cancel()
+        self._window.looking = set()
         self._window.unreachable = probing.result() if probing is not None and probing.done() else frozenset()
         self._window.lonely = len(candidates) <= 1
         guard = self._admission.guard
@@ -835,6 +866,11 @@ class GroupAverager:
         lobby = _Lobby(expected=expected)
         lobby_id = self.peer_id
         self._lobbies[lobby_id] = lobby
+        self._window.lobby_opened.set()
+        self._window.lobby_opened = asyncio.Event()
+        for follower in expected:  # still in their windows, between reads: they look again now, not at a tick
+            _POLLERS.add(nudge := asyncio.create_task(self._nudge(follower, lobby)))
+            nudge.add_done_callback(_POLLERS.discard)
         try:
             await self._wait_for_followers(lobby, join_deadline)
             staying = lobby.expected
@@ -986,10 +1022,13 @@ class GroupAverager:
         self._admission.suspects.clear(peer)  # it is live and looking: a no-show of an earlier window, not a Sybil
         lobby = None
         deadline = time.monotonic() + self.config.join_timeout_s
-        while lobby is None and time.monotonic() < deadline:  # the leader may still be reading the DHT
+        while lobby is None and time.monotonic() < deadline:  # the leader may still be in its window
             lobby = self._lobbies.get(self.peer_id)
             if lobby is None:
-                await asyncio.sleep(0.05)
+                self._window.wake.set()  # a follower that closed its window: this one reads the key again now
+                opened = self._window.lobby_opened
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(opened.wait(), max(0.0, min(0.05, deadline - time.monotonic())))
         if await self._refused_join(peer, header, reader, writer):  # again: it may have been excluded while it waited
             return
         guard = self._admission.guard
@@ -1412,6 +1451,21 @@ class GroupAverager:
             return "alive"
         return _ELSEWHERE if status == _ELSEWHERE else "gone"
 
+    async def _nudge(self, peer: str, lobby: _Lobby) -> None:
+        """Tell ``peer`` (drawn into ``lobby``) to read its window's key again now, unless it joined meanwhile
+        (the joins that waited for the lobby register first); best effort."""
+        await asyncio.sleep(0)
+        if peer in lobby.joined or lobby.final.done():
+            return
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(_NUDGE_TIMEOUT_S):
+                _, reader, writer = await self._open(peer)
+                try:
+                    await write_frame(writer, {"op": "nudge"})
+                    await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)
+                finally:
+                    writer.close()
+
     async def _unreachable(self, peers: set[str], timeout_s: float) -> frozenset[str]:
         """Those of ``peers`` that cannot take part now: a probe's dial or stream failed (killed, crashed, or
         restarted and its averager not up yet), or it answered that it is loading state. One that answers
@@ -1460,6 +1514,13 @@ class GroupAverager:
             elif op == "received":
                 await self._serve_received(peer, header)
                 await _answer(reader, writer, "ok")
+            elif op == "nudge":
+                if peer in self._window.looking or peer in self._admission.live_expected():
+                    self._window.wake.set()
+                    await _answer(reader, writer, "ok")
+                else:  # a stranger could make this peer read the DHT over and over
+                    self.rejected["nudge from a peer not looking"] += 1
+                    await _answer(reader, writer, "not looking")
             else:
                 raise ProtocolError("unknown op", str(op)[:30])
         except ProtocolError as e:

@@ -724,11 +724,19 @@ def test_the_window_closes_early_once_every_live_member_is_looking(make_group, t
 
 
 @pytest.mark.timeout(120)
-def test_the_last_member_to_look_closes_the_window_at_its_first_read(make_group, monkeypatch):
-    """3 of 4 members, told who the run's live members are, are looking (a 6 s window); the 4th steps once their
-    entries are in the DHT. Its first read finds exactly the live members it knows of: it closes its window at
-    once, without a second read 0.1 s later (what a blocking round's last member to arrive waited each
-    round), and all 4 average exactly."""
+@pytest.mark.parametrize("woken", [True, False], ids=["woken", "no wake-ups (negative control)"])
+def test_the_last_member_to_look_closes_every_window_at_once(make_group, monkeypatch, woken):
+    """3 of 4 members, told who the run's live members are, are looking (a 6 s window, a read every 3 s); the
+    4th steps once their entries are in the DHT. Its first read finds exactly the live members it knows of: it
+    closes its window at once, without a second read (what a blocking round's last member to arrive waited
+    each round). Its join (it follows) or its nudges (it leads) wake the others' windows: they read again at
+    once, not at their next tick, and all 4 average exactly within a second. Without wake-ups they wait for
+    the tick."""
+    monkeypatch.setattr(group_module, "_WINDOW_POLL_S", 3.0)
+    # a leader's lobby reads the key too (who left) every 0.25 s: not while its followers sleep out their tick here
+    monkeypatch.setattr(group_module, "_GONE_POLL_S", 30.0)
+    if not woken:
+        monkeypatch.setattr(group_module, "_MAX_WAKES", 0)
     averagers = make_group(aggregator="mean", matchmaking_time_s=6.0)
     members = {a.peer_id for a in averagers}
     reads: Counter[str] = Counter()
@@ -750,16 +758,24 @@ def test_the_last_member_to_look_closes_the_window_at_its_first_read(make_group,
         return len(found.value) if found is not None and isinstance(found.value, dict) else 0
 
     with ThreadPoolExecutor(NUM_PEERS) as pool:
+        began = time.monotonic()
         early = [pool.submit(one, i) for i in range(NUM_PEERS - 1)]
         wait_until(lambda: looking() == NUM_PEERS - 1, 20, message="the first 3 entries never showed")
+        came = time.monotonic()
         late = pool.submit(one, NUM_PEERS - 1)
         results = [f.result() for f in [*early, late]]
+        took = time.monotonic() - came
     reference = _weighted_mean(tensors, weights, range(NUM_PEERS))
     for out, record, group in results:
         assert record.outcome == "ok" and len(group.members) == NUM_PEERS, record.to_dict()
         assert (out - reference).abs().max().item() < 1e-5
-    assert reads[last.peer_id] == 1, reads  # before: 2, the second one 0.1 s after the first
-    assert min(reads[a.peer_id] for a in averagers[:-1]) > 1  # the early ones read until the last one came
+    assert reads[last.peer_id] == 1, reads  # before stop 54: 2, the second one 0.1 s after the first
+    assert min(reads[a.peer_id] for a in averagers[:-1]) > 1  # the early ones read again once the last one came
+    assert came - began < 2.5, "the early entries took too long to show for this test to tell the cases apart"
+    if woken:
+        assert took < 1.0, (took, reads)
+    else:
+        assert took >= 3.0 - (came - began) - 0.1, (took, reads)  # the early ones read again at their tick, 3 s in
 
 
 def _all_step_expecting(averagers, members):

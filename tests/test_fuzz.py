@@ -886,6 +886,7 @@ _AVG_REASONS = {
     "undecodable part",
     "late part",
     "duplicate part",
+    "nudge from a peer not looking",
 }
 
 
@@ -909,7 +910,7 @@ def _valid_part(codec: str) -> tuple[dict, bytes]:
 @st.composite
 def averaging_streams(draw: Any) -> tuple[str, bytes]:
     codec = draw(st.sampled_from(("fp32", "fp16", "int8")))
-    how = draw(st.sampled_from(("random", "part", "part payload", "received", "join", "raw")))
+    how = draw(st.sampled_from(("random", "part", "part payload", "received", "join", "nudge", "raw")))
     header, payload = _valid_part(codec)
     if how == "random":
         return codec, draw(st.binary(max_size=96))
@@ -917,6 +918,8 @@ def averaging_streams(draw: Any) -> tuple[str, bytes]:
         header, payload = {"op": "received", "group_id": AVG_GROUP, "senders": [OTHER.peer_id, "x"]}, b""
     elif how == "join":
         header, payload = {"op": "join", "gather": {"round": 1}}, b""
+    elif how == "nudge":
+        header, payload = {"op": "nudge"}, b""
     if how == "part payload":
         return codec, frame(json.dumps(header).encode(), draw(mutated_bytes(payload)))
     if how == "raw":
@@ -941,7 +944,8 @@ def _bare_averager(codec: str) -> tuple[GroupAverager, _ReduceState]:
     averager._states, averager._lobbies, averager._state_added = {}, {}, asyncio.Event()
     averager._activity = _Activity(rounds=1)  # in a round: the one of the open slice
     averager._admission = Admission(None, None, 0.0, averager.rejected)
-    averager._window = _Window(key="fuzz", leader=OTHER.peer_id)  # drew a leader: a lobby probe is answered
+    # drew a leader: a lobby probe is answered; in a window where OTHER is looking: its nudge is taken
+    averager._window = _Window(key="fuzz", leader=OTHER.peer_id, looking={OTHER.peer_id})
     averager.peer_id = OWNER.peer_id
     group = Group(group_id=AVG_GROUP, members=(OTHER.peer_id, OWNER.peer_id), gathered={})
     state = _ReduceState(
@@ -967,6 +971,8 @@ def _bare_averager(codec: str) -> tuple[GroupAverager, _ReduceState]:
 @example(stream=("fp32", frame(canonical_json({"op": "probe", "group_id": AVG_GROUP}))), outsider=False)
 @example(stream=("fp32", frame(canonical_json({"op": "probe", "group_id": 5}))), outsider=True)
 @example(stream=("fp32", frame(canonical_json({"group_id": "", "lobby": True, "op": "probe"}))), outsider=True)
+@example(stream=("fp32", frame(canonical_json({"op": "nudge"}))), outsider=True)
+@example(stream=("fp32", frame(canonical_json({"op": "nudge"}))), outsider=False)
 def test_averaging_handler_rejects_every_bad_stream_with_one_counted_reason(stream, outsider):
     codec, data = stream
 
@@ -982,8 +988,11 @@ def test_averaging_handler_rejects_every_bad_stream_with_one_counted_reason(stre
     assert set(averager.rejected) <= _AVG_REASONS, averager.rejected
     accepted = int(bool(state.parts) or bool(state.received_sets))
     not_leading = int(b'"not leading"' in writer.sent)
-    # a probe, answered (a part's slice "failed"; a leader's probe hears that this peer drew another leader)
+    # a probe or a looking member's nudge, answered (a part's slice "failed"; a leader's probe hears that this peer
+    # drew another leader)
     probed = int(not accepted and (b'"status":"ok"' in writer.sent or b'"status":"another leader"' in writer.sent))
+    if b'"op":"nudge"' in data.replace(b" ", b"") and b'"status":"ok"' in writer.sent:
+        assert averager._window.wake.is_set() and not outsider, "a nudge was taken from a peer that is not looking"
     assert sum(averager.rejected.values()) + accepted + not_leading + probed == 1, (
         averager.rejected,
         writer.sent[:200],
