@@ -735,7 +735,6 @@ class GroupAverager:
         previous: set[str] | None = None
         poll_s = 0.0  # read at once (the others may all be looking already), then every 0.1 s or when woken
         wakes = 0
-        self._window.looking = set()
         try:
             while True:
                 wait_s = min(poll_s, max(0.0, window_end - time.monotonic()))
@@ -748,29 +747,27 @@ class GroupAverager:
                 self._window.wake.clear()  # after the wait: a wake that comes during the read below counts
                 poll_s = _WINDOW_POLL_S
                 candidates = await self._read_candidates(key, my_class, suspects)
-                self._window.looking = set(candidates)
+                looking = self._window.looking = set(candidates)
                 # one that said it left is not waited for, nor one that looks on another key this epoch, nor
                 # one that this window's probe found unreachable (a killed or restarting member)
                 live = {p for p in self._admission.live_expected() if in_my_shard(p)} | {self.peer_id}
-                absent = live - set(candidates)
+                absent = live - looking
                 if probing is None and time.monotonic() >= probe_at and absent:
                     timeout_s = min(_PROBE_TIMEOUT_S, max(0.05, window_end - time.monotonic()))
                     probing = asyncio.create_task(self._unreachable(absent, timeout_s))
                 if probing is not None and probing.done():
                     live -= probing.result()
                 expected = live if len(live) >= cfg.min_group_size else None
-                everyone = len(candidates) == cfg.target_group_size or (
-                    expected is not None and expected <= set(candidates)
-                )
-                exact = expected is not None and set(candidates) == expected
-                full_and_stable = exact or (everyone and set(candidates) == previous)
+                everyone = len(candidates) == cfg.target_group_size or (expected is not None and expected <= looking)
+                exact = expected is not None and looking == expected
+                full_and_stable = exact or (everyone and looking == previous)
                 if full_and_stable or time.monotonic() >= window_end:
                     break
-                previous = set(candidates)
+                previous = looking
         finally:
+            self._window.looking = set()  # outside a window, nudges are taken from live members only
             if probing is not None and not probing.done():
                 probing.cancel()
-        self._window.looking = set()
         self._window.unreachable = probing.result() if probing is not None and probing.done() else frozenset()
         self._window.lonely = len(candidates) <= 1
         guard = self._admission.guard
@@ -1405,18 +1402,22 @@ class GroupAverager:
         if not await self._probe(peer, group_id, min(_PROBE_TIMEOUT_S, deadline - time.monotonic())):
             state.mark_dead(peer)
 
-    async def _ask_probe(self, peer: str, group_id: str, timeout_s: float, *, lobby: bool = False) -> dict:
-        """``peer``'s answer to a probe for ``group_id`` on a fresh stream (``lobby``: asked by a leader that drew
-        it, which it may answer `_ELSEWHERE`); raises what the dial, the stream or the ``timeout_s`` deadline
-        raised."""
-        async with asyncio.timeout(max(0.05, timeout_s)):
+    async def _ask(self, peer: str, header: dict, timeout_s: float) -> dict:
+        """``peer``'s answer to a one-frame request on a fresh stream; raises what the dial, the stream or the
+        ``timeout_s`` deadline raised."""
+        async with asyncio.timeout(timeout_s):
             _, reader, writer = await self._open(peer)
             try:
-                header = {"op": "probe", "group_id": group_id, **({"lobby": True} if lobby else {})}
                 await write_frame(writer, header)
                 return await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)
             finally:
                 writer.close()
+
+    async def _ask_probe(self, peer: str, group_id: str, timeout_s: float, *, lobby: bool = False) -> dict:
+        """``peer``'s answer to a probe for ``group_id`` (``lobby``: asked by a leader that drew it, which it may
+        answer `_ELSEWHERE`); raises as `_ask`."""
+        header = {"op": "probe", "group_id": group_id, **({"lobby": True} if lobby else {})}
+        return await self._ask(peer, header, max(0.05, timeout_s))
 
     async def _probe_answer(
         self, peer: str, group_id: str, timeout_s: float, *, lobby: bool = False
@@ -1458,13 +1459,7 @@ class GroupAverager:
         if peer in lobby.joined or lobby.final.done():
             return
         with contextlib.suppress(Exception):
-            async with asyncio.timeout(_NUDGE_TIMEOUT_S):
-                _, reader, writer = await self._open(peer)
-                try:
-                    await write_frame(writer, {"op": "nudge"})
-                    await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)
-                finally:
-                    writer.close()
+            await self._ask(peer, {"op": "nudge"}, _NUDGE_TIMEOUT_S)
 
     async def _unreachable(self, peers: set[str], timeout_s: float) -> frozenset[str]:
         """Those of ``peers`` that cannot take part now: a probe's dial or stream failed (killed, crashed, or
