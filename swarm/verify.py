@@ -19,8 +19,9 @@ start and the end parameters; safetensors bytes, never pickle) and `check` then:
    start gives the committed next boundary, bit for bit on a CPU (``tolerance`` 0), at the prover's number
    of torch threads and its CPU kernel level (both in the commitment). Both matter: torch's CPU reductions
    split their sums by thread, and charlm replayed with 1 thread differs from its training with 2 in every
-   segment; trained with AVX2 kernels and replayed with AVX512 ones, too. A verifier replays at the prover's level by running torch with ``ATEN_CPU_CAPABILITY``
-   lowered to it (`swarm.replayer`); a prover whose level this CPU lacks is not checked here.
+   segment; trained with AVX2 kernels and replayed with AVX512 ones, too. A verifier replays at the prover's
+   level by running torch with ``ATEN_CPU_CAPABILITY`` lowered to it (`swarm.replayer`); a prover whose level
+   this CPU lacks is not checked here.
 
 A peer that did not train (a free rider), trained on another shard, or presents an earlier phase's
 work fails 1 or 4; one that will not serve its inputs is recorded as refusing. A `Verdict` is signed
