@@ -8,6 +8,13 @@ SIGKILLed and the session fails with the list of leaked pids and command lines. 
 sessions on the same machine (no marker, or another marker) are left alone. Leaks get a few seconds
 to exit on their own first, since a reaper needs up to a poll interval plus its grace period.
 
+One torch thread a process: the session runs two pytest workers and dozens of peer processes on a
+few cores, and torch's default (a thread a core in every process) oversubscribes them, so an in-process
+test beside a run of peers slowed 15-fold (81 s against 5 s alone). As torchrun does for several workers on
+one host, `OMP_NUM_THREADS` defaults to 1 for the workers and every process they start; a test that needs
+another count sets it (`torch.set_num_threads`, `--torch-threads`), and `OMP_NUM_THREADS=N make test`
+overrides the default.
+
 Fixtures: `free_port` (a function), `bootstrap_node` (a running loopback bootstrap node; yields
 its list of `--initial-peers` maddrs). More helpers live in `tests/helpers.py`.
 """
@@ -15,14 +22,19 @@ its list of `--initial-peers` maddrs). More helpers live in `tests/helpers.py`.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 
-import psutil
-import pytest
-from helpers import BootstrapNode, alive, start_bootstrap, terminate
-from helpers import free_port as _free_port
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported here, and inherited by every child
+if "torch" in sys.modules:  # imported before this file by a plugin: its thread pool has not read the variable
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+import psutil  # noqa: E402
+import pytest  # noqa: E402
+from helpers import BootstrapNode, alive, start_bootstrap, terminate  # noqa: E402
+from helpers import free_port as _free_port  # noqa: E402
 
 SESSION_ENV = "SWARM_TEST_SESSION"
 _LEAK_GRACE_S = 5.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import gc
+import os
 import threading
 from pathlib import Path
 
@@ -153,3 +154,12 @@ def test_one_trainer_process_runs_one_event_loop_over_one_p2p_replica(tmp_path) 
         return [t.name for t in set(threading.enumerate()) - threads_before if t.name.startswith("swarm")]
 
     wait_until(lambda: not ours_left(), 10.0, message=lambda: f"no thread of ours left (left: {ours_left()})")
+
+
+def test_the_suite_runs_one_torch_thread_a_process_unless_told_otherwise() -> None:
+    """`make test`'s time budget rests on tests/conftest.py's default: one torch thread in each worker and in
+    every process it starts (the variable is inherited), so dozens of processes do not oversubscribe the
+    cores."""
+    threads = os.environ.get("OMP_NUM_THREADS")
+    assert threads is not None and threads.isdigit(), threads
+    assert torch.get_num_threads() == int(threads)
