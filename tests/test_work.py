@@ -62,11 +62,12 @@ class SimPeer:
     def phase(self, base: torch.Tensor, round_: int) -> tuple[verify.SignedCommitment, torch.Tensor]:
         """Train one phase from ``base`` (the model holds it) and commit; (commitment, end parameters)."""
         self.recorder.begin(self.params, self.optimizer, first_step=self.step + 1)
-        for _ in range(STEPS):
+        for i in range(STEPS):
             batch = next(self.batches)
             if self.cheat == "shard":
                 batch = next(self.other)
-            if self.cheat not in ("free", "stale"):
+            skips = self.cheat in ("free", "stale") or (self.cheat == "partial" and i >= STEPS - SEGMENT)
+            if not skips:  # "partial": trains its phase's first segment, not its last
                 TASK.loss(self.model, batch).backward()
             self.step += 1
             inner_step(self.optimizer, self.step, WARMUP)
@@ -141,6 +142,21 @@ def test_a_cheater_fails_every_check_and_honest_peers_pass(cheat: str, reason: s
     assert all(ok for ok, *_ in by_prover[""])
     cheated = by_prover[cheat][1:] if cheat == "stale" else by_prover[cheat]  # stale: from its second round on
     assert cheated and all(not ok and why == reason for ok, why, _ in cheated), cheated
+
+
+def test_a_peer_that_skips_one_segment_is_caught_exactly_when_that_segment_is_drawn() -> None:
+    """The bound on a partial cheater (verify's module docstring): it trains the first of its phase's two
+    segments and skips the second, so a check catches it exactly when it draws the skipped segment: with
+    probability f = 1/2 a check, ``rate x f`` a round. Drawn over 12 rounds: every check of the skipped
+    segment fails, every check of the trained one passes, and honest peers pass."""
+    peers = [SimPeer(0), SimPeer(1), SimPeer(2, "partial")]
+    results = _run(peers, 12, rate=1.0)
+    cheater = [(segment, outcome[:2]) for prover, _, outcome, segment in results if prover.cheat == "partial"]
+    assert {segment for segment, _ in cheater} == {0, 1}  # both drawn: the test sees both sides of the bound
+    assert all(
+        outcome == ((True, "match") if segment == 0 else (False, "replay differs")) for segment, outcome in cheater
+    )
+    assert all(outcome[0] for prover, _, outcome, _ in results if not prover.cheat)
 
 
 @pytest.mark.parametrize("steps", [40, 70])
