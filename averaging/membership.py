@@ -116,7 +116,7 @@ def parse_entry(key: str, subkey: Any, value: Any, expiration_time: float, now: 
     signed_expiry = data["x"] / 1000
     if now >= signed_expiry:
         raise EntryRejected("expired", subkey)
-    if expiration_time > signed_expiry + 1 or signed_expiry > now + _CLOCK_SKEW_S + 3600:
+    if not expiration_time <= signed_expiry + 1 or signed_expiry > now + _CLOCK_SKEW_S + 3600:  # NaN too
         raise EntryRejected("outlives its expiry", subkey)
     return Entry(data["r"], data["c"], "g" in data)
 

@@ -389,7 +389,7 @@ class PeerRecordValidator(RecordValidatorBase):
                 subkey = parsed.peer_id
                 self._parsed.move_to_end(cache_key)
                 _check_times(parsed, time.time())
-            if record.expiration_time > parsed.expires_at + 1:
+            if not record.expiration_time <= parsed.expires_at + 1:  # NaN too: it would never expire in storage
                 raise RecordRejected("outlives its expiry", f"{record.expiration_time - parsed.expires_at:.0f} s")
         except RecordRejected as e:
             self.rejections.reject(e, where="DHT", source=subkey)

@@ -1183,6 +1183,7 @@ def test_matchmaking_entries_accept_only_what_the_owner_signed_for_this_key_unti
         "subkey is not a peer id": ("k.mm", "fake-1", good, now + 5, now),
         "bad signature": ("k.mm", owner.peer_id, forged, now + 5, now),  # another key under the owner's subkey
         "outlives its expiry": ("k.mm", owner.peer_id, good, now + 60, now),
+        "outlives its expiry, NaN": ("k.mm", owner.peer_id, good, float("nan"), now),  # it would never expire
         "expired": ("k.mm", owner.peer_id, good, now + 5, now + 6),  # a replay after its expiry
         "malformed": ("k.mm", owner.peer_id, {"t": now, "c": 0, "r": ""}, now + 5, now),  # an unsigned entry
     }

@@ -15,6 +15,7 @@ Every property asserts the same three things:
 |---|---|---|
 | capability records | ``bootstrap.records.parse_record``, ``PeerRecordValidator.validate`` (msgpack) | test_peers |
 | status board | ``swarm.status.parse_status`` | test_status |
+| matchmaking entries | ``averaging.membership.parse_entry`` through ``GroupAverager._parse_entry`` | test_averaging |
 | receipts | ``swarm.ledger.receipts.verify_receipt`` (dicts and JSON bytes) | - |
 | manifests | ``SignedManifest.from_bytes``, ``verify_manifest`` | gossip below |
 | checkpoint shards | ``CheckpointStore.put_shard_bytes`` / ``load_tensors`` (header-level mutations) | - |
@@ -70,7 +71,7 @@ from safetensors.torch import save as safetensors_save
 from averaging.compression import get_codec
 from averaging.config import AveragingConfig, RoundRecord
 from averaging.group import Group, GroupAverager, _Activity, _Lobby, _Pieces, _ReduceState, _Window
-from averaging.membership import Admission
+from averaging.membership import ENTRY_KIND, Admission, Entry, sign_entry
 from bootstrap import start_dht, stop_dht, visible_maddrs
 from bootstrap.framing import ProtocolError, read_frame
 from bootstrap.identity import Identity, IdentityError, PeerBinding, canonical_json, verify
@@ -500,6 +501,48 @@ def test_parse_status_refuses_with_one_counted_reason(subkey, value):
         return
     event("accepted")
     assert not counter and status.peer == subkey == OWNER.peer_id and status.payload() == value["p"]
+
+
+# =============================================================================== matchmaking entries
+ENTRY_REASONS = {"subkey is not a peer id", "malformed", "oversized", "bad signature", "expired", "outlives its expiry"}
+MM_KEY = f"{RUN}.mm"
+ENTRY_VALUE = sign_entry(OWNER, MM_KEY, bandwidth_class=3, region="eu", expires_at=NOW + 5)
+
+
+@fuzz(
+    250,
+    subkey=st.one_of(st.just(OWNER.peer_id), st.just(OTHER.peer_id), json_values),
+    value=st.one_of(
+        json_values,
+        st.binary(max_size=64),
+        st.floats(NOW - 10, NOW + 7200).map(
+            lambda x: sign_entry(OWNER, MM_KEY, bandwidth_class=3, region="eu", expires_at=x)
+        ),  # well formed: the clock's checks
+        mutated_payload(ENTRY_VALUE["p"]).map(lambda p: {"p": p, "s": ENTRY_VALUE["s"]}),
+        mutated_payload(ENTRY_VALUE["p"]).map(
+            lambda p: {"p": p, "s": OWNER.sign(kind=ENTRY_KIND, run_id=MM_KEY, payload=p)}
+        ),
+    ),
+    expiration=st.one_of(st.just(NOW + 5.0), st.floats(allow_nan=True, allow_infinity=True)),
+)
+def test_a_matchmaking_entry_is_refused_with_one_counted_reason(subkey, value, expiration):
+    """The matchmaking key's values as a reader takes them (`GroupAverager._parse_entry`): from anyone, with any
+    subkey and the DHT's expiration, re-signed by an insider's key."""
+    peer = SimpleNamespace(_admission=SimpleNamespace(identity=OTHER), rejected=Counter())
+    entry = GroupAverager._parse_entry(
+        peer, MM_KEY, subkey, SimpleNamespace(value=value, expiration_time=expiration), NOW
+    )
+    if entry is None:
+        [(reason, count)] = peer.rejected.items()
+        event(f"rejected: {reason}")
+        assert count == 1 and reason.removeprefix("candidate ") in ENTRY_REASONS, peer.rejected
+        return
+    event("accepted")
+    data = json.loads(value["p"])
+    assert not peer.rejected and subkey == OWNER.peer_id and isinstance(entry, Entry)
+    assert (
+        entry == (data["r"], data["c"], "g" in data) and NOW < data["x"] / 1000 and expiration <= data["x"] / 1000 + 1
+    )
 
 
 # ========================================================================================== receipts

@@ -436,6 +436,7 @@ def test_validator_remembers_a_parsed_record_but_checks_its_clock_and_expiration
 
     assert validate(record.expires_at) and validate(record.expires_at) and len(parses) == 1  # parsed once
     assert not validate(record.expires_at + 60) and validator.rejections.counts == {"outlives its expiry": 1}
+    assert not validate(float("nan")) and validator.rejections.counts == {"outlives its expiry": 2}
     later = record.expires_at + 1.0
     monkeypatch.setattr(bootstrap.records, "time", types.SimpleNamespace(time=lambda: later))  # this module's clock
     assert not validate(record.expires_at) and validator.rejections.counts["expired"] == 1 and len(parses) == 1
