@@ -27,6 +27,7 @@ Every property asserts the same three things:
 | manifest gossip | ``ManifestGossip._serve``, ``ManifestGossip._serve_unary`` (in memory) | yes |
 | shard exchange | ``ShardServer._handle``, client ``_Session.request`` (in memory) | yes |
 | bandwidth probe | ``ProbeServer._handle``, client ``_probe`` (in memory) | test_bandwidth |
+| `/metrics` | ``bootstrap.metrics.serve_metrics``: raw requests on TCP | yes (the server is live) |
 
 Determinism: hypothesis runs with a fixed seed (``SWARM_FUZZ_SEED``, default below), no example
 database and bounded ``max_examples``; a failure prints the seed and the command to rerun it (a
@@ -45,6 +46,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import sqlite3
 import sys
 import threading
@@ -1358,6 +1360,47 @@ def test_probe_client_fails_only_with_probe_error(reply):
     with pytest.raises(ProbeError) as info:  # the nonce is random: no random reply echoes it
         run_bounded(lambda: _probe(StubP2P(), OTHER.peer_id, _PROBE_CONFIG), _PROBE_CONFIG.timeout_s + HANG_MARGIN_S)
     assert info.value.reason in ("refused", "malformed", "disconnected")
+
+
+# ========================================================================================== /metrics
+_GOOD_SCRAPE = b"GET /metrics?name[]=swarm_fuzz_gauge HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: */*\r\n\r\n"
+_METRICS_READ_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def metrics_server() -> Any:
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from bootstrap.metrics import serve_metrics
+
+    registry = CollectorRegistry()
+    Gauge("swarm_fuzz_gauge", "a gauge the scrapes read", registry=registry).set(7)
+    with serve_metrics(registry, port=0) as server:
+        yield server
+
+
+def _http(port: int, request: bytes) -> bytes:
+    """The whole answer to ``request`` on a fresh connection (the client then closes its side, so a half-sent
+    request ends at once and the server's 10 s client timeout never runs); a hang fails the caller."""
+    with socket.create_connection(("127.0.0.1", port), timeout=_METRICS_READ_S) as conn:
+        conn.sendall(request)
+        conn.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := conn.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@fuzz(100, request=st.one_of(st.binary(max_size=200), mutated_bytes(_GOOD_SCRAPE)))
+@example(request=_GOOD_SCRAPE)
+def test_the_metrics_endpoint_ends_every_garbage_request_and_still_serves(metrics_server, request):
+    """Anyone who reaches a peer's `--metrics-port` may send anything: each request is answered or closed within
+    a bound (no hang: `_http` times out), and the next valid scrape still reads the gauge."""
+    answer = _http(metrics_server.port, request)
+    # a request line without a version is HTTP/0.9: its answer (an error page, or the metrics) has no status line
+    event("closed" if not answer else "an HTTP/1 response" if answer.startswith(b"HTTP/") else "an HTTP/0.9 answer")
+    scrape = _http(metrics_server.port, _GOOD_SCRAPE)
+    assert scrape.startswith(b"HTTP/1.0 200") and b"swarm_fuzz_gauge 7.0" in scrape, scrape[:200]
 
 
 # ========================================================================================== live handlers
