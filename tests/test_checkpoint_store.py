@@ -369,3 +369,41 @@ def _manifest(shards, *, step: int = 1, parent: str = "") -> Manifest:
 
 def _signed_bytes(manifest: Manifest) -> bytes:
     return SignedManifest(manifest=manifest).to_bytes()
+
+
+def test_a_shard_corrupt_at_rest_is_removed_and_fetched_again_once(store, tmp_path):
+    """TESTMATRIX row 11 at rest, on the loading side: a joiner (or a restarted peer) holding a corrupt copy of one
+    of the newest manifest's shards does not give up on that state; the copy is removed and fetched again.
+    Other refusals are raised as they were, and nothing is removed for them."""
+    donor = CheckpointStore(tmp_path / "donor")
+    shards = donor.put_tensors({"a": torch.arange(300.0), "b": torch.ones(300)}, max_shard_bytes=1200)
+    manifest = _manifest(shards)
+    fetched: list[list[str]] = []
+
+    def fetch(missing):
+        fetched.append([s.digest for s in missing])
+        for shard in missing:
+            data = donor.read_shard(shard.digest)
+            store.put_shard_bytes(data, expected_digest=shard.digest, expected_size_bytes=shard.size_bytes)
+
+    assert torch.equal(store.load_fetching(manifest, fetch)["a"], torch.arange(300.0))  # a joiner: all missing
+    assert fetched == [[s.digest for s in shards]]
+    path = store.shard_path(shards[1].digest)
+    corrupt = bytearray(path.read_bytes())
+    corrupt[-1] ^= 0x01  # one bit of a tensor's data
+    path.write_bytes(bytes(corrupt))
+    fetched.clear()
+    assert torch.equal(store.load_fetching(manifest, fetch)["b"], torch.ones(300))
+    assert fetched == [[shards[1].digest]]  # the fault fired: only the corrupt shard came again
+    assert store.rejected == {"digest mismatch": 1, "corrupt at rest, removed": 1}
+    assert store.read_shard(shards[1].digest) == donor.read_shard(shards[1].digest)
+
+    path.write_bytes(bytes(corrupt))  # the negative control: a source that cannot mend it
+    with pytest.raises(ShardRejected, match="digest mismatch"):
+        store.load_fetching(manifest, lambda missing: path.write_bytes(bytes(corrupt)))
+    wrong = _manifest((ShardInfo(name=shards[0].name, digest=shards[0].digest, size_bytes=shards[0].size_bytes + 1,
+                                 tensors=shards[0].tensors),))  # fmt: skip
+    fetched.clear()
+    with pytest.raises(ShardRejected, match="size mismatch"):  # not corruption at rest: nothing removed or fetched
+        store.load_fetching(wrong, fetch)
+    assert fetched == [] and store.has(shards[0].digest)

@@ -12,6 +12,7 @@ Guarantees the caller may rely on:
   and :meth:`CheckpointStore.prune` removes stale ones.
 - Every read of a shard re-hashes it, so corruption at rest is detected, and tensors are only ever
   parsed with ``safetensors`` after a strict header check: pickle is never loaded.
+  :meth:`CheckpointStore.load_fetching` removes a shard found corrupt at rest and fetches it again.
 - Refusals raise :class:`ShardRejected` with a short ``reason``, are logged, and are counted in
   ``store.rejected``.
 
@@ -31,7 +32,7 @@ import re
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,6 +202,36 @@ class CheckpointStore:
     def missing_shards(self, manifest: Manifest) -> list[ShardInfo]:
         """The manifest's shards that are not stored yet (to fetch from donors)."""
         return [shard for shard in manifest.shards if not self.has(shard.digest)]
+
+    def load_fetching(self, manifest: Manifest, fetch: Callable[[list[ShardInfo]], None]) -> dict[str, torch.Tensor]:
+        """:meth:`load_state_dict`, after ``fetch`` stored the shards that are missing (it is not called when
+        none is). A stored shard whose bytes no longer hash to its name (corrupt at rest: a bad disk, a stray
+        write) is removed and fetched once more; any other refusal, or a second one, is raised."""
+        if missing := self.missing_shards(manifest):
+            fetch(missing)
+        try:
+            return self.load_state_dict(manifest)
+        except ShardRejected as e:
+            if e.reason != "digest mismatch" or not (removed := self.discard_corrupt(manifest)):
+                raise
+        logger.warning("removed %d shard(s) corrupt at rest in %s; fetching them again", len(removed), self.root)
+        fetch(self.missing_shards(manifest))
+        return self.load_state_dict(manifest)
+
+    def discard_corrupt(self, manifest: Manifest) -> list[str]:
+        """Remove the manifest's stored shards whose bytes no longer hash to their names, so that they count
+        as missing again; their digests (each counted as "corrupt at rest, removed")."""
+        removed = []
+        for shard in manifest.shards:
+            path = self.shard_path(shard.digest)
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            if hashlib.sha256(data).hexdigest() != shard.digest and _remove(path):
+                self._count("corrupt at rest, removed", f"stored shard {shard.digest[:16]} ({path})")
+                removed.append(shard.digest)
+        return removed
 
     # ---- manifests ----
 

@@ -35,6 +35,7 @@ from swarm.checkpoint.gossip import ManifestGossip
 from swarm.checkpoint.manifest import (
     Manifest,
     ManifestRejected,
+    ShardInfo,
     SignedManifest,
     default_quorum,
     sign_manifest,
@@ -429,11 +430,15 @@ class CheckpointManager:
     def _download(
         self, manifest: Manifest, *, timeout_s: float, cancel: threading.Event | None = None
     ) -> dict[str, torch.Tensor]:
-        missing = self.store.missing_shards(manifest)
-        if missing:
+        deadline = time.monotonic() + timeout_s
+
+        def fetch(missing: list[ShardInfo]) -> None:
             donors = [p for p in manifest.participants if p in self.run_peers()] or sorted(self.run_peers())
             fetched, report = self.exchange.fetch(
-                {s.digest: s.size_bytes for s in missing}, donors, timeout_s=timeout_s, cancel=cancel
+                {s.digest: s.size_bytes for s in missing},
+                donors,
+                timeout_s=max(1.0, deadline - time.monotonic()),
+                cancel=cancel,
             )
             for shard in missing:
                 self.store.put_shard_bytes(
@@ -448,7 +453,8 @@ class CheckpointManager:
                 report.retries,
                 "".join(f", {reason} {n}" for reason, n in report.failures.items()),
             )
-        return self.store.load_state_dict(manifest)
+
+        return self.store.load_fetching(manifest, fetch)
 
     def close(self) -> None:
         self._closing.set()
