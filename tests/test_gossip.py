@@ -6,11 +6,13 @@ import time
 from collections import Counter
 
 import pytest
+from hivemind.utils.timed_storage import get_dht_time
 
 from bootstrap import start_dht, stop_dht, visible_maddrs
+from bootstrap.dhtcalls import latest_within, store_within
 from bootstrap.identity import Identity
 from swarm.checkpoint import Manifest, SignedManifest, sign_manifest, verify_manifest
-from swarm.checkpoint.gossip import GossipConfig, ManifestGossip
+from swarm.checkpoint.gossip import GossipConfig, ManifestGossip, index_key
 from tests.helpers import wait_until
 
 NUM_PEERS = 8
@@ -219,3 +221,42 @@ def test_a_seal_and_close_end_in_bounded_time_when_the_dht_process_died(tmp_path
             with contextlib.suppress(Exception):
                 process.kill()
         stop_dht(dht)
+
+
+@pytest.mark.timeout(120)
+def test_a_fresh_joiner_offered_an_old_manifest_as_newest_still_ends_on_the_newest(swarm_of_gossips):
+    """TESTMATRIX row 13 for a peer that trusts no manifest yet: an insider replays an old, validly signed
+    manifest, pushed to the joiner first and written as its own entry of the run's index (the only entry it
+    can write: the others are owner-bound). The joiner takes the newest the index holds, as `load_newest`
+    does (the index, then publish), and the old one is not news to anyone."""
+    dhts, gossips = swarm_of_gossips
+    signers = [Identity.generate(), Identity.generate()]
+    newest = max((g.newest[0] for g in gossips if g.newest is not None), default=10) + 10
+    assert gossips[0].publish(sealed_manifest(newest, signers))
+    wait_until(lambda: all(g.newest is not None and g.newest[0] == newest for g in gossips), timeout_s=30,
+               message="the newest everywhere")  # fmt: skip
+    old = sealed_manifest(4, signers)
+    insider = gossips[1]
+    problem = store_within(
+        insider.dht, index_key(RUN), {"step": 4, "digest": verify(old)[0], "manifest": old},
+        subkey=insider.peer_id, expiration_time=get_dht_time() + 3600, timeout_s=10,
+    )  # fmt: skip
+    assert problem is None, problem
+    late_dht = start_dht(visible_maddrs(dhts[0]), host_maddrs=LOOPBACK, nat_port_map=False)
+    late = ManifestGossip(late_dht, run_id=RUN, verify=verify, peers=lambda: [])
+    try:
+        entries = wait_until(
+            lambda: (found := latest_within(late_dht, index_key(RUN), timeout_s=10)) and found.value,
+            timeout_s=30,
+            message="the index",
+        )
+        assert 4 in {item.value["step"] for item in entries.values()}  # the fault is in place
+        assert late.publish(old) and late.newest[0] == 4  # pushed first: a joiner with nothing takes it
+        data = wait_until(late.fetch_newest_from_index, timeout_s=30, message="the index")
+        assert verify(data)[1] == newest
+        late.publish(data)
+        assert late.newest[0] == newest
+        assert not gossips[2].publish(old)  # old news to a peer that holds the newest
+    finally:
+        late.close()
+        stop_dht(late_dht)
