@@ -44,6 +44,12 @@ def test_demo_run_leaves_verifiable_ledgers_receipts_and_a_report(tmp_path):
     assert {"start", "joined", "round", "receipt", "checkpoint_sealed", "state_synced", "stop"} <= kinds, kinds
     killed = [path for path, es in entries.items() if es[-1].kind != "stop"]
     assert len(killed) == 1, "exactly the SIGKILLed peer's ledger ends without a stop entry"
+    # TESTMATRIX row 18: the peers stopped by SIGTERM, whatever they were doing, left no partial file behind
+    stopped = [es[0].peer for path, es in entries.items() if path not in killed]
+    folders = [out / "checkpoints" / "demo" / peer for peer in stopped]
+    assert all((folder / "shards").is_dir() for folder in folders), folders  # they sealed into these
+    partial = [p for folder in folders for p in folder.rglob("*") if p.name.startswith(".tmp-")]
+    assert partial == [], partial
 
     receipts = spawn(
         python_cmd("-m", "swarm.ledger", "receipts", "--run", "demo", "--dir", str(out / "ledgers"), "--json")
