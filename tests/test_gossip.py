@@ -20,14 +20,14 @@ RUN = "gossip-test"
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
-def sealed_manifest(step: int, signers: list[Identity], *, run: str = RUN) -> bytes:
+def sealed_manifest(step: int, signers: list[Identity], *, run: str = RUN, config_digest: str = "a" * 64) -> bytes:
     manifest = Manifest(
         version=1,
         run_id=run,
         step=step,
         round=step,
         task="charlm",
-        config_digest="a" * 64,
+        config_digest=config_digest,
         parent="",
         shards=(),
         participants=tuple(sorted(s.peer_id for s in signers)),
@@ -260,3 +260,38 @@ def test_a_fresh_joiner_offered_an_old_manifest_as_newest_still_ends_on_the_newe
     finally:
         late.close()
         stop_dht(late_dht)
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_refuses_a_pushed_manifest_of_another_model_or_of_unknown_signers(swarm_of_gossips, tmp_path):
+    """TESTMATRIX row 12 on the sync path, live: a `CheckpointManager` is pushed, over P2P, validly signed
+    manifests that only its own checks refuse (another model's config digest; signers with no live record in
+    the run), each counted once and never taken as its newest; the same manifest from known signers is."""
+    from bootstrap.network import start_swarm_dht
+    from swarm.checkpoint import sync
+
+    dhts, gossips = swarm_of_gossips
+    me, signers, known = Identity.generate(), [Identity.generate(), Identity.generate()], set()
+    dht = start_swarm_dht(me, initial_peers=visible_maddrs(dhts[0]), host_maddrs=LOOPBACK)
+    manager = sync.CheckpointManager(
+        dht, identity=me, run_id=RUN, task="charlm", config_digest="a" * 64, directory=tmp_path, keep_last=2,
+        run_peers=lambda: known,
+    )  # fmt: skip
+    pusher, peers = gossips[0], gossips[0].peers
+    pusher.peers = lambda: [me.peer_id]  # it pushes to this peer alone
+    try:
+        step = max((g.newest[0] for g in gossips if g.newest is not None), default=10) + 10
+        cases = [("another model", {"config_digest": "b" * 64}), ("unknown signers", {})]
+        for i, (reason, fields) in enumerate(cases, start=1):
+            assert pusher.publish(sealed_manifest(step + i, signers, **fields))
+            wait_until(lambda reason=reason: manager.gossip.rejected[reason] == 1, timeout_s=30,
+                       message=lambda reason=reason: f"{reason}: {manager.gossip.rejected}")  # fmt: skip
+        assert manager.gossip.newest is None and sum(manager.gossip.rejected.values()) == 2
+        known.update(s.peer_id for s in signers)  # the negative control: their records are live now
+        assert pusher.publish(sealed_manifest(step + 3, signers))
+        wait_until(lambda: manager.gossip.newest is not None, timeout_s=30, message="the good manifest")
+        assert manager.gossip.newest[0] == step + 3 and sum(manager.gossip.rejected.values()) == 2
+    finally:
+        pusher.peers = peers
+        manager.close()
+        stop_dht(dht)
