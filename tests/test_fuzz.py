@@ -308,6 +308,21 @@ def mutated_payload(base: bytes) -> st.SearchStrategy[bytes]:
     return st.one_of(mutated_bytes(base), mutated_json(json.loads(base)))
 
 
+def signed_values(value: dict, *, kind: str, run_id: str) -> st.SearchStrategy[Any]:
+    """A signed DHT value ``{"p": payload, "s": signature}`` as anyone may write it: random values, and mutated
+    payloads under the old signature or re-signed by OWNER (an insider: the checks behind the signature)."""
+    return st.one_of(
+        json_values,
+        st.binary(max_size=64),
+        mutated_payload(value["p"]).map(lambda p: {"p": p, "s": value["s"]}),
+        mutated_payload(value["p"]).map(lambda p: {"p": p, "s": OWNER.sign(kind=kind, run_id=run_id, payload=p)}),
+    )
+
+
+OWNER_SUBKEYS = st.one_of(st.just(OWNER.peer_id), st.just(OTHER.peer_id), json_values)
+"""The subkey of a signed value: its owner's peer ID, another's, or anything."""
+
+
 # ------------------------------------------------------------------------------------------ in-memory streams
 class FakeWriter:
     """The writer half of a stream, in memory (what a handler sends back ends up in ``sent``)."""
@@ -481,18 +496,7 @@ _STATUS = PeerStatus(
 STATUS_VALUE = sign_status(_STATUS, OWNER)
 
 
-@fuzz(
-    250,
-    subkey=st.one_of(st.just(OWNER.peer_id), st.just(OTHER.peer_id), json_values),
-    value=st.one_of(
-        json_values,
-        st.binary(max_size=64),
-        mutated_payload(STATUS_VALUE["p"]).map(lambda p: {"p": p, "s": STATUS_VALUE["s"]}),
-        mutated_payload(STATUS_VALUE["p"]).map(
-            lambda p: {"p": p, "s": OWNER.sign(kind="swarm/status", run_id=RUN, payload=p)}
-        ),
-    ),
-)
+@fuzz(250, subkey=OWNER_SUBKEYS, value=signed_values(STATUS_VALUE, kind="swarm/status", run_id=RUN))
 def test_parse_status_refuses_with_one_counted_reason(subkey, value):
     counter: Counter[str] = Counter()
     try:
@@ -513,17 +517,12 @@ ENTRY_VALUE = sign_entry(OWNER, MM_KEY, bandwidth_class=3, region="eu", expires_
 
 @fuzz(
     250,
-    subkey=st.one_of(st.just(OWNER.peer_id), st.just(OTHER.peer_id), json_values),
+    subkey=OWNER_SUBKEYS,
     value=st.one_of(
-        json_values,
-        st.binary(max_size=64),
+        signed_values(ENTRY_VALUE, kind=ENTRY_KIND, run_id=MM_KEY),
         st.floats(NOW - 10, NOW + 7200).map(
             lambda x: sign_entry(OWNER, MM_KEY, bandwidth_class=3, region="eu", expires_at=x)
         ),  # well formed: the clock's checks
-        mutated_payload(ENTRY_VALUE["p"]).map(lambda p: {"p": p, "s": ENTRY_VALUE["s"]}),
-        mutated_payload(ENTRY_VALUE["p"]).map(
-            lambda p: {"p": p, "s": OWNER.sign(kind=ENTRY_KIND, run_id=MM_KEY, payload=p)}
-        ),
     ),
     expiration=st.one_of(st.just(NOW + 5.0), st.floats(allow_nan=True, allow_infinity=True)),
 )
