@@ -9,7 +9,8 @@ this without a lookup. :class:`OwnerBoundValidator` does both halves, as hivemin
 * ``sign_value`` (the writer's node, for the identities it was given) appends the 64-byte signature;
 * ``validate`` (every node, on store and on every value it reads from another node) refuses a record
   without a peer-ID subkey (a plain value included: one could replace a whole dictionary of
-  subkeys), with a bad signature, or signed for another key, subkey, value or expiry; each refusal
+  subkeys), with a bad signature, signed for another key, subkey, value or expiry, or with an expiry that is
+  not a finite number (NaN or infinity: it would never leave hivemind's storage); each refusal
   is counted by reason. A replayed old record keeps its old signed expiry, so it loses to the newer
   one, and a record cannot be kept alive past the expiry it was signed with;
 * ``strip_value`` removes the signature before the application sees the value.
@@ -25,6 +26,7 @@ that node's whole answer for the key, and the answers of honest nodes stand).
 
 from __future__ import annotations
 
+import math
 import struct
 from collections import OrderedDict
 from typing import Any
@@ -138,6 +140,9 @@ class OwnerBoundValidator(RecordValidatorBase):
 
     @staticmethod
     def _check(record: DHTRecord) -> None:
+        if not math.isfinite(record.expiration_time):  # even signed by its owner: it would never expire from
+            # hivemind's storage, and a NaN breaks the order of that storage's expiry heap
+            raise RecordNotOwned("non-finite expiration", repr(record.expiration_time))
         if record.subkey == _REGULAR_VALUE:
             raise RecordNotOwned("no owner", "a plain value: every Swarm record is stored under its writer's subkey")
         try:

@@ -79,6 +79,10 @@ def test_a_record_verifies_only_as_its_owner_signed_it():
             dataclasses.replace(record, subkey=b"\xc1"),
         ],
         "unsigned": [_record(owner)],
+        "non-finite expiration": [  # signed by the owner itself: immortal in every node's storage
+            _signed(signer, _record(owner, expiration=float("nan"))),
+            _signed(signer, _record(owner, expiration=float("inf"))),
+        ],
     }
     for reason, records in tampered.items():
         for bad in records:
