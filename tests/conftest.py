@@ -22,14 +22,13 @@ its list of `--initial-peers` maddrs). More helpers live in `tests/helpers.py`.
 from __future__ import annotations
 
 import os
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported here, and inherited by every child
-if "torch" in sys.modules:  # imported before this file by a plugin: its thread pool has not read the variable
-    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# before anything imports torch (no plugin does before this file; tests/test_architecture.py checks the result),
+# and inherited by every child
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import psutil  # noqa: E402
 import pytest  # noqa: E402
