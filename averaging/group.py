@@ -61,8 +61,11 @@ could not hear of the group, and the others would wait for its part.
 `_PROBE_WINDOW_AFTER_S` into a matchmaking window, the expected members that are not looking are probed
 once; one whose dial or stream fails, or that says it is loading state (`GroupAverager.loading`: a restarted
 peer), is not waited for in that window (a slow or missing answer is no proof: it is still waited for).
-Each window probes afresh: nothing is remembered, so a member back from a kill or a partition is waited
-for in the first window after it answers again. Every outcome is in the RoundRecord.
+Each window probes afresh, so a member back from a kill or a partition is waited for in the first window
+after it answers again. Only silence is remembered: a member that gave no answer is not waited for in the
+next windows until it shows signs of life (`_Silent`), so a frozen member (SIGSTOP, a suspended laptop)
+costs one whole window, not one a round until its capability record expires.
+Every outcome is in the RoundRecord.
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ from averaging.membership import (
     parse_entry,
     sign_entry,
 )
+from bootstrap.dhtcalls import keep_out_of_lookups
 from bootstrap.framing import ProtocolError, header_field, linger, read_exactly, read_frame, write_frame
 from bootstrap.identity import Identity
 from bootstrap.runtime import Handler
@@ -126,6 +130,8 @@ _MAX_WAKES = 4
 """Most early reads that joins and nudges can cause in one matchmaking window (each is a DHT traversal)."""
 _NUDGE_TIMEOUT_S = 1.0
 """Bound on a leader's nudge of one follower (best effort: a follower it misses reads at its next tick)."""
+_KEEP_OUT_TIMEOUT_S = 1.0
+"""Bound on asking this peer's DHT node to leave the silent members out of its lookups (`_Window.silent`)."""
 _REPROBE_S = 1.0
 """How often a leader asks again the expected followers that have not joined and were not found gone or
 elsewhere (one still in its window has drawn nobody yet)."""
@@ -329,6 +335,49 @@ class _Activity:
 
 
 @dataclass(slots=True)
+class _Silent:
+    """Members that did not answer a probe in time: a window's (an expected member not looking) or a lobby's (a
+    drawn follower that did not join); suspended, SIGSTOPped, cut off without a reset, or very loaded. Later
+    windows do not stay open for them, and a lobby stops waiting for one silent again: a frozen member costs
+    one window and one join timeout, not one a round until its capability record expires. They are still
+    probed, and drawn when looking. One is forgotten once it answers a probe, averages with this peer, or is
+    seen looking longer after it fell silent than an entry lives (a frozen member's last entry is read as
+    looking for a window and a join timeout after it froze). This peer's DHT node leaves them out of its
+    lookups meanwhile (`GroupAverager._keep_silent_out_of_lookups`)."""
+
+    since: dict[str, float] = field(default_factory=dict)
+    """Peer -> when it fell silent (monotonic)."""
+
+    def __bool__(self) -> bool:
+        return bool(self.since)
+
+    def peers(self) -> set[str]:
+        return set(self.since)
+
+    def fell_silent(self, peers: Iterable[str]) -> set[str]:
+        """Mark ``peers``; returns those not marked before."""
+        new = set(peers) - self.since.keys()
+        now = time.monotonic()
+        self.since.update((peer, now) for peer in new)
+        return new
+
+    def heard(self, peers: Iterable[str]) -> None:
+        for peer in peers:
+            self.since.pop(peer, None)
+
+    def seen_looking(self, peers: Iterable[str], entry_lifetime_s: float) -> None:
+        """``peers`` were read as looking: those silent for longer than an entry lives wrote it since."""
+        now = time.monotonic()
+        self.heard([p for p in peers if now - self.since.get(p, now) > entry_lifetime_s])
+
+    def keep_only(self, peers: Iterable[str]) -> None:
+        """Forget those no longer among ``peers`` (the live members of the run)."""
+        keep = set(peers)
+        for peer in [p for p in self.since if p not in keep]:
+            del self.since[peer]
+
+
+@dataclass(slots=True)
 class _Window:
     """This peer's last matchmaking window."""
 
@@ -346,6 +395,8 @@ class _Window:
     unreachable: frozenset = frozenset()
     """Expected members it stopped waiting for: not looking `_PROBE_WINDOW_AFTER_S` in, and a probe's dial or
     stream failed (killed, crashed, or restarted with its averager not up yet) or it said it is loading state."""
+    silent: _Silent = field(default_factory=_Silent)
+    """Members that did not answer a probe in time (see `_Silent`)."""
     leader: str | None = None
     """The leader this round's last draw gave this peer (itself when it leads, or when its chunk was too small),
     None before the round's first draw: a leader that drew this peer and asks is told `_ELSEWHERE` when it is
@@ -369,6 +420,8 @@ class _Lobby:
     """Followers whose join stream closed before the group formed (killed, or gave up waiting)."""
     elsewhere: set[str] = field(default_factory=set)
     """Expected followers that answered a probe that they drew another leader (live: not suspects)."""
+    silent: set[str] = field(default_factory=set)
+    """Expected followers silent to a probe here and to an earlier one (`_Window.silent`): frozen or cut off."""
     final: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def leave(self, peer: str) -> None:
@@ -695,6 +748,7 @@ class GroupAverager:
                 )
             if result is not None:
                 self._admission.prove(record.included)
+                self._window.silent.heard(record.included)
                 record.outcome = (
                     "retried"
                     if record.attempts > 1
@@ -718,6 +772,7 @@ class GroupAverager:
         my_class = (self.region, bandwidth_class(self._bandwidth_mbps()))
         expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s
         entry = self._entry(key, expiration)
+        await self._keep_silent_out_of_lookups()
         # done once one replica holds the entry (the rest are stored in the background): a replica cut off by
         # a partition costs the window hivemind's RPC timeout (3 s) once, not twice (chaos runs: 6.0 -> 3.0 s)
         await self.dht.store(
@@ -749,14 +804,16 @@ class GroupAverager:
                 candidates = await self._read_candidates(key, my_class, suspects)
                 looking = self._window.looking = set(candidates)
                 # one that said it left is not waited for, nor one that looks on another key this epoch, nor
-                # one that this window's probe found unreachable (a killed or restarting member)
+                # one that this window's probe found unreachable (a killed or restarting member), nor one
+                # silent to an earlier window's probe that has not answered this one (`_Window.silent`)
                 live = {p for p in self._admission.live_expected() if in_my_shard(p)} | {self.peer_id}
                 absent = live - looking
                 if probing is None and time.monotonic() >= probe_at and absent:
                     timeout_s = min(_PROBE_TIMEOUT_S, max(0.05, window_end - time.monotonic()))
-                    probing = asyncio.create_task(self._unreachable(absent, timeout_s))
-                if probing is not None and probing.done():
-                    live -= probing.result()
+                    probing = asyncio.create_task(self._probe_absent(absent, timeout_s))
+                answers = probing.result() if probing is not None and probing.done() else {}
+                live -= {p for p, how in answers.items() if how == "failed"}
+                live -= {p for p in self._window.silent.peers() - looking if answers.get(p) != "answered"}
                 expected = live if len(live) >= cfg.min_group_size else None
                 everyone = len(candidates) == cfg.target_group_size or (expected is not None and expected <= looking)
                 exact = expected is not None and looking == expected
@@ -768,7 +825,19 @@ class GroupAverager:
             self._window.looking = set()  # outside a window, nudges are taken from live members only
             if probing is not None and not probing.done():
                 probing.cancel()
-        self._window.unreachable = probing.result() if probing is not None and probing.done() else frozenset()
+        answers = probing.result() if probing is not None and probing.done() else {}
+        self._window.unreachable = frozenset(p for p, how in answers.items() if how == "failed")
+        silent = self._window.silent
+        silent.heard(p for p, how in answers.items() if how != "silent")
+        silent.seen_looking(candidates, cfg.matchmaking_time_s + cfg.join_timeout_s)
+        new = silent.fell_silent(p for p, how in answers.items() if how == "silent")
+        silent.keep_only(self._admission.live_expected())
+        if new:
+            logger.info(
+                "%s silent to a probe in a matchmaking window: not waited for until it answers one",
+                ", ".join(p[-6:] for p in sorted(new)),
+            )
+            await self._keep_silent_out_of_lookups()
         self._window.lonely = len(candidates) <= 1
         guard = self._admission.guard
         drawn = guard.core(candidates, self.peer_id)
@@ -786,6 +855,19 @@ class GroupAverager:
             newcomers = guard.knocked(set(candidates) - set(drawn), min(slots, cfg.target_group_size - len(chunk)))
             return await self._lead(frozenset(chunk) - {self.peer_id}, gather, record, join_deadline, newcomers)
         return await self._follow(leader, gather, record, join_deadline)
+
+    async def _keep_silent_out_of_lookups(self) -> None:
+        """The members remembered as silent (`_Silent`) are left out of this peer's DHT lookups for a while: a
+        lookup that reaches a frozen node waits hivemind's RPC timeout (3 s), each time its blacklisting runs
+        out (measured: two such waits at different times on two peers cost them 8-15 s of failed matchmaking,
+        twice in a minute). Best effort, bounded."""
+        if not self._window.silent:
+            return
+        try:
+            async with asyncio.timeout(_KEEP_OUT_TIMEOUT_S):
+                await keep_out_of_lookups(self.dht, self._window.silent.peers())
+        except Exception as e:  # a DHT that is shutting down, or slow: the lookups wait as before
+            logger.debug("could not leave silent members out of DHT lookups: %r", e)
 
     def _shard(self) -> tuple[str, Callable[[str], bool]]:
         """This window's matchmaking key, and who else looks on it. The run's size is the larger of the
@@ -888,6 +970,8 @@ class GroupAverager:
                     record.fail(absent, "matchmaking", "its join stream closed before the group formed")
                 elif absent in lobby.dead:
                     record.fail(absent, "matchmaking", "gone (a probe failed)")
+                elif absent in lobby.silent:
+                    record.fail(absent, "matchmaking", "silent to probes (frozen or cut off)")
                 elif absent in lobby.elsewhere:  # live and honest: its view of the candidates differed
                     record.fail(absent, "matchmaking", "drew another leader")
                     continue
@@ -925,10 +1009,15 @@ class GroupAverager:
         probe_at = started + _PROBE_ABSENT_AFTER_S
 
         async def probe_the_absent() -> None:
-            absent = sorted(lobby.expected - set(lobby.joined) - lobby.dead - lobby.elsewhere)
-            answers = await asyncio.gather(*(self._ask_follower(p) for p in absent))
-            lobby.dead |= {p for p, answer in zip(absent, answers) if answer == "gone"}
-            lobby.elsewhere |= {p for p, answer in zip(absent, answers) if answer == _ELSEWHERE}
+            absent = sorted(lobby.expected - set(lobby.joined) - lobby.dead - lobby.elsewhere - lobby.silent)
+            answers = dict(zip(absent, await asyncio.gather(*(self._ask_follower(p) for p in absent))))
+            lobby.dead |= {p for p, answer in answers.items() if answer == "gone"}
+            lobby.elsewhere |= {p for p, answer in answers.items() if answer == _ELSEWHERE}
+            # silent once is no proof (a loaded machine answers late): it is waited for, and remembered
+            silent = {p for p, answer in answers.items() if answer == "silent"}
+            lobby.silent |= silent & self._window.silent.peers()
+            self._window.silent.heard(p for p, answer in answers.items() if answer != "silent")
+            self._window.silent.fell_silent(silent)
 
         async def drop_the_departed() -> None:
             nonlocal probe_at
@@ -940,7 +1029,7 @@ class GroupAverager:
                     probe_at = time.monotonic() + _REPROBE_S
                 with contextlib.suppress(Exception):  # a failed read: the next one, or the join deadline
                     await self._read_candidates(self._window.key, (self.region, 0), set())  # notes who is gone
-                gone = lobby.expected & (self._admission.departed.keys() | lobby.dead | lobby.elsewhere)
+                gone = lobby.expected & (self._admission.departed.keys() | lobby.dead | lobby.elsewhere | lobby.silent)
                 if gone:
                     lobby.expect_no_more(gone)
 
@@ -1444,11 +1533,13 @@ class GroupAverager:
 
     async def _ask_follower(self, peer: str) -> str:
         """A leader's probe of an expected follower that has not joined: "gone" (its dial fails, or it is in no
-        round: killed or restarted), `_ELSEWHERE` (it drew another leader in this window), or "alive" (it is
-        coming, has not drawn yet, or did not answer within `_PROBE_TIMEOUT_S`: a loaded machine answers late,
+        round: killed or restarted), `_ELSEWHERE` (it drew another leader in this window), "alive" (it is coming,
+        or has not drawn yet) or "silent" (no answer within `_PROBE_TIMEOUT_S`: a loaded machine answers late,
         which is no proof of death)."""
         how, status = await self._probe_answer(peer, "", _PROBE_TIMEOUT_S, lobby=True)
-        if how == "silent" or status == "ok":
+        if how == "silent":
+            return "silent"
+        if status == "ok":
             return "alive"
         return _ELSEWHERE if status == _ELSEWHERE else "gone"
 
@@ -1461,18 +1552,18 @@ class GroupAverager:
         with contextlib.suppress(Exception):
             await self._ask(peer, {"op": "nudge"}, _NUDGE_TIMEOUT_S)
 
-    async def _unreachable(self, peers: set[str], timeout_s: float) -> frozenset[str]:
-        """Those of ``peers`` that cannot take part now: a probe's dial or stream failed (killed, crashed, or
-        restarted and its averager not up yet), or it answered that it is loading state. One that answers
-        anything else, or nothing within ``timeout_s`` (slow is not proof), is not among them."""
+    async def _probe_absent(self, peers: set[str], timeout_s: float) -> dict[str, str]:
+        """How each of ``peers`` met a window's probe: "failed" when it cannot take part now (a probe's dial or
+        stream failed: killed, crashed, or restarted and its averager not up yet; or it answered that it is
+        loading state), "silent" when no answer came within ``timeout_s`` (slow is no proof of death),
+        "answered" otherwise."""
 
-        async def fails(peer: str) -> bool:
+        async def outcome(peer: str) -> str:
             how, status = await self._probe_answer(peer, "", timeout_s)
-            return how == "failed" or status == _LOADING
+            return "failed" if how == "failed" or status == _LOADING else how
 
         ordered = sorted(peers)
-        failed = await asyncio.gather(*(fails(peer) for peer in ordered))
-        return frozenset(peer for peer, bad in zip(ordered, failed) if bad)
+        return dict(zip(ordered, await asyncio.gather(*(outcome(peer) for peer in ordered))))
 
     async def _open(self, peer: str) -> Any:
         if self._dead:

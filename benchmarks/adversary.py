@@ -14,6 +14,11 @@ the peers) in consecutive windows of ``--window-s`` seconds:
 * ``sybils``: ``--fakes`` real Ed25519 identities with valid capability records of the run write
   signed matchmaking entries twice a second, through a DHT node that owner-signs for them, and never
   join a group;
+* ``frozen``: no adversary, but the last peer's whole process group (its main process, DHT child, p2pd
+  and watchdog) is SIGSTOPped for the window and SIGCONTed after it: silent like a machine that was
+  suspended or lost its link without a reset (TESTMATRIX row 23, matchmaking with a frozen member). Its
+  grouped rounds are compared with the other peers' own in the clean windows (``vs clean``); they also get
+  the frozen peer's CPU share, so ``steps of the others`` is shown beside it;
 * ``cpu control``: no adversary, but a process that spins as many cores as the outsider's DHT node and
   p2pd used in the ``outsider`` window (the adversary runs on the same 2 cores): the outsider's cost
   beyond the CPU it takes from the machine is its ratio to this window;
@@ -35,8 +40,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -172,6 +179,18 @@ def _peer_argv(run: str, slot: int, initial: list[str], work: Path, extra: list[
     ]
 
 
+def _steps(work: Path, start: float, end: float) -> list[int]:
+    """Inner steps each peer took in [start, end), from its round events (the step of its last round
+    before ``end`` minus that of its last round before ``start``)."""
+    out = []
+    for slot in range(_PEERS):
+        rounds = [e for e in read_events(work / f"peer{slot}.jsonl") if e["event"] == "round"]
+        before = [e["step"] for e in rounds if e["t"] < start] or [0]
+        until = [e["step"] for e in rounds if e["t"] < end] or [0]
+        out.append(max(until) - max(before))
+    return out
+
+
 def _grouped(work: Path, start: float, end: float) -> list[int]:
     """Grouped rounds of each peer that ended in [start, end)."""
     counts = []
@@ -185,7 +204,7 @@ def _grouped(work: Path, start: float, end: float) -> list[int]:
     return counts
 
 
-WINDOWS = ("clean", "outsider-mm", "outsider", "cpu control", "sybils", "clean again")
+WINDOWS = ("clean", "outsider-mm", "outsider", "cpu control", "sybils", "frozen", "clean again")
 _BURN = """
 import sys, time
 share = float(sys.argv[1])
@@ -205,6 +224,42 @@ def _renice(pid: int, nice: int) -> None:
         root = psutil.Process(pid)
         for proc in [root, *root.children(recursive=True)]:
             proc.nice(nice)
+
+
+class _Freezer:
+    """SIGSTOPs one peer's process group (main process, DHT child, p2pd, watchdog) for a window."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.pgid, self.cpu_s, self.writes = proc.pid, 0.0, None  # the lab starts each peer in its own session
+        self.stopped = 0
+
+    def start(self) -> None:
+        os.killpg(self.pgid, signal.SIGSTOP)
+        group = [p for p in psutil.process_iter(["pid"]) if _pgid(p.pid) == self.pgid]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(_stopped(p) for p in group):
+            time.sleep(0.05)
+        self.stopped = sum(_stopped(p) for p in group)
+        if self.stopped < 3:  # main, DHT child, p2pd at least: the fault must have fired
+            raise RuntimeError(f"froze {self.stopped} of the peer's processes, expected >= 3")
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pgid, signal.SIGCONT)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _stopped(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
 
 
 class _Burner:
@@ -243,8 +298,10 @@ def run(
         _, maddrs = start_bootstrap_node(lab, _PEERS, work=work, timeout_s=120)
         if maddrs is None:
             raise RuntimeError(f"the bootstrap node did not start; see {work / 'bootstrap.log'}")
-        for slot in range(_PEERS):
+        procs = [
             lab.spawn(slot, _peer_argv(run_name, slot, maddrs, work, peer_flags), log=work / f"peer{slot}.log")
+            for slot in range(_PEERS)
+        ]
         deadline = time.time() + 240
         while not all(_grouped(work, 0, time.time() + 1)):
             if time.time() > deadline:
@@ -252,8 +309,10 @@ def run(
             time.sleep(1.0)
         console.print("every peer has grouped; measuring")
         for name in windows_run:
-            adversary: Adversary | _Burner | None = None
-            if name == "cpu control":
+            adversary: Adversary | _Burner | _Freezer | None = None
+            if name == "frozen":
+                adversary = _Freezer(procs[-1])
+            elif name == "cpu control":
                 outsider = [w for w in windows if w["window"] == "outsider"]
                 adversary = _Burner(outsider[-1]["adversary_cpu_cores"] if outsider else 0.5, nice)
             elif not name.startswith("clean"):
@@ -268,24 +327,33 @@ def run(
                 if adversary is not None:
                     adversary.stop()
             counts = _grouped(work, start, end)
-            per_min = sum(counts) * 60 / (end - start)
+            live = _PEERS - 1 if name == "frozen" else _PEERS  # the frozen peer's own rounds are not counted
+            per_min = sum(counts[:live]) * 60 / (end - start)
             cpu = adversary.cpu_s / (end - start) if adversary is not None else 0.0
             writes = getattr(adversary, "writes", None)
             windows.append(
                 {
                     "window": name,
                     "grouped_per_peer": counts,
+                    "counted_peers": live,
+                    "seconds": end - start,
+                    "steps_per_peer": _steps(work, start, end),
                     "grouped_per_min": per_min,
                     "adversary_cpu_cores": cpu,
                     "adversary_write_cycles": writes,
                 }
             )
             console.print(
-                f"  {name}: {counts} grouped rounds per peer, {per_min:.1f} per minute; adversary {cpu:.2f} cores,"
+                f"  {name}: {counts} grouped rounds per peer, {per_min:.1f} per minute of {live} peers; steps"
+                f" {windows[-1]['steps_per_peer']}; adversary {cpu:.2f} cores,"
                 f" {writes if writes is not None else '-'} write cycles"
             )
-    clean = statistics.mean(w["grouped_per_min"] for w in windows if w["window"].startswith("clean"))
-    for w in windows:
+    for w in windows:  # against the same peers' grouped rounds in the clean windows
+        clean = statistics.mean(
+            sum(c["grouped_per_peer"][: w["counted_peers"]]) * 60 / c["seconds"]
+            for c in windows
+            if c["window"].startswith("clean")
+        )
         w["ratio_to_clean"] = w["grouped_per_min"] / clean if clean else None
     return {
         "peers": _PEERS,
@@ -302,7 +370,15 @@ def print_table(result: dict[str, Any], console: Console) -> None:
     table = Table(
         title=f"grouped rounds per minute, {result['peers']} swarm.peer peers ({flags}), {result['fakes']} fakes"
     )
-    columns = ("window", "grouped rounds per peer", "per minute", "vs clean", "adversary CPU (cores)", "write cycles")
+    columns = (
+        "window",
+        "grouped rounds per peer",
+        "steps per peer",
+        "per minute",
+        "vs clean",
+        "adversary CPU (cores)",
+        "write cycles",
+    )
     for column in columns:
         table.add_column(column, justify="right")
     for w in result["windows"]:
@@ -310,6 +386,7 @@ def print_table(result: dict[str, Any], console: Console) -> None:
         table.add_row(
             w["window"],
             str(w["grouped_per_peer"]),
+            str(w.get("steps_per_peer", "-")),
             f"{w['grouped_per_min']:.1f}",
             "-" if ratio is None else f"{ratio:.2f}x",
             f"{w.get('adversary_cpu_cores', 0.0):.2f}",

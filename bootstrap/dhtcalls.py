@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from hivemind import DHT
+from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 
@@ -49,4 +50,26 @@ def latest_many_within(dht: DHT, keys: Iterable[str], *, timeout_s: float) -> di
     return latest_many(dht, keys).result(timeout=timeout_s)
 
 
-__all__ = ["latest_many", "latest_many_within", "latest_within", "store_within"]
+async def _keep_out(_dht: DHT, node: Any, peers: tuple[str, ...]) -> int:
+    kept_out = 0
+    for peer in peers:
+        try:
+            peer_id = PeerID.from_base58(peer)
+        except Exception:  # not a peer ID: nothing to leave out
+            continue
+        if peer_id not in node.blacklist:
+            node.blacklist.register_failure(peer_id)
+            kept_out += 1
+    return kept_out
+
+
+def keep_out_of_lookups(dht: DHT, peers: Iterable[str]) -> Any:
+    """A future (of how many were not left out already): this DHT node leaves ``peers`` (peer IDs) out of its
+    lookups and stores for a while, as if each had just missed a request. That is hivemind's own blacklist:
+    5 s, doubled on each repeat; one left out already stays as it is. For peers known to be silent (frozen,
+    suspended, cut off without a reset): otherwise every lookup that reaches one waits hivemind's RPC timeout
+    (3 s), each time its last ban runs out. One that answers again is asked again once its ban runs out."""
+    return dht.run_coroutine(functools.partial(_keep_out, peers=tuple(sorted(peers))), return_future=True)
+
+
+__all__ = ["keep_out_of_lookups", "latest_many", "latest_many_within", "latest_within", "store_within"]

@@ -37,6 +37,7 @@ from averaging.group import (
 )
 from averaging.membership import EntryRejected, parse_entry, sign_entry
 from bootstrap import start_dht, stop_dht, visible_maddrs
+from bootstrap.dhtcalls import keep_out_of_lookups
 from bootstrap.identity import Identity
 from bootstrap.owned import OwnerBoundValidator, dht_owned_rejections
 from bootstrap.records import PEERS_KEYS, peers_key, sign_record
@@ -846,15 +847,13 @@ def test_a_sharded_run_groups_within_each_key_and_closes_each_window_early(make_
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    "how", ["said it left", "crashed", "loading state", "silent (negative control)"], ids=lambda how: how
-)
+@pytest.mark.parametrize("how", ["said it left", "crashed", "loading state"], ids=lambda how: how)
 def test_a_member_that_left_is_neither_waited_for_nor_drawn(make_group, how):
     """4 members, a 6 s window: one leaves before the round (closing its averager writes a signed "gone"
     entry), the other 3 still count it a live member (its record is cached) and stop gathering once the
     3 are looking. One that crashed (its streams fail) or is loading the run's state (a restarted peer) is
-    not waited for past the probe 0.25 s into the window. A live member that is just not looking answers
-    the probe and is waited for the whole window."""
+    not waited for past the probe 0.25 s into the window. (A live member that is just not looking answers
+    the probe and is waited for the whole window: the last round of the frozen member's test below.)"""
     averagers = make_group(aggregator="mean", matchmaking_time_s=6.0)
     tensors, weights = _inputs()
     members = {a.peer_id for a in averagers}
@@ -884,6 +883,59 @@ def test_a_member_that_left_is_neither_waited_for_nor_drawn(make_group, how):
         # the probe's verdict: only the crashed or loading member was left out (the silent one answered)
         assert averagers[i]._window.unreachable == ({averagers[-1].peer_id} if probed_away else set())
     assert not averagers[-1]._activity.loading  # loading() ends with its block
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_member_costs_one_window_and_counts_again_once_it_is_back(make_group, dhts):
+    """TESTMATRIX row 23, matchmaking with a silent member: 4 members, a 4 s window; the last one's network
+    runtime is frozen (its event loop blocked: no probe of it is answered, as a SIGSTOPped or suspended
+    peer). Round 1: the other 3 wait the whole window for it (silent once is no proof: a loaded machine
+    answers late) and remember it as silent. Round 2: they stop gathering once the 3 are looking; each
+    averages the 3 exactly. Round 3, thawed, all 4 step (the negative control): it is drawn again, the 4
+    average exactly, and nobody counts it silent any more (the next window would wait for it)."""
+    window_s = 4.0
+    averagers = make_group(aggregator="mean", matchmaking_time_s=window_s)
+    frozen = averagers[-1]
+    assert all(a._loop is not frozen._loop for a in averagers[:-1])  # its own runtime: only it freezes
+    members = {a.peer_id for a in averagers}
+    tensors, weights = _inputs()
+    stalled, thaw = threading.Event(), threading.Event()
+
+    def freeze() -> None:  # runs on the frozen member's loop and holds it
+        stalled.set()
+        thaw.wait(60)
+
+    def one(i):
+        return averagers[i].step(tensors[i], weight=weights[i], timeout_s=40.0, expected=members)
+
+    def round_(peers: int = NUM_PEERS - 1) -> list:
+        with ThreadPoolExecutor(peers) as pool:
+            results = list(pool.map(one, range(peers)))
+        for out, record, group in results:
+            assert record.outcome == "ok" and len(group.members) == peers, record.to_dict()
+            assert (out - _weighted_mean(tensors, weights, range(peers))).abs().max().item() < 1e-5
+        return [record.phase_s["matchmaking"] for _, record, _ in results]
+
+    frozen._loop.call_soon_threadsafe(freeze)
+    try:
+        assert stalled.wait(10), "the fault did not fire: the member's loop never ran the freeze"
+        first = round_()
+        assert all(m >= window_s for m in first), first  # silent once: waited for the whole window
+        assert all(a._window.silent.peers() == {frozen.peer_id} for a in averagers[:-1])
+        second = round_()
+        assert all(m < window_s / 2 for m in second), second  # remembered: not waited for
+    finally:
+        thaw.set()
+    round_(NUM_PEERS)
+    assert not any(a._window.silent for a in averagers)
+
+
+def test_a_dht_node_leaves_the_given_peers_out_of_its_lookups_once(dhts):
+    """`keep_out_of_lookups` puts peers on the node's own blacklist (hivemind's): the count of newly left out,
+    0 for one left out already and for a string that is no peer ID."""
+    stranger = Identity.generate().peer_id  # no node of this network: leaving it out changes no lookup here
+    assert keep_out_of_lookups(dhts[0], [stranger, "not a peer id"]).result(timeout=30) == 1
+    assert keep_out_of_lookups(dhts[0], [stranger]).result(timeout=30) == 0
 
 
 # --------------------------------------------------------------------------- an open network (issue 15)
