@@ -70,7 +70,8 @@ def _table(title: str, rows: list[dict[str, Any]]) -> Table:
 
 
 # name -> (module, quick argv lists, full argv lists); each argv list is one invocation.
-# The quick set took 9 min 15 s on 2 cores; the full set about 50 minutes (25 without dht_churn and chaos).
+# The quick set took 9 min 15 s on 2 cores; the full set about 50 minutes (25 without dht_churn and chaos), timed
+# before adversary (about 19 minutes) and dht_latency (about 5) were in it.
 PLAN: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
     "averaging_round": (
         "benchmarks.averaging_round",
@@ -163,7 +164,10 @@ PLAN: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
     # the model alone takes about a minute; the full set also measures 50 and 100 real DHT nodes (6 minutes)
     "scale_model": ("benchmarks.scale_model", [["--measure"]], [[]]),
     "dht_churn": ("benchmarks.dht_churn", [], [["--peers", "30", "--kill-fraction", "0.1", "--lookups", "300"]]),
-    # about 17 minutes: grouped rounds per minute beside an outsider and signed Sybils, defaults and hardened
+    # about 5 minutes: one DHT request's time behind a round's parts on shaped links (--dht-rpc-timeout-s)
+    "dht_latency": ("benchmarks.dht_latency", [], [["--rates", "20,10,5"]]),
+    # about 19 minutes: grouped rounds per minute beside an outsider, signed Sybils and a frozen member,
+    # defaults and hardened
     "adversary": (
         "benchmarks.adversary",
         [],

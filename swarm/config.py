@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import warnings
 from collections.abc import Sequence
@@ -40,10 +41,16 @@ class NetworkConfig:
     """Multiaddrs announced to others (when behind NAT or port forwarding)."""
     connect_timeout_s: float = 30.0
     """Deadline to reach one of initial_peers."""
+    dht_rpc_timeout_s: float = 3.0
+    """Deadline of one DHT request to one node (hivemind's ``wait_timeout``); a node that misses it is left out
+    for a while (hivemind's blacklist: 5 s, doubling). A frozen node (SIGSTOP, a suspended machine) costs a
+    lookup that long whenever its blacklisting runs out."""
 
     def __post_init__(self) -> None:
         if not self.connect_timeout_s > 0:
             raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s!r}")
+        if not (math.isfinite(self.dht_rpc_timeout_s) and self.dht_rpc_timeout_s > 0):
+            raise ValueError(f"dht_rpc_timeout_s must be a positive number, got {self.dht_rpc_timeout_s!r}")
 
     def dht_kwargs(self) -> dict:
         """The keyword arguments of `bootstrap.network.start_swarm_dht` this part sets."""
@@ -51,6 +58,7 @@ class NetworkConfig:
             "host_maddrs": self.host_maddrs,
             "announce_maddrs": self.announce_maddrs,
             "connect_timeout_s": self.connect_timeout_s,
+            "wait_timeout": self.dht_rpc_timeout_s,
         }
 
 

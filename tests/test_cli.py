@@ -52,6 +52,7 @@ PEER_FLAGS = [
     "--host-maddrs",
     "--announce-maddrs",
     "--connect-timeout-s",
+    "--dht-rpc-timeout-s",
     "--checkpoint-dir",
     "--checkpoint-every",
     "--keep-checkpoints",
