@@ -17,6 +17,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+
+def is_stopped(proc: psutil.Process) -> bool:
+    """Whether ``proc`` is stopped (SIGSTOP); False once it is gone."""
+    try:
+        return proc.status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
+
 
 def run_metadata(name: str, argv: list[str] | None, **extra: Any) -> dict[str, Any]:
     """Benchmark name, date, machine, versions and the exact command (``python -m benchmarks.NAME ...``)."""

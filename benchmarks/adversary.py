@@ -60,7 +60,7 @@ from rich.console import Console
 from rich.table import Table
 
 from averaging.membership import sign_entry
-from benchmarks._common import run_metadata, save_result, signals_unwind, start_bootstrap_node
+from benchmarks._common import is_stopped, run_metadata, save_result, signals_unwind, start_bootstrap_node
 from benchmarks.netlab import loopback_lab
 from bootstrap.identity import Identity
 from bootstrap.owned import OwnerBoundValidator
@@ -237,9 +237,9 @@ class _Freezer:
         os.killpg(self.pgid, signal.SIGSTOP)
         group = [p for p in psutil.process_iter(["pid"]) if _pgid(p.pid) == self.pgid]
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not all(_stopped(p) for p in group):
+        while time.monotonic() < deadline and not all(is_stopped(p) for p in group):
             time.sleep(0.05)
-        self.stopped = sum(_stopped(p) for p in group)
+        self.stopped = sum(is_stopped(p) for p in group)
         if self.stopped < 3:  # main, DHT child, p2pd at least: the fault must have fired
             raise RuntimeError(f"froze {self.stopped} of the peer's processes, expected >= 3")
 
@@ -253,13 +253,6 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except OSError:
         return None
-
-
-def _stopped(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() == psutil.STATUS_STOPPED
-    except psutil.Error:
-        return False
 
 
 class _Burner:

@@ -59,7 +59,7 @@ from hivemind.utils import get_dht_time
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks._common import run_metadata, save_result
+from benchmarks._common import is_stopped, run_metadata, save_result
 from bootstrap import DHTStartError, stop_dht, visible_maddrs
 from bootstrap.cli import add_dataclass_arguments, dataclass_from_args
 from bootstrap.identity import Identity
@@ -219,13 +219,6 @@ def _is_gone(proc: psutil.Process) -> bool:
         return True
 
 
-def _is_stopped(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() == psutil.STATUS_STOPPED
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> float:
     """Poll ``predicate`` until it is truthy; seconds it took. Raises BenchmarkFailed naming ``what``."""
     started = time.monotonic()
@@ -302,7 +295,7 @@ def _crash(procs: list[psutil.Process], death: str) -> None:
 
 
 def _fault_landed(procs: list[psutil.Process], death: str) -> bool:
-    return all(_is_gone(p) if death == "kill" else (_is_gone(p) or _is_stopped(p)) for p in procs)
+    return all(_is_gone(p) if death == "kill" else (_is_gone(p) or is_stopped(p)) for p in procs)
 
 
 # ------------------------------------------------------------------------------------ peers
