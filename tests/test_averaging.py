@@ -311,10 +311,12 @@ def test_compressed_rounds_stay_within_the_codec_bound(make_group, codec):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("phase", ["matchmaking", "send", "reduce"])
+@pytest.mark.parametrize("phase", ["matchmaking", "send", "piece", "reduce"])
 def test_a_crashed_peer_never_hangs_the_survivors(make_group, phase):
     """TESTMATRIX rows 1-3: the survivors average exactly their own contributions, within the deadline. Pieces of
-    1000 coordinates: a reducer that crashes after the agreement has sent its first pieces, not ``final``."""
+    1000 coordinates: a sender that crashes in the middle of its part ("piece": after its first piece went out),
+    and a reducer that crashes after the agreement, have sent their first pieces, not ``final``. Past
+    matchmaking the dead peer's own slice is lost, so the survivors re-form and retry."""
     tensors, weights = _inputs()
     averagers = make_group(aggregator="mean", piece_numel=1000)
     faults = FaultInjector()
@@ -345,7 +347,9 @@ def test_a_crashed_peer_never_hangs_the_survivors(make_group, phase):
     for i in survivors:
         out, record, group = results[i]
         if out is not None:
-            assert record.outcome in ("ok", "partial", "retried"), record.outcome
+            assert record.outcome in (("ok", "partial", "retried") if phase == "matchmaking" else ("retried",)), (
+                record.to_dict()
+            )
         if phase != "matchmaking":
             assert record.failures, "the crash must be on the record"
     assert elapsed < 30, f"took {elapsed:.1f}s"
