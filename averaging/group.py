@@ -79,7 +79,7 @@ import math
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -364,6 +364,12 @@ class _Silent:
     def heard(self, peers: Iterable[str]) -> None:
         for peer in peers:
             self.since.pop(peer, None)
+
+    def answered(self, outcomes: Mapping[str, str]) -> set[str]:
+        """Probe outcomes (peer -> "silent", or how else it met the probe): the silent ones are marked, the
+        others forgotten; returns those not marked before."""
+        self.heard(p for p, how in outcomes.items() if how != "silent")
+        return self.fell_silent(p for p, how in outcomes.items() if how == "silent")
 
     def seen_looking(self, peers: Iterable[str], entry_lifetime_s: float) -> None:
         """``peers`` were read as looking: those silent for longer than an entry lives wrote it since."""
@@ -828,9 +834,8 @@ class GroupAverager:
         answers = probing.result() if probing is not None and probing.done() else {}
         self._window.unreachable = frozenset(p for p, how in answers.items() if how == "failed")
         silent = self._window.silent
-        silent.heard(p for p, how in answers.items() if how != "silent")
+        new = silent.answered(answers)
         silent.seen_looking(candidates, cfg.matchmaking_time_s + cfg.join_timeout_s)
-        new = silent.fell_silent(p for p, how in answers.items() if how == "silent")
         silent.keep_only(self._admission.live_expected())
         if new:
             logger.info(
@@ -1014,10 +1019,8 @@ class GroupAverager:
             lobby.dead |= {p for p, answer in answers.items() if answer == "gone"}
             lobby.elsewhere |= {p for p, answer in answers.items() if answer == _ELSEWHERE}
             # silent once is no proof (a loaded machine answers late): it is waited for, and remembered
-            silent = {p for p, answer in answers.items() if answer == "silent"}
-            lobby.silent |= silent & self._window.silent.peers()
-            self._window.silent.heard(p for p, answer in answers.items() if answer != "silent")
-            self._window.silent.fell_silent(silent)
+            lobby.silent |= {p for p, answer in answers.items() if answer == "silent"} & self._window.silent.peers()
+            self._window.silent.answered(answers)
 
         async def drop_the_departed() -> None:
             nonlocal probe_at

@@ -18,7 +18,7 @@ the peers) in consecutive windows of ``--window-s`` seconds:
   and watchdog) is SIGSTOPped for the window and SIGCONTed after it: silent like a machine that was
   suspended or lost its link without a reset (TESTMATRIX row 23, matchmaking with a frozen member). Its
   grouped rounds are compared with the other peers' own in the clean windows (``vs clean``); they also get
-  the frozen peer's CPU share, so ``steps of the others`` is shown beside it;
+  the frozen peer's CPU share, so each window's steps per peer are shown beside it;
 * ``cpu control``: no adversary, but a process that spins as many cores as the outsider's DHT node and
   p2pd used in the ``outsider`` window (the adversary runs on the same 2 cores): the outsider's cost
   beyond the CPU it takes from the machine is its ratio to this window;
@@ -179,29 +179,17 @@ def _peer_argv(run: str, slot: int, initial: list[str], work: Path, extra: list[
     ]
 
 
-def _steps(work: Path, start: float, end: float) -> list[int]:
-    """Inner steps each peer took in [start, end), from its round events (the step of its last round
-    before ``end`` minus that of its last round before ``start``)."""
-    out = []
+def _counts(work: Path, start: float, end: float) -> tuple[list[int], list[int]]:
+    """Each peer's grouped rounds that ended in [start, end), and the inner steps it took then (the step of its
+    last round before ``end`` minus that of its last round before ``start``), from one read of its events."""
+    grouped, steps = [], []
     for slot in range(_PEERS):
         rounds = [e for e in read_events(work / f"peer{slot}.jsonl") if e["event"] == "round"]
+        grouped.append(sum(1 for e in rounds if start <= e["t"] < end and (e.get("group_size") or 0) >= 2))
         before = [e["step"] for e in rounds if e["t"] < start] or [0]
         until = [e["step"] for e in rounds if e["t"] < end] or [0]
-        out.append(max(until) - max(before))
-    return out
-
-
-def _grouped(work: Path, start: float, end: float) -> list[int]:
-    """Grouped rounds of each peer that ended in [start, end)."""
-    counts = []
-    for slot in range(_PEERS):
-        events = read_events(work / f"peer{slot}.jsonl")
-        counts.append(
-            sum(
-                1 for e in events if e["event"] == "round" and start <= e["t"] < end and (e.get("group_size") or 0) >= 2
-            )
-        )
-    return counts
+        steps.append(max(until) - max(before))
+    return grouped, steps
 
 
 WINDOWS = ("clean", "outsider-mm", "outsider", "cpu control", "sybils", "frozen", "clean again")
@@ -296,7 +284,7 @@ def run(
             for slot in range(_PEERS)
         ]
         deadline = time.time() + 240
-        while not all(_grouped(work, 0, time.time() + 1)):
+        while not all(_counts(work, 0, time.time() + 1)[0]):
             if time.time() > deadline:
                 raise RuntimeError(f"the peers did not all group within 240 s; see the logs in {work}")
             time.sleep(1.0)
@@ -319,7 +307,7 @@ def run(
             finally:
                 if adversary is not None:
                     adversary.stop()
-            counts = _grouped(work, start, end)
+            counts, steps = _counts(work, start, end)
             live = _PEERS - 1 if name == "frozen" else _PEERS  # the frozen peer's own rounds are not counted
             per_min = sum(counts[:live]) * 60 / (end - start)
             cpu = adversary.cpu_s / (end - start) if adversary is not None else 0.0
@@ -330,7 +318,7 @@ def run(
                     "grouped_per_peer": counts,
                     "counted_peers": live,
                     "seconds": end - start,
-                    "steps_per_peer": _steps(work, start, end),
+                    "steps_per_peer": steps,
                     "grouped_per_min": per_min,
                     "adversary_cpu_cores": cpu,
                     "adversary_write_cycles": writes,
@@ -338,7 +326,7 @@ def run(
             )
             console.print(
                 f"  {name}: {counts} grouped rounds per peer, {per_min:.1f} per minute of {live} peers; steps"
-                f" {windows[-1]['steps_per_peer']}; adversary {cpu:.2f} cores,"
+                f" {steps}; adversary {cpu:.2f} cores,"
                 f" {writes if writes is not None else '-'} write cycles"
             )
     for w in windows:  # against the same peers' grouped rounds in the clean windows

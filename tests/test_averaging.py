@@ -937,7 +937,7 @@ def test_a_frozen_member_costs_one_window_then_is_not_waited_for(make_group, dht
 
 
 def test_a_silent_member_is_forgotten_when_it_answers_averages_or_writes_a_fresh_entry(monkeypatch):
-    """`_Silent`: marked once (the first time only is new); forgotten by an answer or a round together; read
+    """`_Silent`: marked once (the first time only is new); forgotten by any answer or a round together; read
     as looking, it is forgotten only once its silence is older than an entry lives (before that, the entry
     read may be the one it wrote before it froze); and dropped when it is no longer a live member."""
     clock = [100.0]
@@ -953,6 +953,9 @@ def test_a_silent_member_is_forgotten_when_it_answers_averages_or_writes_a_fresh
     assert silent.peers() == {"c", "d"}
     silent.keep_only(["c", "e"])  # d's capability record expired
     assert silent.peers() == {"c"} and silent and not group_module._Silent()
+    # a round of probes: the silent one is marked (new), one that answered in any way is forgotten
+    assert silent.answered({"e": "silent", "c": "gone", "f": "answered"}) == {"e"} and silent.peers() == {"e"}
+    assert not silent.answered({"e": "silent"})  # marked before: not new
 
 
 def test_a_dht_node_leaves_the_given_peers_out_of_its_lookups_once(dhts):
