@@ -102,7 +102,7 @@ from averaging.membership import (
     parse_entry,
     sign_entry,
 )
-from bootstrap.dhtcalls import keep_out_of_lookups
+from bootstrap.dhtcalls import keep_out_of_lookups, let_back_into_lookups
 from bootstrap.framing import ProtocolError, header_field, linger, read_exactly, read_frame, write_frame
 from bootstrap.identity import Identity
 from bootstrap.runtime import Handler
@@ -343,10 +343,12 @@ class _Silent:
     probed, and drawn when looking. One is forgotten once it answers a probe, averages with this peer, or is
     seen looking longer after it fell silent than an entry lives (a frozen member's last entry is read as
     looking for a window and a join timeout after it froze). This peer's DHT node leaves them out of its
-    lookups meanwhile (`GroupAverager._keep_silent_out_of_lookups`)."""
+    lookups meanwhile, and lets them back once forgotten (`GroupAverager._keep_silent_out_of_lookups`)."""
 
     since: dict[str, float] = field(default_factory=dict)
     """Peer -> when it fell silent (monotonic)."""
+    back: set[str] = field(default_factory=set)
+    """Those forgotten because they showed signs of life, not yet let back into this peer's DHT lookups."""
 
     def __bool__(self) -> bool:
         return bool(self.since)
@@ -357,13 +359,15 @@ class _Silent:
     def fell_silent(self, peers: Iterable[str]) -> set[str]:
         """Mark ``peers``; returns those not marked before."""
         new = set(peers) - self.since.keys()
+        self.back -= new
         now = time.monotonic()
         self.since.update((peer, now) for peer in new)
         return new
 
     def heard(self, peers: Iterable[str]) -> None:
         for peer in peers:
-            self.since.pop(peer, None)
+            if self.since.pop(peer, None) is not None:
+                self.back.add(peer)
 
     def answered(self, outcomes: Mapping[str, str]) -> set[str]:
         """Probe outcomes (peer -> "silent", or how else it met the probe): the silent ones are marked, the
@@ -842,6 +846,7 @@ class GroupAverager:
                 "%s silent to a probe in a matchmaking window: not waited for until it answers one",
                 ", ".join(p[-6:] for p in sorted(new)),
             )
+        if new or silent.back:
             await self._keep_silent_out_of_lookups()
         self._window.lonely = len(candidates) <= 1
         guard = self._admission.guard
@@ -865,14 +870,21 @@ class GroupAverager:
         """The members remembered as silent (`_Silent`) are left out of this peer's DHT lookups for a while: a
         lookup that reaches a frozen node waits hivemind's RPC timeout (3 s), each time its blacklisting runs
         out (measured: two such waits at different times on two peers cost them 8-15 s of failed matchmaking,
-        twice in a minute). Best effort, bounded."""
-        if not self._window.silent:
+        twice in a minute). Those that showed signs of life since are let back at once: after a partition
+        heals, each side has the other left out for up to 40 s (hivemind doubles a ban on each repeat), and
+        would not read the other's matchmaking entries meanwhile. Best effort, bounded."""
+        silent = self._window.silent
+        if not silent and not silent.back:
             return
+        back, silent.back = silent.back, set()
         try:
             async with asyncio.timeout(_KEEP_OUT_TIMEOUT_S):
-                await keep_out_of_lookups(self.dht, self._window.silent.peers())
+                if back:
+                    await let_back_into_lookups(self.dht, back)
+                if silent:
+                    await keep_out_of_lookups(self.dht, silent.peers())
         except Exception as e:  # a DHT that is shutting down, or slow: the lookups wait as before
-            logger.debug("could not leave silent members out of DHT lookups: %r", e)
+            logger.debug("could not update which members this peer's DHT lookups leave out: %r", e)
 
     def _shard(self) -> tuple[str, Callable[[str], bool]]:
         """This window's matchmaking key, and who else looks on it. The run's size is the larger of the

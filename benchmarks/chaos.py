@@ -448,7 +448,8 @@ class _Arm:
         part = self.partition
         inc = next((i for i in self.live() if i.slot == part["slot"]), None)
         return inc is not None and any(
-            e["event"] == "round" and e["t"] > part["healed_at"] and (e.get("group_size") or 0) >= 2 for e in inc.read()
+            e["event"] == "round" and _began_after(e, part["healed_at"]) and (e.get("group_size") or 0) >= 2
+            for e in inc.read()
         )
 
     def drive(self) -> None:
@@ -609,6 +610,15 @@ def failure_reasons(rounds: list[dict[str, Any]], most: int = 12) -> dict[str, i
     return dict(counts.most_common(most))
 
 
+def _began_after(round_event: dict[str, Any], t: float) -> bool:
+    """A round event (time-stamped at its end) began after ``t``: after a partition's heal, a round that began
+    before it looked for its group before it could see the other side. The chaos arm spares the cut-off peer
+    from kills until such a round grouped, the rule `partition_summary` counts re-merge rounds by (CI of stop
+    57: a round in flight at the heal ended grouped, the peer was killed 4 s later, before one that began
+    after the heal could, and the run had no re-merge to count)."""
+    return round_event["t"] - (round_event.get("duration_s") or 0.0) > t
+
+
 def partition_summary(arm: _Arm) -> dict[str, Any] | None:
     part = arm.partition
     if part is None:
@@ -632,7 +642,7 @@ def partition_summary(arm: _Arm) -> dict[str, Any] | None:
     ended_after = sorted(
         (e for inc in cut_off for e in inc.read() if e["event"] == "round" and e["t"] > healed), key=lambda e: e["t"]
     )
-    after = [e for e in ended_after if e["t"] - (e.get("duration_s") or 0.0) > healed]
+    after = [e for e in ended_after if _began_after(e, healed)]
 
     def to_first_group(rounds: list[dict[str, Any]]) -> int | None:
         return next((k + 1 for k, e in enumerate(rounds) if (e.get("group_size") or 0) >= 2), None)

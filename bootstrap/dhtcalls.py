@@ -63,13 +63,40 @@ async def _keep_out(_dht: DHT, node: Any, peers: tuple[str, ...]) -> int:
     return kept_out
 
 
+async def _let_back(_dht: DHT, node: Any, peers: tuple[str, ...]) -> int:
+    let_back = 0
+    for peer in peers:
+        try:
+            peer_id = PeerID.from_base58(peer)
+        except Exception:  # not a peer ID: nothing to let back
+            continue
+        let_back += peer_id in node.blacklist
+        node.blacklist.register_success(peer_id)
+    return let_back
+
+
 def keep_out_of_lookups(dht: DHT, peers: Iterable[str]) -> Any:
     """A future (of how many were not left out already): this DHT node leaves ``peers`` (peer IDs) out of its
     lookups and stores for a while, as if each had just missed a request. That is hivemind's own blacklist:
     5 s, doubled on each repeat; one left out already stays as it is. For peers known to be silent (frozen,
     suspended, cut off without a reset): otherwise every lookup that reaches one waits hivemind's RPC timeout
-    (3 s), each time its last ban runs out. One that answers again is asked again once its ban runs out."""
+    (3 s), each time its last ban runs out. One that answers again is let back with `let_back_into_lookups`."""
     return dht.run_coroutine(functools.partial(_keep_out, peers=tuple(sorted(peers))), return_future=True)
 
 
-__all__ = ["keep_out_of_lookups", "latest_many", "latest_many_within", "latest_within", "store_within"]
+def let_back_into_lookups(dht: DHT, peers: Iterable[str]) -> Any:
+    """A future (of how many were left out): this DHT node asks ``peers`` again at once and forgets their past
+    misses, as after an answer (hivemind's `Blacklist.register_success`). For peers heard from again: a node
+    is otherwise asked only once its ban runs out, and its bans double on each repeat (5, 10, 20, 40 s...), so
+    a peer cut off by a 25 s partition stayed out of the other side's lookups for up to 40 s after the heal."""
+    return dht.run_coroutine(functools.partial(_let_back, peers=tuple(sorted(peers))), return_future=True)
+
+
+__all__ = [
+    "keep_out_of_lookups",
+    "latest_many",
+    "latest_many_within",
+    "latest_within",
+    "let_back_into_lookups",
+    "store_within",
+]

@@ -37,7 +37,7 @@ from averaging.group import (
 )
 from averaging.membership import EntryRejected, parse_entry, sign_entry
 from bootstrap import start_dht, stop_dht, visible_maddrs
-from bootstrap.dhtcalls import keep_out_of_lookups
+from bootstrap.dhtcalls import keep_out_of_lookups, let_back_into_lookups
 from bootstrap.identity import Identity
 from bootstrap.owned import OwnerBoundValidator, dht_owned_rejections
 from bootstrap.records import PEERS_KEYS, peers_key, sign_record
@@ -947,23 +947,30 @@ def test_a_silent_member_is_forgotten_when_it_answers_averages_or_writes_a_fresh
     silent.heard(["a"])  # it answered a probe, or averaged with this peer
     clock[0] += 5.0
     silent.seen_looking(["b"], entry_lifetime_s=7.0)  # 5 s after: maybe its last entry from before the freeze
-    assert silent.peers() == {"b", "c", "d"}
+    assert silent.peers() == {"b", "c", "d"} and silent.back == {"a"}
     clock[0] += 3.0
     silent.seen_looking(["b"], entry_lifetime_s=7.0)  # 8 s after: an entry written since
-    assert silent.peers() == {"c", "d"}
-    silent.keep_only(["c", "e"])  # d's capability record expired
-    assert silent.peers() == {"c"} and silent and not group_module._Silent()
+    assert silent.peers() == {"c", "d"} and silent.back == {"a", "b"}
+    silent.keep_only(["c", "e"])  # d's capability record expired: gone, not back
+    assert silent.peers() == {"c"} and silent and not group_module._Silent() and silent.back == {"a", "b"}
     # a round of probes: the silent one is marked (new), one that answered in any way is forgotten
     assert silent.answered({"e": "silent", "c": "gone", "f": "answered"}) == {"e"} and silent.peers() == {"e"}
     assert not silent.answered({"e": "silent"})  # marked before: not new
+    assert silent.back == {"a", "b", "c"}  # f was never silent
+    assert silent.fell_silent(["a"]) == {"a"} and silent.back == {"b", "c"}  # silent again before it was let back
 
 
-def test_a_dht_node_leaves_the_given_peers_out_of_its_lookups_once(dhts):
+def test_a_dht_node_leaves_the_given_peers_out_of_its_lookups_once_and_lets_them_back(dhts):
     """`keep_out_of_lookups` puts peers on the node's own blacklist (hivemind's): the count of newly left out,
-    0 for one left out already and for a string that is no peer ID."""
+    0 for one left out already and for a string that is no peer ID; `let_back_into_lookups` takes them off."""
     stranger = Identity.generate().peer_id  # no node of this network: leaving it out changes no lookup here
     assert keep_out_of_lookups(dhts[0], [stranger, "not a peer id"]).result(timeout=30) == 1
     assert keep_out_of_lookups(dhts[0], [stranger]).result(timeout=30) == 0
+    # heard from again: asked at once, its past misses forgotten (left out anew, it is a first miss)
+    assert let_back_into_lookups(dhts[0], [stranger, "not a peer id"]).result(timeout=30) == 1
+    assert let_back_into_lookups(dhts[0], [stranger]).result(timeout=30) == 0
+    assert keep_out_of_lookups(dhts[0], [stranger]).result(timeout=30) == 1
+    assert let_back_into_lookups(dhts[0], [stranger]).result(timeout=30) == 1
 
 
 # --------------------------------------------------------------------------- an open network (issue 15)

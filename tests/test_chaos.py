@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from benchmarks.chaos import ChaosConfig, build_parser, checks, config_from_args, partition_summary, run
+from benchmarks.chaos import ChaosConfig, _Arm, build_parser, checks, config_from_args, partition_summary, run
 
 _NETNS = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 
@@ -146,6 +146,22 @@ def test_the_re_merge_counts_the_rounds_that_began_after_the_heal() -> None:
     assert part["rounds_ended_after_heal_to_remerge"] == 3  # the old count took in the round ending at 101
     assert part["seconds_to_remerge"] == 11.0
     assert part["other_side_grouped_rounds"] == 2  # 80 and 90 lie in the cut
+
+
+def test_the_cut_off_peer_is_spared_from_kills_until_a_round_that_began_after_the_heal_grouped() -> None:
+    """The chaos arm's re-merge (which ends the cut-off peer's immunity to kills) is the summary's: CI of stop
+    57 killed it 4 s after the heal, once the round in flight at the heal had ended grouped, and the run had no
+    re-merge round to count."""
+    rounds = [{"event": "round", "t": 101.0, "duration_s": 4.0, "group_size": 2}]  # heal at 100: in flight
+    cut_off = SimpleNamespace(slot=1, read=lambda: rounds, first=lambda event: {"event": event})
+    other = SimpleNamespace(slot=0, read=lambda: [], first=lambda event: {"event": event})
+    arm = SimpleNamespace(partition={"slot": 1, "healed_at": 100.0}, live=lambda: [cut_off, other])
+    assert not _Arm._remerged(arm)
+    assert _Arm.victims(arm) == [other]
+    rounds.append({"event": "round", "t": 106.0, "duration_s": 4.0, "group_size": 3})  # began at 102
+    assert _Arm._remerged(arm)
+    arm.partition["remerged"] = True
+    assert _Arm.victims(arm) == [cut_off, other]
 
 
 # Judged by the full run (RESILIENCE.md) against the matrix's bounds; in a 80-second run they depend on where
