@@ -3,7 +3,9 @@
 A test builds one injector, plans faults, and attaches it to every averager; afterwards it asserts
 both the round's outcome and ``injector.fired`` (a fault that silently did nothing proves nothing).
 Actions: ``crash`` (the peer vanishes: its streams close and its step is abandoned), ``stall``
-(it stops talking for ``stall_s``), and ``kill`` (SIGKILL of the whole process, for subprocess peers).
+(it stops talking for ``stall_s``, still answering probes: a straggler), ``freeze`` (its event loop is
+held for ``stall_s`` or until ``thaw`` is set: nothing of it answers, as a SIGSTOPped or cut-off peer's),
+and ``kill`` (SIGKILL of the whole process, for subprocess peers).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +26,7 @@ class Crashed(SwarmError):
 
 
 PHASES = ("matchmaking", "joined", "grouped", "send", "piece", "agree", "reduce")
-ACTIONS = ("crash", "stall", "kill")
+ACTIONS = ("crash", "stall", "freeze", "kill")
 
 
 @dataclass
@@ -37,6 +40,8 @@ class FaultInjector:
     fired: Counter = field(default_factory=Counter)
     """(peer name, round, phase, action) -> times fired."""
     max_fires: dict[tuple[str, int, str], int] = field(default_factory=dict)
+    thaw: threading.Event = field(default_factory=threading.Event)
+    """Ends every ``freeze`` at once."""
 
     def add(self, peer: str, round_: int, phase: str, action: str, *, times: int = 1) -> None:
         if phase not in PHASES or action not in ACTIONS:
@@ -56,6 +61,8 @@ class FaultInjector:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif action == "stall":
                 await asyncio.sleep(self.stall_s)
+            elif action == "freeze":
+                self.thaw.wait(self.stall_s)  # holds the event loop: no stream of this peer moves
             else:
                 await averager.crash()
                 raise Crashed(f"{name} crashed in round {round_} during {phase}")

@@ -52,7 +52,11 @@ deadline; a member that no reducer had a part from and whose list of senders nev
 deadline is not waited for past it (it is gone or cut off; judged once another member's list came). A
 member whose stream breaks or is refused is probed once on a fresh stream; one found gone (a killed peer's
 dial fails; a restarted one is in no round) is waited for no longer -- neither its part nor its list of
-senders -- so a SIGKILL costs the survivors the retry, not the deadlines; a leader probes the followers
+senders -- so a SIGKILL costs the survivors the retry, not the deadlines. A member from which nothing came
+for a quarter of the sender timeout while it owes this peer something is probed (`_watch_silence`): one
+that answers is waited for as before; one silent to two probes in a row (frozen, cut off: its streams hang
+rather than fail) is given up too, so a freeze or a partition costs the survivors some 4 s of quiet and two
+probe timeouts, then the retry, not the deadlines. A leader probes the followers
 that have not joined 0.5 s in, and again every second (one that does not answer within the probe's 2 s is
 slow, not gone: it is waited for until the join deadline; one that answers that it drew another leader in
 this window, its view of the candidates having differed, is not waited for, nor made a suspect), and leaves
@@ -114,6 +118,8 @@ _MAX_MEMBERS = 64
 _MAX_ENTRIES_READ = 16 * _MAX_MEMBERS
 _GONE_POLL_S = 0.25
 _PROBE_TIMEOUT_S = 2.0
+_QUIET_MIN_S = 1.0  # an all-reduce probes a member from which nothing came for this long at least
+_QUIET_POLL_S = 0.25
 _PROBE_ABSENT_AFTER_S = 0.5  # a leader probes the followers that have not joined by then
 _PROBE_WINDOW_AFTER_S = 0.25
 """How far into a matchmaking window the expected members not looking yet are probed. Halfway (1 s of the
@@ -275,11 +281,36 @@ class _ReduceState:
     arrivals: dict[str, float] = field(default_factory=dict)
     """When each member's part began to arrive (its header; monotonic): about when that member sent."""
     dead: set[str] = field(default_factory=set)
-    """Members gone from this attempt (a stream to them broke and a probe found them gone): neither their
-    part nor their list of senders is waited for."""
+    """Members gone from this attempt (a stream to them broke and a probe found them gone, or they fell
+    silent: `GroupAverager._watch_silence`): neither their part, their list of senders nor their slice is
+    waited for."""
+    silent: set[str] = field(default_factory=set)
+    """Those of ``dead`` given up for silence."""
+    heard: dict[str, float] = field(default_factory=dict)
+    """Member -> when something last came from it in this attempt (monotonic): a piece of its part, its list
+    of senders, a piece of its slice, an answer to a probe."""
+    sent: set[str] = field(default_factory=set)
+    """Members this peer's part went to in full."""
+    replied: set[str] = field(default_factory=set)
+    """Members whose slice came back in full."""
+    died: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set (and replaced) each time a member is marked dead."""
 
     def waiting_for(self) -> set[str]:
         return set(self.group.members) - self.dead
+
+    def heard_from(self, peer: str) -> None:
+        self.heard[peer] = time.monotonic()
+
+    def owes(self, peer: str) -> bool:
+        """Whether this peer still waits for something from ``peer`` that does not wait on this peer's own
+        sending: its part, or (once this peer's part went to it in full) its list of senders and its slice.
+        A peer that is itself slow to send is not misled into giving up on those that wait for it."""
+        if peer in self.dead or peer == self.group.members[self.my_index]:
+            return False
+        return peer not in self.parts or (
+            peer in self.sent and not (peer in self.received_sets and peer in self.replied)
+        )
 
     def update(self) -> None:
         """Wake the waits whose peers have all answered or are known dead."""
@@ -295,6 +326,28 @@ class _ReduceState:
     def mark_dead(self, peer: str) -> None:
         self.dead.add(peer)
         self.update()
+        self.died.set()
+        self.died = asyncio.Event()
+
+    async def unless_dead(self, peer: str, work: Awaitable[Any]) -> Any:
+        """``work``'s result, or None (``work`` cancelled) once ``peer`` is marked dead: a stream to a frozen or
+        cut-off member hangs rather than fails."""
+        task = asyncio.ensure_future(work)
+        try:
+            while not task.done() and peer not in self.dead:
+                died = asyncio.ensure_future(self.died.wait())
+                try:
+                    await asyncio.wait((task, died), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    died.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return None
+            return task.result()
+        finally:
+            if not task.done():  # this wait itself was cancelled
+                task.cancel()
 
     def unheard(self) -> set[str]:
         """Once the survivors are agreed: the members no reducer had a part from and whose own list of senders
@@ -1201,19 +1254,23 @@ class GroupAverager:
         self._states[group.group_id] = state
         self._wake_part_waiters()
         self._activity.rounds += 1
+        watch = asyncio.create_task(self._watch_silence(state))
         try:
             reduce_task = asyncio.create_task(self._reduce(state, record))
             send_tasks = {
                 peer: asyncio.create_task(
-                    self._send_part(
+                    state.unless_dead(
                         peer,
-                        group,
-                        i,
-                        tensor[a:b],
-                        weight,
-                        record,
-                        min(deadline, started + cfg.reducer_timeout_s),
-                        codec,
+                        self._send_part(
+                            peer,
+                            group,
+                            i,
+                            tensor[a:b],
+                            weight,
+                            record,
+                            min(deadline, started + cfg.reducer_timeout_s),
+                            codec,
+                        ),
                     )
                 )
                 for i, (peer, (a, b)) in enumerate(zip(group.members, bounds))
@@ -1236,15 +1293,57 @@ class GroupAverager:
             record.phase_s["allreduce"] = time.monotonic() - started
             if lost:
                 for peer in lost - unheard:
-                    record.fail(peer, "reduce", "its slice was not completed")
+                    reason = "given up: silent" if peer in state.silent else "its slice was not completed"
+                    record.fail(peer, "reduce", reason)
                 return None, lost
             return torch.cat([slices[m] for m in group.members]), set()
         finally:
+            watch.cancel()
             self._activity.round_ended()
             self._states.pop(group.group_id, None)
             state.pieces.give_up_tentative()
             if not state.result.done():
                 state.result.set_result(None)
+
+    async def _watch_silence(self, state: _ReduceState) -> None:
+        """Give up on a member that fell silent in the attempt (frozen, suspended, cut off without a reset: its
+        streams hang rather than fail), not at the deadlines. A member that owes this peer something
+        (`_ReduceState.owes`) and from which nothing came for a quarter of the sender timeout (at least
+        `_QUIET_MIN_S`) is probed; any answer, or anything else from it meanwhile, and it is waited for as
+        before (a straggler, or slow); a failed dial marks it dead, as after a broken stream; no answer to
+        two probes in a row (`_PROBE_TIMEOUT_S` each) marks it dead and silent, remembered for the next
+        windows (`_Silent`). Measured before (chaos run, a 25 s partition 0.3 s into a round of 4): the
+        other 3 waited 14-16 s (sender, agreement and reducer deadlines) and grouped no round in the cut."""
+        quiet_s = max(_QUIET_MIN_S, self.config.sender_timeout_s / 4)
+        strikes: Counter = Counter()
+        while True:
+            await asyncio.sleep(_QUIET_POLL_S)
+            now = time.monotonic()
+            quiet = [
+                m for m in state.group.members if state.owes(m) and now - state.heard.get(m, state.started) > quiet_s
+            ]
+            if not quiet:
+                continue
+            asked = time.monotonic()
+            answers = await asyncio.gather(
+                *(self._probe_answer(m, state.group.group_id, _PROBE_TIMEOUT_S) for m in quiet)
+            )
+            for peer, (how, _) in zip(quiet, answers):
+                if peer in state.dead:
+                    continue
+                if how == "answered" or state.heard.get(peer, -math.inf) >= asked:
+                    strikes.pop(peer, None)
+                    state.heard_from(peer)
+                elif how == "failed":
+                    state.mark_dead(peer)
+                else:
+                    strikes[peer] += 1
+                    if strikes[peer] < 2:
+                        continue
+                    state.silent.add(peer)
+                    state.mark_dead(peer)
+                    if self._window.silent.fell_silent([peer]):
+                        logger.info("%s silent in an all-reduce: given up, not waited for until it answers", peer[-6:])
 
     async def _reduce(self, state: _ReduceState, record: RoundRecord) -> torch.Tensor | None:
         """Collect the parts of my slice, aggregating and sending back each piece as soon as every member's
@@ -1261,7 +1360,9 @@ class GroupAverager:
         record.phase_s["mean_sender"] = sum(offsets) / len(offsets)
         for missing in expected - state.parts:
             reason = (
-                "gone (a broken stream, then a probe)"
+                "silent (nothing came, then no answer to two probes)"
+                if missing in state.silent
+                else "gone (a broken stream, then a probe)"
                 if missing in state.dead
                 else "no part before the sender deadline"
             )
@@ -1271,7 +1372,7 @@ class GroupAverager:
         state.received_sets[self.peer_id] = mine
         await self._fault("agree", self.peer_id)
         others = [m for m in state.group.members if m != self.peer_id]
-        await asyncio.gather(*(self._send_received_set(peer, state, mine) for peer in others))
+        await asyncio.gather(*(state.unless_dead(peer, self._send_received_set(peer, state, mine)) for peer in others))
         state.update()
         # a reducer that already has every part must still wait for those that wait out the sender
         # deadline; a reducer whose list never comes is dead, and its slice is lost anyway
@@ -1420,19 +1521,33 @@ class GroupAverager:
             "payload_bytes": sum(wire_bytes(codec, b - a) for a, b in bounds),
         }
         tasks: list[asyncio.Task] = []
+        state = self._states.get(group.group_id)
+
+        async def write() -> None:
+            await self._write_pieces(writer, header, part, bounds, codec, record, peer)
+            if state is not None:
+                state.sent.add(peer)
+
+        def heard() -> None:
+            if state is not None:
+                state.heard_from(peer)
+
         try:
             async with asyncio.timeout(max(0.1, reply_deadline - time.monotonic())):
                 await self._fault("send", peer)
                 _, reader, writer = await self._open(peer)
                 try:
                     tasks = [
-                        asyncio.create_task(self._write_pieces(writer, header, part, bounds, codec, record, peer)),
-                        asyncio.create_task(self._read_pieces(reader, part.numel(), bounds, codec, record)),
+                        asyncio.create_task(write()),
+                        asyncio.create_task(self._read_pieces(reader, part.numel(), bounds, codec, record, heard)),
                     ]
                     await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
                     if tasks[0].done() and tasks[0].exception() is not None:
                         raise tasks[0].exception()
-                    return await tasks[1]
+                    slice_ = await tasks[1]
+                    if state is not None:
+                        state.replied.add(peer)
+                    return slice_
                 finally:
                     for task in tasks:
                         task.cancel()
@@ -1470,14 +1585,22 @@ class GroupAverager:
             record.bytes_sent += len(payload)
 
     async def _read_pieces(
-        self, reader: asyncio.StreamReader, numel: int, bounds: list[tuple[int, int]], codec: Any, record: RoundRecord
+        self,
+        reader: asyncio.StreamReader,
+        numel: int,
+        bounds: list[tuple[int, int]],
+        codec: Any,
+        record: RoundRecord,
+        heard: Callable[[], None] = lambda: None,
     ) -> torch.Tensor:
         """The reducer's aggregate of the slice: its pieces in order, once more after a ``revised`` frame (the
-        survivors' aggregate replacing what came before it), taken when ``final`` comes after the last piece."""
+        survivors' aggregate replacing what came before it), taken when ``final`` comes after the last piece.
+        ``heard`` is called on each frame."""
         out = torch.empty(numel, dtype=torch.float32)
         got, revised = 0, False
         while True:
             frame = await read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES)
+            heard()
             status = frame.get("status")
             if status == "piece":
                 if header_field(frame, "k", int, low=0, high=len(bounds) - 1) != got:
@@ -1675,6 +1798,7 @@ class GroupAverager:
         if peer not in state.group.members or not all(isinstance(s, str) for s in senders):
             raise ProtocolError("not a member", peer)
         state.received_sets[peer] = frozenset(senders) & frozenset(state.group.members)
+        state.heard_from(peer)
         state.update()
 
     async def _serve_part(
@@ -1704,6 +1828,7 @@ class GroupAverager:
         if peer in state.arrivals or peer in state.parts:
             raise ProtocolError("duplicate part", peer)
         state.arrivals[peer] = arrived
+        state.heard_from(peer)
         pieces.weights[peer] = weight
         replying = asyncio.create_task(self._reply(state, writer))
         try:
@@ -1718,6 +1843,7 @@ class GroupAverager:
                 if time.monotonic() > state.sender_deadline or self.peer_id in state.received_sets:
                     raise ProtocolError("late part", peer)  # this reducer already closed its list of senders
                 pieces.received[k][peer] = piece
+                state.heard_from(peer)
                 state.update()
             state.parts.add(peer)
             state.update()

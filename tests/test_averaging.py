@@ -294,6 +294,48 @@ def test_a_sender_that_stalls_after_its_first_piece_is_dropped_and_the_pieces_se
 
 
 @pytest.mark.timeout(120)
+def test_a_member_frozen_in_the_all_reduce_is_given_up_when_two_probes_go_unanswered(make_group):
+    """TESTMATRIX rows 6 and 23 inside a round: the last member's runtime freezes after the first piece of
+    its part (its event loop held: none of its streams moves, no probe of it is answered, as a SIGSTOPped
+    or cut-off peer's). The others probe it once nothing came from it for 4 s (a quarter of the 16 s sender
+    timeout), give it up when two probes go unanswered, and retry without it: exactly the survivors'
+    weighted mean, some 9 s in, not past the 16 s sender deadline. A straggler that answers probes is still
+    waited for: `test_a_straggler_is_dropped_at_its_deadline`."""
+    tensors, weights = _inputs()
+    averagers = make_group(aggregator="mean", piece_numel=1000, sender_timeout_s=16.0, reducer_timeout_s=30.0)
+    faults = FaultInjector(stall_s=60)
+    for i, averager in enumerate(averagers):
+        faults.attach(averager, f"peer{i}")
+    faults.add("peer3", 1, "piece", "freeze")
+    frozen = averagers[3]
+
+    def step_frozen() -> None:
+        with contextlib.suppress(Exception):  # what it gets once thawed is not this test's
+            frozen.step(tensors[3], weight=weights[3], timeout_s=40.0)
+
+    frozen_step = threading.Thread(target=step_frozen)
+    frozen_step.start()
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            results = list(
+                pool.map(lambda i: averagers[i].step(tensors[i], weight=weights[i], timeout_s=40.0), range(3))
+            )
+        assert faults.fired[("peer3", 1, "piece", "freeze")] == 1, faults.fired
+        assert not faults.thaw.is_set()  # still frozen when the others were done
+    finally:
+        faults.thaw.set()
+        frozen_step.join(60)
+    reference = _weighted_mean(tensors, weights, [0, 1, 2])
+    silent = {"peer": frozen.peer_id, "phase": "send", "reason": "silent (nothing came, then no answer to two probes)"}
+    for i, (out, record, _) in enumerate(results):
+        assert record.outcome == "retried" and silent in record.failures, (i, record.to_dict())
+        assert out is not None and (out - reference).abs().max().item() < 1e-5, record.to_dict()
+        assert sorted(record.included) == sorted(a.peer_id for a in averagers[:3]), record.to_dict()
+        assert record.phase_s["total"] - record.phase_s["matchmaking"] < 13.0, record.to_dict()
+        assert averagers[i]._window.silent.peers() == {frozen.peer_id}
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("codec", ["fp16", "int8"])
 def test_compressed_rounds_stay_within_the_codec_bound(make_group, codec):
     tensors, weights = _inputs()
