@@ -924,8 +924,8 @@ class GroupAverager:
         lookup that reaches a frozen node waits hivemind's RPC timeout (3 s), each time its blacklisting runs
         out (measured: two such waits at different times on two peers cost them 8-15 s of failed matchmaking,
         twice in a minute). Those that showed signs of life since are let back at once: after a partition
-        heals, each side has the other left out for up to 40 s (hivemind doubles a ban on each repeat), and
-        would not read the other's matchmaking entries meanwhile. Best effort, bounded."""
+        heals, each side could have the other left out for one more ban (hivemind doubles a ban on each
+        repeat: 5, 10, 20 s...), and would not ask the other's DHT node meanwhile. Best effort, bounded."""
         silent = self._window.silent
         if not silent and not silent.back:
             return

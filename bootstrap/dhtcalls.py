@@ -50,29 +50,21 @@ def latest_many_within(dht: DHT, keys: Iterable[str], *, timeout_s: float) -> di
     return latest_many(dht, keys).result(timeout=timeout_s)
 
 
-async def _keep_out(_dht: DHT, node: Any, peers: tuple[str, ...]) -> int:
-    kept_out = 0
+async def _leave_out(_dht: DHT, node: Any, peers: tuple[str, ...], leave_out: bool) -> int:
+    """Puts ``peers`` on this node's blacklist (``leave_out``) or takes them off; how many changed."""
+    changed = 0
     for peer in peers:
         try:
             peer_id = PeerID.from_base58(peer)
-        except Exception:  # not a peer ID: nothing to leave out
+        except Exception:  # not a peer ID: nothing to change
             continue
-        if peer_id not in node.blacklist:
+        was_out = peer_id in node.blacklist
+        if leave_out and not was_out:
             node.blacklist.register_failure(peer_id)
-            kept_out += 1
-    return kept_out
-
-
-async def _let_back(_dht: DHT, node: Any, peers: tuple[str, ...]) -> int:
-    let_back = 0
-    for peer in peers:
-        try:
-            peer_id = PeerID.from_base58(peer)
-        except Exception:  # not a peer ID: nothing to let back
-            continue
-        let_back += peer_id in node.blacklist
-        node.blacklist.register_success(peer_id)
-    return let_back
+        elif not leave_out:
+            node.blacklist.register_success(peer_id)
+        changed += was_out != leave_out
+    return changed
 
 
 def keep_out_of_lookups(dht: DHT, peers: Iterable[str]) -> Any:
@@ -81,15 +73,19 @@ def keep_out_of_lookups(dht: DHT, peers: Iterable[str]) -> Any:
     5 s, doubled on each repeat; one left out already stays as it is. For peers known to be silent (frozen,
     suspended, cut off without a reset): otherwise every lookup that reaches one waits hivemind's RPC timeout
     (3 s), each time its last ban runs out. One that answers again is let back with `let_back_into_lookups`."""
-    return dht.run_coroutine(functools.partial(_keep_out, peers=tuple(sorted(peers))), return_future=True)
+    return dht.run_coroutine(
+        functools.partial(_leave_out, peers=tuple(sorted(peers)), leave_out=True), return_future=True
+    )
 
 
 def let_back_into_lookups(dht: DHT, peers: Iterable[str]) -> Any:
     """A future (of how many were left out): this DHT node asks ``peers`` again at once and forgets their past
     misses, as after an answer (hivemind's `Blacklist.register_success`). For peers heard from again: a node
-    is otherwise asked only once its ban runs out, and its bans double on each repeat (5, 10, 20, 40 s...), so
-    a peer cut off by a 25 s partition stayed out of the other side's lookups for up to 40 s after the heal."""
-    return dht.run_coroutine(functools.partial(_let_back, peers=tuple(sorted(peers))), return_future=True)
+    is otherwise asked only once its ban runs out, and its bans double on each repeat (5, 10, 20, 40 s...): a
+    peer cut off for 25 s could stay out of the other side's lookups for a 20 s ban more after the heal."""
+    return dht.run_coroutine(
+        functools.partial(_leave_out, peers=tuple(sorted(peers)), leave_out=False), return_future=True
+    )
 
 
 __all__ = [
