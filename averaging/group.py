@@ -120,6 +120,7 @@ _GONE_POLL_S = 0.25
 _PROBE_TIMEOUT_S = 2.0
 _QUIET_MIN_S = 1.0  # an all-reduce probes a member from which nothing came for this long at least
 _QUIET_POLL_S = 0.25
+_PROBE_GRACE_S = 0.1  # a window that ran its length waits this long for its probe's answers, due at its end
 _PROBE_ABSENT_AFTER_S = 0.5  # a leader probes the followers that have not joined by then
 _PROBE_WINDOW_AFTER_S = 0.25
 """How far into a matchmaking window the expected members not looking yet are probed. Halfway (1 s of the
@@ -835,6 +836,7 @@ class GroupAverager:
         my_class = (self.region, bandwidth_class(self._bandwidth_mbps()))
         expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s
         entry = self._entry(key, expiration)
+        began = time.monotonic()
         await self._keep_silent_out_of_lookups()
         # done once one replica holds the entry (the rest are stored in the background): a replica cut off by
         # a partition costs the window hivemind's RPC timeout (3 s) once, not twice (chaos runs: 6.0 -> 3.0 s)
@@ -853,6 +855,7 @@ class GroupAverager:
         previous: set[str] | None = None
         poll_s = 0.0  # read at once (the others may all be looking already), then every 0.1 s or when woken
         wakes = 0
+        opened, reads, slowest_read = time.monotonic(), 0, 0.0
         try:
             while True:
                 wait_s = min(poll_s, max(0.0, window_end - time.monotonic()))
@@ -864,7 +867,9 @@ class GroupAverager:
                     await asyncio.sleep(wait_s)
                 self._window.wake.clear()  # after the wait: a wake that comes during the read below counts
                 poll_s = _WINDOW_POLL_S
+                read_at = time.monotonic()
                 candidates = await self._read_candidates(key, my_class, suspects)
+                reads, slowest_read = reads + 1, max(slowest_read, time.monotonic() - read_at)
                 looking = self._window.looking = set(candidates)
                 # one that said it left is not waited for, nor one that looks on another key this epoch, nor
                 # one that this window's probe found unreachable (a killed or restarting member), nor one
@@ -884,11 +889,25 @@ class GroupAverager:
                 if full_and_stable or time.monotonic() >= window_end:
                     break
                 previous = looking
+            if probing is not None and not probing.done() and not full_and_stable:
+                # its timeout ends with the window: the answers due now are waited for a moment, not dropped (a
+                # frozen member's silence went unrecorded when the loop's last read ended first)
+                await asyncio.wait({probing}, timeout=_PROBE_GRACE_S)
         finally:
             self._window.looking = set()  # outside a window, nudges are taken from live members only
             if probing is not None and not probing.done():
                 probing.cancel()
-        answers = probing.result() if probing is not None and probing.done() else {}
+        answers = probing.result() if probing is not None and probing.done() and not probing.cancelled() else {}
+        logger.debug(
+            "window of %.2f s (opened %.2f s after it began: the entry's store): %d read(s), slowest %.2f s;"
+            " %d looking; probes %s",
+            time.monotonic() - opened,
+            opened - began,
+            reads,
+            slowest_read,
+            len(candidates),
+            {p[-6:]: how for p, how in answers.items()} if probing is None or probing.done() else "cut short",
+        )
         self._window.unreachable = frozenset(p for p, how in answers.items() if how == "failed")
         silent = self._window.silent
         new = silent.answered(answers)
