@@ -1141,6 +1141,12 @@ class GroupAverager:
                 raise  # fault injection: this peer crashed after it joined
             record.fail(leader, "matchmaking", f"join failed: {e!r}"[:200])
             self._admission.no_show(leader)  # a leader that does not answer costs us its join timeout once
+            if isinstance(e, TimeoutError) and self._window.silent.fell_silent([leader]):
+                # no answer, not even "not leading", within the join timeout: frozen or cut off, with its last
+                # entry still read as looking. Remembered as silent, it is left out of this peer's DHT lookups
+                # from the next window on (adversary run of stop 58: that window's store of the entry waited on
+                # its DHT node for 6 s), and forgotten once it shows signs of life (`_Silent`)
+                logger.info("%s silent to a join: not waited for until it answers a probe", leader[-6:])
             return None
         if reply.get("status") != "ok":
             record.fail(leader, "matchmaking", f"leader said {str(reply.get('status'))[:50]}")

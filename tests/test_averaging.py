@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import json
+import logging
 import threading
 import time
 from collections import Counter
@@ -333,6 +334,60 @@ def test_a_member_frozen_in_the_all_reduce_is_given_up_when_two_probes_go_unansw
         assert sorted(record.included) == sorted(a.peer_id for a in averagers[:3]), record.to_dict()
         assert record.phase_s["total"] - record.phase_s["matchmaking"] < 13.0, record.to_dict()
         assert averagers[i]._window.silent.peers() == {frozen.peer_id}
+
+
+@pytest.mark.timeout(120)
+def test_a_leader_frozen_after_the_draw_is_remembered_as_silent_by_its_followers(make_group, caplog):
+    """TESTMATRIX row 23: the chunk's leader (the lowest peer ID) freezes right after the draw (its event loop
+    held, as a SIGSTOPped peer's). Its followers' joins get no answer within the join timeout; each makes it
+    a suspect (not drawn again this round: the 3 group without it and average exactly) and remembers it as
+    silent from that join on (`_Silent`: not waited for, left out of their DHT lookups from the next window's
+    start, before its store, until it shows signs of life). Here the next window's probe would find it silent
+    too, but only at that window's end: a real frozen peer's DHT node makes that window's store wait first."""
+    caplog.set_level(logging.INFO, logger="averaging.group")
+    tensors, weights = _inputs()
+    averagers = make_group(aggregator="mean", join_timeout_s=2.0)
+    order = sorted(range(NUM_PEERS), key=lambda i: averagers[i].peer_id)
+    leader, followers = order[0], order[1:]
+    faults = FaultInjector(stall_s=60)
+    for i, averager in enumerate(averagers):
+        faults.attach(averager, f"peer{i}")
+    faults.add(f"peer{leader}", 1, "matchmaking", "freeze")
+    members = {a.peer_id for a in averagers}  # the live members of the run, as capability records give them
+
+    def step_frozen() -> None:
+        with contextlib.suppress(Exception):  # what it gets once thawed is not this test's
+            averagers[leader].step(tensors[leader], weight=weights[leader], timeout_s=40.0, expected=members)
+
+    frozen_step = threading.Thread(target=step_frozen)
+    frozen_step.start()
+    try:
+        with ThreadPoolExecutor(len(followers)) as pool:
+            results = list(
+                pool.map(
+                    lambda i: averagers[i].step(tensors[i], weight=weights[i], timeout_s=40.0, expected=members),
+                    followers,
+                )
+            )
+        assert faults.fired[(f"peer{leader}", 1, "matchmaking", "freeze")] == 1, faults.fired
+        assert not faults.thaw.is_set()
+    finally:
+        faults.thaw.set()
+        frozen_step.join(60)
+    reference = _weighted_mean(tensors, weights, followers)
+    frozen_id = averagers[leader].peer_id
+    for i, (out, record, group) in zip(followers, results):
+        joins = [f for f in record.failures if f["peer"] == frozen_id and f["phase"] == "matchmaking"]
+        assert joins and all(f["reason"].startswith("join failed: TimeoutError") for f in joins), record.to_dict()
+        assert record.outcome == "ok" and frozen_id not in group.members, record.to_dict()
+        assert out is not None and (out - reference).abs().max().item() < 1e-5, record.to_dict()
+        assert averagers[i]._window.silent.peers() == {frozen_id}
+    from_joins = [
+        r
+        for r in caplog.records
+        if r.getMessage() == f"{frozen_id[-6:]} silent to a join: not waited for until it answers a probe"
+    ]
+    assert len(from_joins) == len(followers), [r.getMessage() for r in caplog.records]
 
 
 @pytest.mark.timeout(120)
