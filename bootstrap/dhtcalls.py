@@ -59,20 +59,21 @@ async def _leave_out(_dht: DHT, node: Any, peers: tuple[str, ...], leave_out: bo
         except Exception:  # not a peer ID: nothing to change
             continue
         was_out = peer_id in node.blacklist
-        if leave_out and not was_out:
+        node.blacklist.register_success(peer_id)
+        if leave_out:  # a fresh first ban from now, not one that may run out in the next few seconds
             node.blacklist.register_failure(peer_id)
-        elif not leave_out:
-            node.blacklist.register_success(peer_id)
         changed += was_out != leave_out
     return changed
 
 
 def keep_out_of_lookups(dht: DHT, peers: Iterable[str]) -> Any:
     """A future (of how many were not left out already): this DHT node leaves ``peers`` (peer IDs) out of its
-    lookups and stores for a while, as if each had just missed a request. That is hivemind's own blacklist:
-    5 s, doubled on each repeat; one left out already stays as it is. For peers known to be silent (frozen,
-    suspended, cut off without a reset): otherwise every lookup that reaches one waits hivemind's RPC timeout
-    (3 s), each time its last ban runs out. One that answers again is let back with `let_back_into_lookups`."""
+    lookups and stores for a while, as if each had just missed its first request: hivemind's own blacklist,
+    5 s from now (one left out already is banned afresh: an older ban, hivemind's own included, could run out
+    within the next few seconds; adversary run of stop 58: a matchmaking window's read then waited 3 s on a
+    frozen node marked silent). For peers known to be silent (frozen, suspended, cut off without a reset):
+    otherwise every lookup that reaches one waits hivemind's RPC timeout (3 s), each time its last ban runs
+    out. Called again while they stay silent; one that answers again is let back with `let_back_into_lookups`."""
     return dht.run_coroutine(
         functools.partial(_leave_out, peers=tuple(sorted(peers)), leave_out=True), return_future=True
     )

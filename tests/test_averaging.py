@@ -7,6 +7,7 @@ asserts both the outcome and that its fault fired. Seeded; the seed is in every 
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import wait_until
+from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from averaging import group as group_module
@@ -1057,12 +1059,21 @@ def test_a_silent_member_is_forgotten_when_it_answers_averages_or_writes_a_fresh
     assert silent.fell_silent(["a"]) == {"a"} and silent.back == {"b", "c"}  # silent again before it was let back
 
 
+async def _ban_ends(_dht, node, peer: str) -> float | None:
+    """When ``node``'s ban of ``peer`` ends (DHT time), None when it is not banned; runs in the DHT's process."""
+    found = node.blacklist.banned_peers.get(PeerID.from_base58(peer))
+    return None if found is None else found.expiration_time
+
+
 def test_a_dht_node_leaves_the_given_peers_out_of_its_lookups_once_and_lets_them_back(dhts):
     """`keep_out_of_lookups` puts peers on the node's own blacklist (hivemind's): the count of newly left out,
     0 for one left out already and for a string that is no peer ID; `let_back_into_lookups` takes them off."""
     stranger = Identity.generate().peer_id  # no node of this network: leaving it out changes no lookup here
+    ban_ends = functools.partial(_ban_ends, peer=stranger)
     assert keep_out_of_lookups(dhts[0], [stranger, "not a peer id"]).result(timeout=30) == 1
-    assert keep_out_of_lookups(dhts[0], [stranger]).result(timeout=30) == 0
+    first = dhts[0].run_coroutine(ban_ends)
+    assert keep_out_of_lookups(dhts[0], [stranger]).result(timeout=30) == 0  # left out already
+    assert dhts[0].run_coroutine(ban_ends) > first  # banned afresh: an older ban may run out mid-window
     # heard from again: asked at once, its past misses forgotten (left out anew, it is a first miss)
     assert let_back_into_lookups(dhts[0], [stranger, "not a peer id"]).result(timeout=30) == 1
     assert let_back_into_lookups(dhts[0], [stranger]).result(timeout=30) == 0
