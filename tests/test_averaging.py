@@ -393,6 +393,53 @@ def test_a_leader_frozen_after_the_draw_is_remembered_as_silent_by_its_followers
 
 
 @pytest.mark.timeout(120)
+def test_a_follower_frozen_after_the_draw_is_remembered_as_silent_by_every_other_member(make_group, caplog):
+    """TESTMATRIX row 23: a follower (the highest peer ID) freezes right after the draw. The leader's lobby finds
+    it silent and forms the group without it at the join deadline (the 3 average exactly); the other followers,
+    which see it drawn and not in the group, probe it themselves and remember it as silent too: otherwise
+    only the leader knows, and the others' next window's store waits on its DHT node."""
+    caplog.set_level(logging.INFO, logger="averaging.group")
+    tensors, weights = _inputs()
+    averagers = make_group(aggregator="mean", join_timeout_s=2.0)
+    order = sorted(range(NUM_PEERS), key=lambda i: averagers[i].peer_id)
+    leader, followers, frozen = order[0], order[1:-1], order[-1]
+    faults = FaultInjector(stall_s=60)
+    for i, averager in enumerate(averagers):
+        faults.attach(averager, f"peer{i}")
+    faults.add(f"peer{frozen}", 1, "matchmaking", "freeze")
+    members = {a.peer_id for a in averagers}
+    frozen_id = averagers[frozen].peer_id
+
+    def step(i):
+        return averagers[i].step(tensors[i], weight=weights[i], timeout_s=40.0, expected=members)
+
+    def step_frozen() -> None:
+        with contextlib.suppress(Exception):  # what it gets once thawed is not this test's
+            step(frozen)
+
+    frozen_step = threading.Thread(target=step_frozen)
+    frozen_step.start()
+    try:
+        with ThreadPoolExecutor(NUM_PEERS - 1) as pool:
+            results = dict(zip([leader, *followers], pool.map(step, [leader, *followers])))
+        assert faults.fired[(f"peer{frozen}", 1, "matchmaking", "freeze")] == 1, faults.fired
+        for i in [leader, *followers]:  # the followers' probes run off the round: polled, with a deadline
+            wait_until(lambda i=i: frozen_id in averagers[i]._window.silent.peers(), 10.0, message=f"peer{i} silent")
+        assert not faults.thaw.is_set()
+    finally:
+        faults.thaw.set()
+        frozen_step.join(60)
+    reference = _weighted_mean(tensors, weights, [leader, *followers])
+    for out, record, group in results.values():
+        assert record.outcome == "ok" and frozen_id not in group.members, record.to_dict()
+        assert out is not None and (out - reference).abs().max().item() < 1e-5, record.to_dict()
+    no_show = f"{frozen_id[-6:]} drawn, not in the group and silent to a probe: not waited for until it answers one"
+    assert sum(r.getMessage() == no_show for r in caplog.records) == len(followers), [
+        r.getMessage() for r in caplog.records
+    ]
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("codec", ["fp16", "int8"])
 def test_compressed_rounds_stay_within_the_codec_bound(make_group, codec):
     tensors, weights = _inputs()
