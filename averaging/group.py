@@ -390,14 +390,18 @@ class _Activity:
 
 @dataclass(slots=True)
 class _Silent:
-    """Members that did not answer a probe in time: a window's (an expected member not looking) or a lobby's (a
-    drawn follower that did not join); suspended, SIGSTOPped, cut off without a reset, or very loaded. Later
-    windows do not stay open for them, and a lobby stops waiting for one silent again: a frozen member costs
-    one window and one join timeout, not one a round until its capability record expires. They are still
-    probed, and drawn when looking. One is forgotten once it answers a probe, averages with this peer, or is
-    seen looking longer after it fell silent than an entry lives (a frozen member's last entry is read as
-    looking for a window and a join timeout after it froze). This peer's DHT node leaves them out of its
-    lookups meanwhile, and lets them back once forgotten (`GroupAverager._keep_silent_out_of_lookups`)."""
+    """Members that did not answer in time: a window's probe (an expected member not looking), a lobby's (a
+    drawn follower that did not join), a join (a leader), an all-reduce's (`GroupAverager._watch_silence`) or a
+    follower's probe of a drawn member left out of its group; suspended, SIGSTOPped, cut off without a reset,
+    or very loaded. Later windows do not stay open for them, a lobby stops waiting for one silent again, and
+    none is drawn while the entry it looks with may predate its silence: a frozen member costs one window and
+    one join timeout, not one a round until its capability record expires. They are still probed (as absent),
+    and one is forgotten once it answers a probe, averages with this peer, or is seen looking longer after it
+    fell silent than an entry lives (a frozen member's last entry is read as looking for a window and a join
+    timeout after it froze). A member wrongly found silent is thus drawn again once it answers a probe, or an
+    entry's lifetime later; peers that disagree on it draw from different lists meanwhile (a window lost, at
+    worst). This peer's DHT node leaves them out of its lookups meanwhile, and lets them back once forgotten
+    (`GroupAverager._keep_silent_out_of_lookups`)."""
 
     since: dict[str, float] = field(default_factory=dict)
     """Peer -> when it fell silent (monotonic)."""
@@ -834,7 +838,7 @@ class GroupAverager:
         key, in_my_shard = self._shard()
         self._window.key = key  # its leader stays the last draw's until this window draws (see `_Window.leader`)
         my_class = (self.region, bandwidth_class(self._bandwidth_mbps()))
-        expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s
+        expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s  # an entry's lifetime
         entry = self._entry(key, expiration)
         began = time.monotonic()
         await self._keep_silent_out_of_lookups()
@@ -855,6 +859,7 @@ class GroupAverager:
         previous: set[str] | None = None
         poll_s = 0.0  # read at once (the others may all be looking already), then every 0.1 s or when woken
         wakes = 0
+        silent, entry_lifetime_s = self._window.silent, cfg.matchmaking_time_s + cfg.join_timeout_s
         opened, reads, slowest_read = time.monotonic(), 0, 0.0
         try:
             while True:
@@ -868,8 +873,14 @@ class GroupAverager:
                 self._window.wake.clear()  # after the wait: a wake that comes during the read below counts
                 poll_s = _WINDOW_POLL_S
                 read_at = time.monotonic()
-                candidates = await self._read_candidates(key, my_class, suspects)
+                found = await self._read_candidates(key, my_class, suspects)
                 reads, slowest_read = reads + 1, max(slowest_read, time.monotonic() - read_at)
+                # a member remembered as silent is not drawn while the entry it looks with may predate its
+                # silence (a frozen member's last entry is read as looking for an entry's lifetime after it
+                # froze: adversary runs of stop 58, it was drawn as a leader twice and each of its followers
+                # waited a join timeout twice); it is probed as absent instead, and drawn again once it answers
+                silent.seen_looking(found, entry_lifetime_s)
+                candidates = {p: v for p, v in found.items() if p not in silent.since}
                 looking = self._window.looking = set(candidates)
                 # one that said it left is not waited for, nor one that looks on another key this epoch, nor
                 # one that this window's probe found unreachable (a killed or restarting member), nor one
@@ -909,9 +920,7 @@ class GroupAverager:
             {p[-6:]: how for p, how in answers.items()} if probing is None or probing.done() else "cut short",
         )
         self._window.unreachable = frozenset(p for p, how in answers.items() if how == "failed")
-        silent = self._window.silent
         new = silent.answered(answers)
-        silent.seen_looking(candidates, cfg.matchmaking_time_s + cfg.join_timeout_s)
         silent.keep_only(self._admission.live_expected())
         if new:
             logger.info(

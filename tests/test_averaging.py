@@ -440,6 +440,56 @@ def test_a_follower_frozen_after_the_draw_is_remembered_as_silent_by_every_other
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("known_silent", [True, False], ids=["known silent", "not known (control)"])
+def test_a_silent_member_is_not_drawn_from_the_entry_it_wrote_before_it_froze(make_group, known_silent):
+    """TESTMATRIX row 23: a member froze (its event loop held) with its last matchmaking entry still alive in the
+    DHT, as right after a round. The other 3 remember it as silent (a join, a probe or an all-reduce found it
+    so): they do not draw it from that entry and group at once without it. The control, where they do not
+    know yet, draws it and waits out the join timeout for it."""
+    tensors, weights = _inputs()
+    join_timeout_s = 3.0
+    averagers = make_group(aggregator="mean", join_timeout_s=join_timeout_s)
+    frozen, others = averagers[-1], averagers[:-1]
+    members = {a.peer_id for a in averagers}
+    key, _ = frozen._shard()
+    expiration = get_dht_time() + 60.0  # its last entry, alive for the whole test
+    assert frozen.dht.store(key, frozen._entry(key, expiration), expiration_time=expiration, subkey=frozen.peer_id)
+    stalled, thaw = threading.Event(), threading.Event()
+
+    def freeze() -> None:  # runs on the frozen member's loop and holds it
+        stalled.set()
+        thaw.wait(60)
+
+    frozen._loop.call_soon_threadsafe(freeze)
+    try:
+        assert stalled.wait(10), "the fault did not fire: the member's loop never ran the freeze"
+        if known_silent:
+            for averager in others:
+                averager._window.silent.fell_silent([frozen.peer_id])
+        with ThreadPoolExecutor(len(others)) as pool:
+            results = list(
+                pool.map(
+                    lambda i: others[i].step(tensors[i], weight=weights[i], timeout_s=40.0, expected=members),
+                    range(len(others)),
+                )
+            )
+    finally:
+        thaw.set()
+    reference = _weighted_mean(tensors, weights, range(len(others)))
+    for out, record, group in results:
+        assert record.outcome == "ok" and frozen.peer_id not in group.members, record.to_dict()
+        assert out is not None and (out - reference).abs().max().item() < 1e-5, record.to_dict()
+        waited = [f for f in record.failures if f["peer"] == frozen.peer_id and f["phase"] == "matchmaking"]
+        if known_silent:
+            assert not waited and record.phase_s["matchmaking"] < join_timeout_s, record.to_dict()
+    if not known_silent:  # drawn from its stale entry: a lobby or a follower waited for it
+        assert any(f["peer"] == frozen.peer_id for _, r, _ in results for f in r.failures), [
+            r.to_dict() for _, r, _ in results
+        ]
+        assert max(r.phase_s["matchmaking"] for _, r, _ in results) >= join_timeout_s
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("codec", ["fp16", "int8"])
 def test_compressed_rounds_stay_within_the_codec_bound(make_group, codec):
     tensors, weights = _inputs()
