@@ -945,10 +945,12 @@ def test_the_last_member_to_look_closes_every_window_at_once(make_group, monkeyp
     averagers = make_group(aggregator="mean", matchmaking_time_s=6.0)
     members = {a.peer_id for a in averagers}
     reads: Counter[str] = Counter()
+    last_read: dict[str, float] = {}
     read = GroupAverager._read_candidates
 
     async def counted(self, *args, **kwargs):
         reads[self.peer_id] += 1
+        last_read[self.peer_id] = time.monotonic()
         return await read(self, *args, **kwargs)
 
     monkeypatch.setattr(GroupAverager, "_read_candidates", counted)
@@ -975,7 +977,9 @@ def test_the_last_member_to_look_closes_every_window_at_once(make_group, monkeyp
         assert record.outcome == "ok" and len(group.members) == NUM_PEERS, record.to_dict()
         assert (out - reference).abs().max().item() < 1e-5
     assert reads[last.peer_id] == 1, reads  # before stop 54: 2, the second one 0.1 s after the first
-    assert min(reads[a.peer_id] for a in averagers[:-1]) > 1  # the early ones read again once the last one came
+    # the early ones read again once the last one came (or first read after it, under load: a clean-clone run of
+    # stop 58 had an early one with a single read, and all 4 averaged)
+    assert all(last_read[a.peer_id] >= came for a in averagers[:-1]), (last_read, came, reads)
     assert came - began < 2.5, "the early entries took too long to show for this test to tell the cases apart"
     if woken:
         assert took < 1.0, (took, reads)
