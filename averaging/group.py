@@ -55,8 +55,8 @@ dial fails; a restarted one is in no round) is waited for no longer -- neither i
 senders -- so a SIGKILL costs the survivors the retry, not the deadlines. A member from which nothing came
 for a quarter of the sender timeout while it owes this peer something is probed (`_watch_silence`): one
 that answers is waited for as before; one silent to two probes in a row (frozen, cut off: its streams hang
-rather than fail) is given up too, so a freeze or a partition costs the survivors some 4 s of quiet and two
-probe timeouts, then the retry, not the deadlines. A leader probes the followers
+rather than fail) is given up too, so a freeze or a partition costs the survivors that quiet spell (2.5 s by
+default) and two probe timeouts, then the retry, not the deadlines. A leader probes the followers
 that have not joined 0.5 s in, and again every second (one that does not answer within the probe's 2 s is
 slow, not gone: it is waited for until the join deadline; one that answers that it drew another leader in
 this window, its view of the candidates having differed, is not waited for, nor made a suspect), and leaves
@@ -892,7 +892,7 @@ class GroupAverager:
                     probing = asyncio.create_task(self._probe_absent(absent, timeout_s))
                 answers = probing.result() if probing is not None and probing.done() else {}
                 live -= {p for p, how in answers.items() if how == "failed"}
-                live -= {p for p in self._window.silent.peers() - looking if answers.get(p) != "answered"}
+                live -= {p for p in silent.peers() if answers.get(p) != "answered"}  # never in looking
                 expected = live if len(live) >= cfg.min_group_size else None
                 everyone = len(candidates) == cfg.target_group_size or (expected is not None and expected <= looking)
                 exact = expected is not None and looking == expected
@@ -1316,7 +1316,7 @@ class GroupAverager:
                         peer,
                         self._send_part(
                             peer,
-                            group,
+                            state,
                             i,
                             tensor[a:b],
                             weight,
@@ -1551,7 +1551,7 @@ class GroupAverager:
     async def _send_part(
         self,
         peer: str,
-        group: Group,
+        state: _ReduceState,
         index: int,
         part: torch.Tensor,
         weight: float,
@@ -1560,7 +1560,9 @@ class GroupAverager:
         codec_name: str,
     ) -> torch.Tensor | None:
         """Stream my part of ``peer``'s slice piece by piece and read its aggregate back on the same stream,
-        both at once: (piece)* [revised (piece)*] final (see the module docstring)."""
+        both at once: (piece)* [revised (piece)*] final (see the module docstring). ``state``: the attempt's
+        (what went to and came from ``peer``, for `_watch_silence`)."""
+        group = state.group
         codec = get_codec(codec_name)
         bounds = piece_bounds(part.numel(), self.config.piece_numel)
         header = {
@@ -1574,16 +1576,10 @@ class GroupAverager:
             "payload_bytes": sum(wire_bytes(codec, b - a) for a, b in bounds),
         }
         tasks: list[asyncio.Task] = []
-        state = self._states.get(group.group_id)
 
         async def write() -> None:
             await self._write_pieces(writer, header, part, bounds, codec, record, peer)
-            if state is not None:
-                state.sent.add(peer)
-
-        def heard() -> None:
-            if state is not None:
-                state.heard_from(peer)
+            state.sent.add(peer)
 
         try:
             async with asyncio.timeout(max(0.1, reply_deadline - time.monotonic())):
@@ -1592,14 +1588,17 @@ class GroupAverager:
                 try:
                     tasks = [
                         asyncio.create_task(write()),
-                        asyncio.create_task(self._read_pieces(reader, part.numel(), bounds, codec, record, heard)),
+                        asyncio.create_task(
+                            self._read_pieces(
+                                reader, part.numel(), bounds, codec, record, lambda: state.heard_from(peer)
+                            )
+                        ),
                     ]
                     await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
                     if tasks[0].done() and tasks[0].exception() is not None:
                         raise tasks[0].exception()
                     slice_ = await tasks[1]
-                    if state is not None:
-                        state.replied.add(peer)
+                    state.replied.add(peer)
                     return slice_
                 finally:
                     for task in tasks:
