@@ -14,8 +14,10 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -126,6 +128,42 @@ def _run(averagers, tensors, weights, *, timeout_s=40.0):
 
     with ThreadPoolExecutor(len(averagers)) as pool:
         return list(pool.map(one, range(len(averagers))))
+
+
+@contextlib.contextmanager
+def _frozen_runtime(averager: GroupAverager) -> Iterator[None]:
+    """Holds ``averager``'s event loop, its whole network runtime, for the block: none of its streams moves and
+    no probe of it is answered, as a SIGSTOPped or suspended peer's. Asserts that the freeze ran."""
+    stalled, thaw = threading.Event(), threading.Event()
+
+    def freeze() -> None:  # runs on the frozen member's loop and holds it
+        stalled.set()
+        thaw.wait(60)
+
+    averager._loop.call_soon_threadsafe(freeze)
+    try:
+        assert stalled.wait(10), "the fault did not fire: the member's loop never ran the freeze"
+        yield
+    finally:
+        thaw.set()
+
+
+@contextlib.contextmanager
+def _stepping_aside(faults: FaultInjector, step: Callable[[], Any]) -> Iterator[None]:
+    """Runs ``step`` (the step of a member that a ``freeze`` fault of ``faults`` will hold) in a thread of its own
+    for the block; on exit, thaws it and waits for it. What it gets once thawed is not the test's."""
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            step()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        yield
+    finally:
+        faults.thaw.set()
+        thread.join(60)
 
 
 def _weighted_mean(tensors, weights, members):
@@ -311,23 +349,13 @@ def test_a_member_frozen_in_the_all_reduce_is_given_up_when_two_probes_go_unansw
         faults.attach(averager, f"peer{i}")
     faults.add("peer3", 1, "piece", "freeze")
     frozen = averagers[3]
-
-    def step_frozen() -> None:
-        with contextlib.suppress(Exception):  # what it gets once thawed is not this test's
-            frozen.step(tensors[3], weight=weights[3], timeout_s=40.0)
-
-    frozen_step = threading.Thread(target=step_frozen)
-    frozen_step.start()
-    try:
+    with _stepping_aside(faults, lambda: frozen.step(tensors[3], weight=weights[3], timeout_s=40.0)):
         with ThreadPoolExecutor(3) as pool:
             results = list(
                 pool.map(lambda i: averagers[i].step(tensors[i], weight=weights[i], timeout_s=40.0), range(3))
             )
         assert faults.fired[("peer3", 1, "piece", "freeze")] == 1, faults.fired
         assert not faults.thaw.is_set()  # still frozen when the others were done
-    finally:
-        faults.thaw.set()
-        frozen_step.join(60)
     reference = _weighted_mean(tensors, weights, [0, 1, 2])
     silent = {"peer": frozen.peer_id, "phase": "send", "reason": "silent (nothing came, then no answer to two probes)"}
     for i, (out, record, _) in enumerate(results):
@@ -357,25 +385,14 @@ def test_a_leader_frozen_after_the_draw_is_remembered_as_silent_by_its_followers
     faults.add(f"peer{leader}", 1, "matchmaking", "freeze")
     members = {a.peer_id for a in averagers}  # the live members of the run, as capability records give them
 
-    def step_frozen() -> None:
-        with contextlib.suppress(Exception):  # what it gets once thawed is not this test's
-            averagers[leader].step(tensors[leader], weight=weights[leader], timeout_s=40.0, expected=members)
+    def step(i):
+        return averagers[i].step(tensors[i], weight=weights[i], timeout_s=40.0, expected=members)
 
-    frozen_step = threading.Thread(target=step_frozen)
-    frozen_step.start()
-    try:
+    with _stepping_aside(faults, lambda: step(leader)):
         with ThreadPoolExecutor(len(followers)) as pool:
-            results = list(
-                pool.map(
-                    lambda i: averagers[i].step(tensors[i], weight=weights[i], timeout_s=40.0, expected=members),
-                    followers,
-                )
-            )
+            results = list(pool.map(step, followers))
         assert faults.fired[(f"peer{leader}", 1, "matchmaking", "freeze")] == 1, faults.fired
         assert not faults.thaw.is_set()
-    finally:
-        faults.thaw.set()
-        frozen_step.join(60)
     reference = _weighted_mean(tensors, weights, followers)
     frozen_id = averagers[leader].peer_id
     for i, (out, record, group) in zip(followers, results):
@@ -413,22 +430,13 @@ def test_a_follower_frozen_after_the_draw_is_remembered_as_silent_by_every_other
     def step(i):
         return averagers[i].step(tensors[i], weight=weights[i], timeout_s=40.0, expected=members)
 
-    def step_frozen() -> None:
-        with contextlib.suppress(Exception):  # what it gets once thawed is not this test's
-            step(frozen)
-
-    frozen_step = threading.Thread(target=step_frozen)
-    frozen_step.start()
-    try:
+    with _stepping_aside(faults, lambda: step(frozen)):
         with ThreadPoolExecutor(NUM_PEERS - 1) as pool:
             results = dict(zip([leader, *followers], pool.map(step, [leader, *followers])))
         assert faults.fired[(f"peer{frozen}", 1, "matchmaking", "freeze")] == 1, faults.fired
         for i in [leader, *followers]:  # the followers' probes run off the round: polled, with a deadline
             wait_until(lambda i=i: frozen_id in averagers[i]._window.silent.peers(), 10.0, message=f"peer{i} silent")
         assert not faults.thaw.is_set()
-    finally:
-        faults.thaw.set()
-        frozen_step.join(60)
     reference = _weighted_mean(tensors, weights, [leader, *followers])
     for out, record, group in results.values():
         assert record.outcome == "ok" and frozen_id not in group.members, record.to_dict()
@@ -454,15 +462,7 @@ def test_a_silent_member_is_not_drawn_from_the_entry_it_wrote_before_it_froze(ma
     key, _ = frozen._shard()
     expiration = get_dht_time() + 60.0  # its last entry, alive for the whole test
     assert frozen.dht.store(key, frozen._entry(key, expiration), expiration_time=expiration, subkey=frozen.peer_id)
-    stalled, thaw = threading.Event(), threading.Event()
-
-    def freeze() -> None:  # runs on the frozen member's loop and holds it
-        stalled.set()
-        thaw.wait(60)
-
-    frozen._loop.call_soon_threadsafe(freeze)
-    try:
-        assert stalled.wait(10), "the fault did not fire: the member's loop never ran the freeze"
+    with _frozen_runtime(frozen):
         if known_silent:
             for averager in others:
                 averager._window.silent.fell_silent([frozen.peer_id])
@@ -473,8 +473,6 @@ def test_a_silent_member_is_not_drawn_from_the_entry_it_wrote_before_it_froze(ma
                     range(len(others)),
                 )
             )
-    finally:
-        thaw.set()
     reference = _weighted_mean(tensors, weights, range(len(others)))
     for out, record, group in results:
         assert record.outcome == "ok" and frozen.peer_id not in group.members, record.to_dict()
@@ -1107,11 +1105,6 @@ def test_a_frozen_member_costs_one_window_then_is_not_waited_for(make_group, dht
     members = {a.peer_id for a in averagers}
     tensors, weights = _inputs()
     reference = _weighted_mean(tensors, weights, range(NUM_PEERS - 1))
-    stalled, thaw = threading.Event(), threading.Event()
-
-    def freeze() -> None:  # runs on the frozen member's loop and holds it
-        stalled.set()
-        thaw.wait(60)
 
     def one(i):
         return averagers[i].step(tensors[i], weight=weights[i], timeout_s=40.0, expected=members)
@@ -1124,16 +1117,12 @@ def test_a_frozen_member_costs_one_window_then_is_not_waited_for(make_group, dht
             assert (out - reference).abs().max().item() < 1e-5
         return [record.phase_s["matchmaking"] for _, record, _ in results]
 
-    frozen._loop.call_soon_threadsafe(freeze)
-    try:
-        assert stalled.wait(10), "the fault did not fire: the member's loop never ran the freeze"
+    with _frozen_runtime(frozen):
         first = round_()
         assert all(m >= window_s for m in first), first  # silent once: waited for the whole window
         assert all(a._window.silent.peers() == {frozen.peer_id} for a in averagers[:-1])
         second = round_()
         assert all(m < window_s / 2 for m in second), second  # remembered: not waited for
-    finally:
-        thaw.set()
 
 
 def test_a_silent_member_is_forgotten_when_it_answers_averages_or_writes_a_fresh_entry(monkeypatch):
