@@ -880,6 +880,10 @@ class GroupAverager:
                 # froze: adversary runs of stop 58, it was drawn as a leader twice and each of its followers
                 # waited a join timeout twice); it is probed as absent instead, and drawn again once it answers
                 silent.seen_looking(found, entry_lifetime_s)
+                # one that answered this window's probe is alive: drawn from here on like every live member, not
+                # after the window (which waited its whole length for it, once, after a thaw or a wrong "silent")
+                answers = probing.result() if probing is not None and probing.done() else {}
+                silent.heard(p for p, how in answers.items() if how == "answered")
                 candidates = {p: v for p, v in found.items() if p not in silent.since}
                 looking = self._window.looking = set(candidates)
                 # one that said it left is not waited for, nor one that looks on another key this epoch, nor
@@ -890,9 +894,8 @@ class GroupAverager:
                 if probing is None and time.monotonic() >= probe_at and absent:
                     timeout_s = min(_PROBE_TIMEOUT_S, max(0.05, window_end - time.monotonic()))
                     probing = asyncio.create_task(self._probe_absent(absent, timeout_s))
-                answers = probing.result() if probing is not None and probing.done() else {}
                 live -= {p for p, how in answers.items() if how == "failed"}
-                live -= {p for p in silent.peers() if answers.get(p) != "answered"}  # never in looking
+                live -= silent.peers()  # never in looking
                 expected = live if len(live) >= cfg.min_group_size else None
                 everyone = len(candidates) == cfg.target_group_size or (expected is not None and expected <= looking)
                 exact = expected is not None and looking == expected

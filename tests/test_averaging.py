@@ -488,6 +488,33 @@ def test_a_silent_member_is_not_drawn_from_the_entry_it_wrote_before_it_froze(ma
 
 
 @pytest.mark.timeout(120)
+def test_a_member_remembered_as_silent_that_answers_the_windows_probe_while_looking_is_drawn_in_that_window(make_group):
+    """TESTMATRIX row 23, after a thaw (or a wrong "silent"): three members remember the fourth as silent, but it
+    looks with them. Their window's probe finds it looking: they draw it in that window, which closes at once,
+    not after its whole length (it was left out of the candidates until the window ended)."""
+    tensors, weights = _inputs()
+    matchmaking_time_s = 4.0
+    averagers = make_group(aggregator="mean", matchmaking_time_s=matchmaking_time_s)
+    members = {a.peer_id for a in averagers}
+    thawed = averagers[-1].peer_id
+    for averager in averagers[:-1]:
+        assert averager._window.silent.fell_silent([thawed]) == {thawed}
+    with ThreadPoolExecutor(len(averagers)) as pool:
+        results = list(
+            pool.map(
+                lambda i: averagers[i].step(tensors[i], weight=weights[i], timeout_s=40.0, expected=members),
+                range(len(averagers)),
+            )
+        )
+    reference = _weighted_mean(tensors, weights, range(len(averagers)))
+    for out, record, group in results:
+        assert record.outcome == "ok" and set(group.members) == members, record.to_dict()
+        assert out is not None and (out - reference).abs().max().item() < 1e-5, record.to_dict()
+        assert record.phase_s["matchmaking"] < matchmaking_time_s / 2, record.to_dict()
+    assert not any(averager._window.silent for averager in averagers)
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("codec", ["fp16", "int8"])
 def test_compressed_rounds_stay_within_the_codec_bound(make_group, codec):
     tensors, weights = _inputs()
