@@ -1081,11 +1081,12 @@ def test_a_sharded_run_groups_within_each_key_and_closes_each_window_early(make_
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["said it left", "crashed", "loading state"], ids=lambda how: how)
-def test_a_member_that_left_is_neither_waited_for_nor_drawn(make_group, how):
+def test_a_member_that_left_is_neither_waited_for_nor_drawn(make_group, how, monkeypatch):
     """4 members, a 6 s window: one leaves before the round (closing its averager writes a signed "gone"
     entry), the other 3 still count it a live member (its record is cached) and stop gathering once the
     3 are looking. One that crashed (its streams fail) or is loading the run's state (a restarted peer) is
-    not waited for past the probe 0.25 s into the window. (A live member that is just not looking answers
+    not waited for past the probe 0.25 s into the window, and in the next round neither probed nor waited for;
+    once loaded, it is read as looking and groups with them. (A live member that is just not looking answers
     the probe and is waited for the whole window: the last round of the frozen member's test below.)"""
     averagers = make_group(aggregator="mean", matchmaking_time_s=6.0)
     tensors, weights = _inputs()
@@ -1116,6 +1117,41 @@ def test_a_member_that_left_is_neither_waited_for_nor_drawn(make_group, how):
         # the probe's verdict: only the crashed or loading member was left out (the silent one answered)
         assert averagers[i]._window.unreachable == ({averagers[-1].peer_id} if probed_away else set())
     assert not averagers[-1]._activity.loading  # loading() ends with its block
+    if not probed_away:
+        return
+    # round 2: remembered, so neither probed nor waited for (each window paid the probe and the failed dial)
+    probed: list[str] = []
+    for averager in averagers[:-1]:
+
+        async def spy(peers, timeout_s, original=averager._probe_absent):
+            probed.extend(peers)
+            return await original(peers, timeout_s)
+
+        monkeypatch.setattr(averager, "_probe_absent", spy)
+    loading = averagers[-1].loading() if how == "loading state" else contextlib.nullcontext()
+    with loading, ThreadPoolExecutor(NUM_PEERS - 1) as pool:
+        results = list(pool.map(one, range(NUM_PEERS - 1)))
+    for out, record, group in results:
+        assert record.outcome == "ok" and len(group.members) == NUM_PEERS - 1, record.to_dict()
+        assert (out - reference).abs().max().item() < 1e-5
+    assert averagers[-1].peer_id not in probed, probed
+    if how == "crashed":
+        return
+    # round 3: done loading, it looks first; the others read it looking and wait for it again. (Whom they group
+    # with is not asserted: the others' entries of round 2 are still alive, so its window may close on them
+    # before they look.)
+    back = averagers[-1]
+    with ThreadPoolExecutor(NUM_PEERS) as pool:
+        first = pool.submit(one, NUM_PEERS - 1)
+        deadline = time.monotonic() + 20
+        while not back._window.looking and time.monotonic() < deadline and not first.done():
+            time.sleep(0.01)
+        assert back._window.looking, "its window never read the key"
+        results = list(pool.map(one, range(NUM_PEERS - 1)))
+        first.result()
+    for i, (out, record, _) in enumerate(results):
+        assert out is not None, record.to_dict()
+        assert back.peer_id not in averagers[i]._window.unreachable
 
 
 @pytest.mark.timeout(120)
