@@ -117,12 +117,14 @@ def _inputs(numel=10_003, scale=1.0):
     return [scale * torch.randn(numel, generator=generator) for _ in range(NUM_PEERS)], [1.0, 2.0, 3.0, 4.0]
 
 
-def _run(averagers, tensors, weights, *, timeout_s=40.0):
+def _run(averagers, tensors, weights, *, timeout_s=40.0, expected=()):
     """All peers step at once; a crashed peer's step raises Crashed, reported as None."""
 
     def one(i):
         try:
-            return averagers[i].step(tensors[i], weight=weights[i], gather={"i": i}, timeout_s=timeout_s)
+            return averagers[i].step(
+                tensors[i], weight=weights[i], gather={"i": i}, timeout_s=timeout_s, expected=expected
+            )
         except Crashed:
             return None
 
@@ -466,13 +468,7 @@ def test_a_silent_member_is_not_drawn_from_the_entry_it_wrote_before_it_froze(ma
         if known_silent:
             for averager in others:
                 averager._window.silent.fell_silent([frozen.peer_id])
-        with ThreadPoolExecutor(len(others)) as pool:
-            results = list(
-                pool.map(
-                    lambda i: others[i].step(tensors[i], weight=weights[i], timeout_s=40.0, expected=members),
-                    range(len(others)),
-                )
-            )
+        results = _run(others, tensors, weights, expected=members)
     reference = _weighted_mean(tensors, weights, range(len(others)))
     for out, record, group in results:
         assert record.outcome == "ok" and frozen.peer_id not in group.members, record.to_dict()
@@ -499,13 +495,7 @@ def test_a_member_remembered_as_silent_that_answers_the_windows_probe_while_look
     thawed = averagers[-1].peer_id
     for averager in averagers[:-1]:
         assert averager._window.silent.fell_silent([thawed]) == {thawed}
-    with ThreadPoolExecutor(len(averagers)) as pool:
-        results = list(
-            pool.map(
-                lambda i: averagers[i].step(tensors[i], weight=weights[i], timeout_s=40.0, expected=members),
-                range(len(averagers)),
-            )
-        )
+    results = _run(averagers, tensors, weights, expected=members)
     reference = _weighted_mean(tensors, weights, range(len(averagers)))
     for out, record, group in results:
         assert record.outcome == "ok" and set(group.members) == members, record.to_dict()
