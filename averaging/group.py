@@ -64,11 +64,11 @@ out of the group a follower whose join stream ended before the group formed (kil
 could not hear of the group, and the others would wait for its part.
 `_PROBE_WINDOW_AFTER_S` into a matchmaking window, the expected members that are not looking are probed
 once; one whose dial or stream fails, or that says it is loading state (`GroupAverager.loading`: a restarted
-peer), is not waited for in that window (a slow or missing answer is no proof: it is still waited for).
-Each window probes afresh, so a member back from a kill or a partition is waited for in the first window
-after it answers again. Only silence is remembered: a member that gave no answer is not waited for in the
-next windows until it shows signs of life (`_Silent`), so a frozen member (SIGSTOP, a suspended laptop)
-costs one whole window, not one a round until its capability record expires.
+peer), is not waited for in that window (a slow or missing answer is no proof: it is still waited for),
+nor probed or waited for in later windows until it is read as looking again (a restarted member's first
+entry; `_Window.unreachable`), so a killed member costs one probe, not one a window until its capability
+record expires. A member that gave no answer is not waited for in the next windows either until it shows
+signs of life (`_Silent`), so a frozen member (SIGSTOP, a suspended laptop) costs one whole window.
 Every outcome is in the RoundRecord.
 """
 
@@ -463,10 +463,10 @@ class _Window:
     unreachable: set = field(default_factory=set)
     """Expected members it stopped waiting for: not looking `_PROBE_WINDOW_AFTER_S` into a window, and a probe's
     dial or stream failed (killed, crashed, or restarted with its averager not up yet) or it said it is loading
-    state. Later windows do not wait for them either (nor probe them) until one is read as looking again (a
-    restarted member's first entry): each window paid the probe's 0.25 s and the failed dial's for every dead
-    member until its capability record expired (stop 59: after a Sybil flood, 41 of 62 rounds a minute spent
-    0.5 s in matchmaking, against 0.05 s)."""
+    state. Later windows neither wait for nor probe them until one is read as looking again (a restarted
+    member's first entry). Before, each window paid the probe's 0.25 s and the failed dial for every dead member
+    until its capability record expired (after a Sybil flood, 41 of 62 rounds a minute spent 0.5 s in
+    matchmaking, against 0.05 s)."""
     silent: _Silent = field(default_factory=_Silent)
     """Members that did not answer a probe in time (see `_Silent`)."""
     leader: str | None = None
