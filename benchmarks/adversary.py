@@ -249,11 +249,15 @@ class _CoreSplit:
         self.groups = {name: self.ROOT / f"swarm-{name}-{os.getpid()}" for name in self.quotas}
 
     def __enter__(self) -> _CoreSplit:
-        for name, group in self.groups.items():
-            group.mkdir()
-            period = int((group / "cpu.cfs_period_us").read_text())
-            (group / "cpu.cfs_quota_us").write_text(str(int(self.quotas[name] * period)))
-        (self.groups["hosts"] / "cgroup.procs").write_text(str(os.getpid()))
+        try:
+            for name, group in self.groups.items():
+                group.mkdir()
+                period = int((group / "cpu.cfs_period_us").read_text())
+                (group / "cpu.cfs_quota_us").write_text(str(int(self.quotas[name] * period)))
+            (self.groups["hosts"] / "cgroup.procs").write_text(str(os.getpid()))
+        except BaseException:
+            self.__exit__()  # a group made before the failure goes too
+            raise
         return self
 
     def adversary(self, pid: int | None = None, tid: int | None = None) -> None:

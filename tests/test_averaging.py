@@ -1076,7 +1076,7 @@ def test_a_member_that_left_is_neither_waited_for_nor_drawn(make_group, how, mon
     entry), the other 3 still count it a live member (its record is cached) and stop gathering once the
     3 are looking. One that crashed (its streams fail) or is loading the run's state (a restarted peer) is
     not waited for past the probe 0.25 s into the window, and in the next round neither probed nor waited for;
-    once loaded, it is read as looking and groups with them. (A live member that is just not looking answers
+    once loaded, it is read as looking and waited for again. (A live member that is just not looking answers
     the probe and is waited for the whole window: the last round of the frozen member's test below.)"""
     averagers = make_group(aggregator="mean", matchmaking_time_s=6.0)
     tensors, weights = _inputs()
@@ -1131,12 +1131,18 @@ def test_a_member_that_left_is_neither_waited_for_nor_drawn(make_group, how, mon
     # with is not asserted: the others' entries of round 2 are still alive, so its window may close on them
     # before they look.)
     back = averagers[-1]
+    key, _ = back._shard()
+
+    def entry_of_back_stored() -> bool:  # it never looked before: any entry of it is this round's
+        found = averagers[0].dht.get(key, latest=True, return_future=True).result(timeout=10)
+        return found is not None and isinstance(found.value, dict) and back.peer_id in found.value
+
     with ThreadPoolExecutor(NUM_PEERS) as pool:
         first = pool.submit(one, NUM_PEERS - 1)
         deadline = time.monotonic() + 20
-        while not back._window.looking and time.monotonic() < deadline and not first.done():
-            time.sleep(0.01)
-        assert back._window.looking, "its window never read the key"
+        while not entry_of_back_stored() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert entry_of_back_stored(), "its window never stored its entry"
         results = list(pool.map(one, range(NUM_PEERS - 1)))
         first.result()
     for i, (out, record, _) in enumerate(results):
