@@ -842,7 +842,8 @@ class GroupAverager:
         key, in_my_shard = self._shard()
         self._window.key = key  # its leader stays the last draw's until this window draws (see `_Window.leader`)
         my_class = (self.region, bandwidth_class(self._bandwidth_mbps()))
-        expiration = get_dht_time() + cfg.matchmaking_time_s + cfg.join_timeout_s  # an entry's lifetime
+        entry_lifetime_s = cfg.matchmaking_time_s + cfg.join_timeout_s
+        expiration = get_dht_time() + entry_lifetime_s
         entry = self._entry(key, expiration)
         began = time.monotonic()
         await self._keep_silent_out_of_lookups()
@@ -863,8 +864,7 @@ class GroupAverager:
         previous: set[str] | None = None
         poll_s = 0.0  # read at once (the others may all be looking already), then every 0.1 s or when woken
         wakes = 0
-        silent, entry_lifetime_s = self._window.silent, cfg.matchmaking_time_s + cfg.join_timeout_s
-        unreachable = self._window.unreachable
+        silent, unreachable = self._window.silent, self._window.unreachable
         opened, reads, slowest_read = time.monotonic(), 0, 0.0
         try:
             while True:
@@ -928,10 +928,11 @@ class GroupAverager:
             len(candidates),
             {p[-6:]: how for p, how in answers.items()} if probing is None or probing.done() else "cut short",
         )
+        members = self._admission.live_expected()
         unreachable.update(p for p, how in answers.items() if how == "failed")
-        unreachable.intersection_update(self._admission.live_expected())
+        unreachable.intersection_update(members)
         new = silent.answered(answers)
-        silent.keep_only(self._admission.live_expected())
+        silent.keep_only(members)
         if new:
             logger.info(
                 "%s silent to a probe in a matchmaking window: not waited for until it answers one",
