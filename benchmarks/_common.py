@@ -20,6 +20,17 @@ from typing import Any
 import psutil
 
 
+def process_tree(pid: int | None) -> list[psutil.Process]:
+    """``pid`` and its live descendants (its DHT child, p2pd, a watchdog); empty when it is gone or None."""
+    if pid is None:
+        return []
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
 def is_stopped(proc: psutil.Process) -> bool:
     """Whether ``proc`` is stopped (SIGSTOP); False once it is gone."""
     try:

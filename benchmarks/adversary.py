@@ -63,7 +63,7 @@ from rich.console import Console
 from rich.table import Table
 
 from averaging.membership import sign_entry
-from benchmarks._common import is_stopped, run_metadata, save_result, signals_unwind, start_bootstrap_node
+from benchmarks._common import is_stopped, process_tree, run_metadata, save_result, signals_unwind, start_bootstrap_node
 from benchmarks.netlab import loopback_lab
 from bootstrap.identity import Identity
 from bootstrap.owned import OwnerBoundValidator
@@ -120,13 +120,10 @@ class Adversary:
     def _cpu_s(self) -> float:
         """CPU seconds of the adversary's DHT process and its p2pd so far (they share the 2 cores)."""
         total = 0.0
-        try:
-            root = psutil.Process(self.dht.pid)
-            for proc in [root, *root.children(recursive=True)]:
+        for proc in process_tree(self.dht.pid):
+            with contextlib.suppress(psutil.Error):
                 times = proc.cpu_times()
                 total += times.user + times.system
-        except psutil.Error:
-            pass
         return total
 
     def _loop(self) -> None:
@@ -222,12 +219,11 @@ def _renice(pid: int, nice: int) -> None:
     files, with it)."""
     if not nice:
         return
-    with contextlib.suppress(psutil.Error):
-        root = psutil.Process(pid)
-        for proc in [root, *root.children(recursive=True)]:
+    for proc in process_tree(pid):
+        with contextlib.suppress(psutil.Error):
             proc.nice(nice)
-            with contextlib.suppress(OSError):
-                Path(f"/proc/{proc.pid}/autogroup").write_text(str(nice))
+        with contextlib.suppress(OSError):
+            Path(f"/proc/{proc.pid}/autogroup").write_text(str(nice))
 
 
 class _CoreSplit:
@@ -265,12 +261,9 @@ class _CoreSplit:
         group = self.groups["adversary"]
         if tid is not None:
             (group / "tasks").write_text(str(tid))
-        if pid is not None:
-            with contextlib.suppress(psutil.Error):
-                root = psutil.Process(pid)
-                for proc in [root, *root.children(recursive=True)]:
-                    with contextlib.suppress(OSError):
-                        (group / "cgroup.procs").write_text(str(proc.pid))
+        for proc in process_tree(pid):
+            with contextlib.suppress(OSError):
+                (group / "cgroup.procs").write_text(str(proc.pid))
 
     def __exit__(self, *exc: object) -> None:
         for group in self.groups.values():  # every task back to the root group, then the groups go

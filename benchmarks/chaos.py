@@ -53,7 +53,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks._common import make_lab, run_metadata, save_result, signals_unwind, start_bootstrap_node
+from benchmarks._common import make_lab, process_tree, run_metadata, save_result, signals_unwind, start_bootstrap_node
 from swarm.events import read_events
 
 RESULTS = Path(__file__).parent / "results" / "chaos.json"
@@ -189,14 +189,6 @@ class _Incarnation:
         return self.killed_at is None and self.stopped is None
 
 
-def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
 def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
     live = []
     for proc in procs:
@@ -218,7 +210,7 @@ def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> tuple[float, li
 
 def _rss_bytes(pid: int) -> int | None:
     total = 0
-    for proc in _tree(pid):
+    for proc in process_tree(pid):
         try:
             total += proc.memory_info().rss
         except psutil.Error:
@@ -393,7 +385,7 @@ class _Arm:
 
     def kill(self, victim: _Incarnation) -> None:
         """SIGKILL the victim's main process, time its children's exit, restart it on its host."""
-        tree = _tree(victim.proc.pid)
+        tree = process_tree(victim.proc.pid)
         os.kill(victim.proc.pid, signal.SIGKILL)
         victim.killed_at = time.time()
         victim.proc.wait(timeout=10)
@@ -423,7 +415,7 @@ class _Arm:
                 pass
 
     def kill_bootstrap(self) -> None:
-        tree = _tree(self.bootstrap.pid)
+        tree = process_tree(self.bootstrap.pid)
         os.kill(self.bootstrap.pid, signal.SIGKILL)
         self.bootstrap_killed_at = time.time()
         self.bootstrap.wait(timeout=10)
@@ -512,7 +504,7 @@ class _Arm:
             self.lab.set_link(self.partition["slot"], True)
             self.partition["healed_at"] = time.time()
         live = self.live()
-        trees = {inc.name: _tree(inc.proc.pid) for inc in live}
+        trees = {inc.name: process_tree(inc.proc.pid) for inc in live}
         # a peer signalled while Python is still importing has started nothing yet; the signal's default
         # action ends it (exit code -SIGTERM), which leaves nothing behind either
         importing = {inc.name for inc in live if len(trees[inc.name]) <= 1 and not inc.first("start")}
@@ -530,7 +522,7 @@ class _Arm:
             inc.stopped["children_gone_s"] = vanish_s
             self._record_orphans(inc.name, left)
         if self.bootstrap is not None and self.bootstrap.poll() is None:
-            tree = _tree(self.bootstrap.pid)
+            tree = process_tree(self.bootstrap.pid)
             self.bootstrap.send_signal(signal.SIGTERM)
             try:
                 self.bootstrap.wait(timeout=_STOP_GRACE_S)

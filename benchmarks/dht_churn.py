@@ -59,7 +59,7 @@ from hivemind.utils import get_dht_time
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks._common import is_stopped, run_metadata, save_result
+from benchmarks._common import is_stopped, process_tree, run_metadata, save_result
 from bootstrap import DHTStartError, stop_dht, visible_maddrs
 from bootstrap.cli import add_dataclass_arguments, dataclass_from_args
 from bootstrap.identity import Identity
@@ -190,17 +190,6 @@ class _Peer:
 
 
 # ------------------------------------------------------------------------------------ processes
-def _tree(pid: int | None) -> list[psutil.Process]:
-    """``pid`` and its live descendants (empty if it is gone)."""
-    if pid is None:
-        return []
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
 def _describe(procs: list[psutil.Process]) -> list[dict[str, Any]]:
     """pid, create time (which tells a recycled pid apart) and name of each process, while it still runs."""
     return [{"pid": p.pid, "create_time": p.create_time(), "name": _name(p)} for p in procs]
@@ -278,7 +267,7 @@ class _Bootstrap:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL whatever of its process tree is left; safe to call twice."""
-        tree = _tree(self.proc.pid)
+        tree = process_tree(self.proc.pid)
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -561,7 +550,7 @@ def _start_swarm(config: DHTChurnConfig, bootstrap: _Bootstrap, peers: list[_Pee
 
 def _kill_peers(victims: list[_Peer], config: DHTChurnConfig, faults: FaultLog) -> dict[str, Any]:
     """Crash every victim at once: its advertiser stops (no withdrawal), its DHT process and p2pd die."""
-    trees = {v.name: _tree(v.dht.pid) for v in victims}
+    trees = {v.name: process_tree(v.dht.pid) for v in victims}
     described = {name: _describe(tree) for name, tree in trees.items()}
     for victim in victims:
         victim.advertiser.close(withdraw=False)
@@ -608,7 +597,7 @@ def _bootstrap_loss(
     observe: Observer,
 ) -> dict[str, Any]:
     """SIGKILL the bootstrap node's whole tree, then join a new peer through one live peer's addresses."""
-    tree = _tree(bootstrap.proc.pid)
+    tree = process_tree(bootstrap.proc.pid)
     described = _describe(tree)
     _signal_tree(tree, signal.SIGKILL)
     faults.record(target="bootstrap", phase="bootstrap_crash", signal_name="SIGKILL", procs=described)
