@@ -17,7 +17,16 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from benchmarks.chaos import ChaosConfig, _Arm, build_parser, checks, config_from_args, partition_summary, run
+from benchmarks.chaos import (
+    ChaosConfig,
+    _Arm,
+    build_parser,
+    checks,
+    config_from_args,
+    partition_summary,
+    restarts_summary,
+    run,
+)
 
 _NETNS = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 
@@ -162,6 +171,43 @@ def test_the_cut_off_peer_is_spared_from_kills_until_a_round_that_began_after_th
     assert _Arm._remerged(arm)
     arm.partition["remerged"] = True
     assert _Arm.victims(arm) == [cut_off, other]
+
+
+def test_a_restart_after_the_bootstrap_loss_that_joined_counts_however_soon_it_was_killed() -> None:
+    """Seed 8 of the 80 s run restarted two peers after the bootstrap node's death; both joined with verified
+    state and both were killed within 30 s. Judged on settled restarts alone that read "0/0 joined", a failure.
+    A restart that did not join is judged only once it lived long enough to have joined."""
+
+    def restart(number: int, started: float, lived: float, joined: bool) -> SimpleNamespace:
+        events = [{"event": "joined", "t": started + 5.0, "state_verified": True}] if joined else []
+        events.append({"event": "first_step", "t": started + 6.0})
+        return SimpleNamespace(
+            name=f"peer0.{number}",
+            number=number,
+            started=started,
+            killed_at=started + lived,
+            read=lambda: events,
+            first=lambda event: next((e for e in events if e["event"] == event), None),
+        )
+
+    arm = SimpleNamespace(
+        bootstrap_killed_at=40.0,
+        t0=0.0,
+        t_end=80.0,
+        config=SimpleNamespace(peers=4),
+        incarnations=[restart(1, 10.0, 31.0, True), restart(2, 45.0, 12.0, True), restart(3, 58.0, 18.0, True)],
+    )
+    summary = restarts_summary(arm)
+    assert (summary["after_bootstrap_loss"], summary["after_bootstrap_loss_joined"]) == (2, 2)
+    assert summary["settled"] == 1  # the other check still judges settled restarts only
+    arm.incarnations.append(restart(4, 60.0, 10.0, False))  # killed before it could have joined: not judged
+    assert restarts_summary(arm)["after_bootstrap_loss"] == 2
+    arm.incarnations[-1] = restart(4, 45.0, 35.0, False)  # lived long enough and never joined: a failure
+    summary = restarts_summary(arm)
+    assert (summary["after_bootstrap_loss"], summary["after_bootstrap_loss_joined"]) == (3, 2)
+    config = ChaosConfig()
+    result = {c["check"]: c["ok"] for c in checks(config, {**_passing_summary(), "restarts": summary}, baseline=None)}
+    assert result["joins after bootstrap loss"] is False
 
 
 # Judged by the full run (RESILIENCE.md) against the matrix's bounds; in a 80-second run they depend on where
