@@ -4,3 +4,5 @@ written as JSON under benchmarks/results/. Tests check correctness; only benchma
 Uses swarm (trainer, tasks) and hivemind. Entry point: `python -m benchmarks.run [--quick|--full]`
 (`make bench`, `make bench-full`).
 """
+
+import bootstrap  # noqa: F401, E402  (first: it defers what hivemind imports and no benchmark uses, see bootstrap._private.deferred)
