@@ -94,6 +94,34 @@ def test_round_trip_and_canonical_digest(group):
     assert verify_manifest(wire, run_id=RUN) == manifest
 
 
+def test_the_same_bytes_are_parsed_once_and_each_caller_gets_its_own_copy(group, monkeypatch):
+    """A peer takes a gossiped manifest apart five times (its check, the index announcement, storing it, the
+    sealing group, the newest); each parse verifies every receipt. The bytes are parsed once; an edit of one
+    caller's copy (a test forging a signature) reaches no other caller; refused bytes are never kept."""
+    manifest = make_manifest(group, step=777)
+    wire = seal(manifest, group[:3]).to_bytes()
+    parses: list[bytes] = []
+    parse = SignedManifest._parse.__func__
+    monkeypatch.setattr(
+        SignedManifest, "_parse", classmethod(lambda cls, data: parses.append(data) or parse(cls, data))
+    )
+    first = SignedManifest.from_bytes(wire)
+    first.signatures[group[0].peer_id] = "00" * 64
+    first.manifest.metrics["num_samples"] = 1
+    first.manifest.contributions["someone"] = 1
+    second = SignedManifest.from_bytes(bytearray(wire))
+    assert len(parses) == 1
+    assert second == seal(manifest, group[:3]) and second.to_bytes() == wire
+    assert verify_manifest(wire, run_id=RUN) == manifest
+    assert len(parses) == 1
+    bad = wire.replace(b'"step":777', b'"step":-1')
+    assert bad != wire
+    for _ in range(2):
+        with pytest.raises(ManifestRejected):
+            SignedManifest.from_bytes(bad)
+    assert len(parses) == 3
+
+
 def test_sealed_with_default_quorum_and_explicit_quorum(group):
     assert default_quorum(4) == 3 and default_quorum(1) == 2 and default_quorum(5) == 3
     manifest = make_manifest(group)
