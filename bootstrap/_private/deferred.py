@@ -6,8 +6,8 @@ process's start here (``python -X importtime -c "import swarm.peer"``: 0.24-0.27
 Each such module is registered, before hivemind is imported, as a stand-in that imports the real module on
 the first attribute it is asked for other than its ``__spec__`` and ``__file__`` (what the import statement
 and `inspect.getmodule`, which torch calls at import, read of every module), and from then on forwards to
-it; importing a submodule of it reads ``__path__``, so that loads it too. `importlib.util.LazyLoader` does not do here: the import statement's read of
-``__spec__`` loads it.
+it; importing a submodule of it reads ``__path__``, so that loads it too. `importlib.util.LazyLoader` does
+not do here: the import statement's own read of ``__spec__`` loads such a module.
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ _MAX_PEERS = 1024
 _PARSED: OrderedDict[bytes, SignedManifest] = OrderedDict()
 """The last manifests `SignedManifest.from_bytes` parsed, by their bytes: a peer takes a gossiped manifest apart
 five times (its check, the index announcement, storing it, the sealing group's members, the newest), and each
-parse verifies every receipt's signature (profile of a 3-peer run sealing every round: 2% of a core)."""
+parse verifies every receipt's signature (py-spy of a peer in a 3-peer run sealing every round: about 1% of a
+core, 25 of 2000 samples; 7 with this cache)."""
 _PARSED_KEPT = 8
 _PARSED_LOCK = threading.Lock()
 _MAX_METRICS = 64
