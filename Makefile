@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO_ARGS ?=
-# `make test` runs on TEST_WORKERS pytest-xdist workers (about 8 min on 2 cores); 0 runs it in one process (slower).
+# `make test` runs on TEST_WORKERS pytest-xdist workers (about 9.5 min on 2 cores); 0 runs it in one process (slower).
 # Timed end-to-end tests (kills with deadlines) share one worker, so two of them never overlap.
 TEST_WORKERS ?= 2
 
