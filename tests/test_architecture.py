@@ -208,4 +208,5 @@ def test_a_deferred_module_loads_on_its_first_attribute_and_stale_references_for
     real = sys.modules["deferpkg.heavy"]
     assert real is not stand_in and real.VALUE == 42 and stand_in.VALUE == 42  # the stand-in forwards
     assert sys.modules["deferpkg"].loads == 1  # loaded once
+    assert "VALUE" in dir(stand_in)  # what `dir`, `help` and `inspect` list of a stale reference
     assert defer_unused_imports(("deferpkg.heavy",)) == []  # imported already: left as it is

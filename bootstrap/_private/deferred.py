@@ -28,6 +28,12 @@ class _Deferred(types.ModuleType):
     reference)."""
 
     def __getattr__(self, attr: str) -> Any:  # only for attributes not set on the stand-in itself
+        return getattr(self._real(), attr)
+
+    def __dir__(self) -> list[str]:  # `dir`, `help` and `inspect.getmembers` of a stale reference see the real one
+        return dir(self._real())
+
+    def _real(self) -> types.ModuleType:
         real = self.__dict__.get("_deferred_real")
         if real is None:
             name = self.__name__
@@ -38,7 +44,7 @@ class _Deferred(types.ModuleType):
             parent, _, child = name.rpartition(".")
             if parent in sys.modules:
                 setattr(sys.modules[parent], child, real)
-        return getattr(real, attr)
+        return real
 
 
 def defer_unused_imports(names: tuple[str, ...] = DEFERRED) -> list[str]:
