@@ -152,10 +152,10 @@ def _frozen_runtime(averager: GroupAverager) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _stepping_aside(faults: FaultInjector, member: GroupAverager, step: Callable[[], Any]) -> Iterator[None]:
-    """Runs ``step`` (the step of ``member``, which a ``freeze`` fault of ``faults`` will hold) in a thread of its
-    own for the block; on exit, thaws it, closes ``member`` and waits for the step. What it gets once thawed is
-    not the test's: closed, it ends at once, where it waited out its round's timeouts (9 s of the 19 s the
-    all-reduce freeze took alone)."""
+    """Runs ``step`` (the step of ``member``, which a ``freeze`` or ``stall`` fault of ``faults`` will hold) in a
+    thread of its own for the block; on exit, thaws it, closes ``member`` and waits for the step. What it gets
+    after the block is not the test's: closed, it ends at once, where it waited out its stall or its round's
+    timeouts (9 s of the 19 s the all-reduce freeze took alone)."""
 
     def run() -> None:
         with contextlib.suppress(Exception):
