@@ -1518,6 +1518,8 @@ def test_live_shard_server_survives_garbage_and_still_serves(live_dhts):
 
         run_with_replica(live_dhts[1], scenario)
         assert "internal error" not in rejected and sum(rejected.values()) == len(cases), rejected
+        # the server counts a chunk once its write is done, which may be after the client read the reply
+        wait_until(lambda: exchange.server.num_chunks_served >= 1, 5.0, message="the served chunk to be counted")
         assert exchange.server.num_chunks_served == 1
     finally:
         exchange.close()
