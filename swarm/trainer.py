@@ -19,7 +19,7 @@ averaging (`averaging`), sealed checkpoints and receipts (`swarm.checkpoint`) an
     for x, y in batches:
         loss_fn(model(x), y).backward()
         trainer.step(num_samples=len(x))
-    trainer.finish()  # overlapped: the last round lands
+    trainer.finish()  # the last round lands (overlapped) and is sealed
     trainer.shutdown()
 """
 
@@ -151,9 +151,8 @@ class Trainer:
         where = {"bandwidth_mbps": self.presence.bandwidth_mbps, "region": cfg.presence.region, **signed}
         self.group_averager = GroupAverager(self.dht, prefix=f"swarm_{cfg.run}", config=cfg.averaging, **where)
         if own:
-            on_event = self.evidence.checkpoint_event
             self.checkpoints = CheckpointManager.for_run(
-                self.dht, self.identity, cfg, task, self.presence.run_peers, on_event
+                self.dht, self.identity, cfg, task, self.presence.run_peers, self.evidence.checkpoint_event
             )
         parts = (self.outer, self.group_averager, self.presence, self.checkpoints, self.evidence)
         binding = self.identity.bind(self.peer_id)
@@ -294,13 +293,15 @@ class Trainer:
 
     def finish(self) -> RoundResult | None:
         """End training: overlapped, wait for the round in flight (its result is returned) and put the global
-        parameters in the model; blocking, the model holds them already after a sync point (None)."""
-        overlap = self._runner.overlap if self._runner is not None else None
-        if overlap is None:
-            return None
-        overlap.cancel_pending()
-        joined, overlap.start = overlap.join(self.interrupt), None
-        self.outer.to_model()
+        parameters in the model; blocking, the model holds them already after a sync point (None). Then wait
+        (bounded: `CheckpointManager.flush`) for the last round's seal, so the state a run ends at is sealed."""
+        overlap, joined = self._runner.overlap if self._runner is not None else None, None
+        if overlap is not None:
+            overlap.cancel_pending()
+            joined, overlap.start = overlap.join(self.interrupt), None
+            self.outer.to_model()
+        if self.checkpoints is not None:
+            self.checkpoints.flush(cancel=self._runner.cancel)
         return joined
 
     def interrupt(self) -> None:

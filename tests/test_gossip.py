@@ -223,6 +223,49 @@ def test_a_seal_and_close_end_in_bounded_time_when_the_dht_process_died(tmp_path
         stop_dht(dht)
 
 
+def test_flush_waits_for_the_last_rounds_work_and_a_stop_request_ends_the_wait(tmp_path, monkeypatch) -> None:
+    """`Trainer.finish` waits (`CheckpointManager.flush`) for the sealer's last work, so the state a run ends at is
+    sealed; a stop request (Ctrl+C) ends that wait within 0.1 s. The work here blocks until released."""
+    import threading
+
+    import torch
+
+    from bootstrap.network import start_swarm_dht
+    from swarm.checkpoint import sync
+
+    me = Identity.generate()
+    dht = start_swarm_dht(me, host_maddrs=LOOPBACK)
+    manager = sync.CheckpointManager(
+        dht, identity=me, run_id=RUN, task="teacher", config_digest="a" * 64, directory=tmp_path, keep_last=2,
+        run_peers=set, seal_timeout_s=30.0, receipt_timeout_s=1.0,
+    )  # fmt: skip
+    release, stop, done = threading.Event(), threading.Event(), []
+
+    def work(receipt: object, seal: object, round_: int) -> bool:
+        release.wait(30)
+        done.append(seal.step)
+        return True
+
+    monkeypatch.setattr(manager, "_finish_round", work)
+    try:
+        assert manager.flush()  # nothing submitted: at once
+        for step in (1, 2):
+            seal = sync.SealRequest(
+                state={"w": torch.zeros(2)}, step=step, participants=(me.peer_id,), created_at=1, parent=""
+            )
+            manager.finish_round_async(receipt=None, seal=seal)
+        threading.Timer(0.3, stop.set).start()
+        started = time.monotonic()
+        assert manager.flush(cancel=stop) is False  # still at work: the stop request ended the wait
+        assert 0.25 < time.monotonic() - started < 2.0 and done == []
+        threading.Timer(0.3, release.set).start()
+        assert manager.flush() is True and done == [1, 2]  # the last work submitted, so all before it too
+    finally:
+        release.set()
+        manager.close()
+        stop_dht(dht)
+
+
 @pytest.mark.timeout(120)
 def test_a_fresh_joiner_offered_an_old_manifest_as_newest_still_ends_on_the_newest(swarm_of_gossips):
     """TESTMATRIX row 13 for a peer that trusts no manifest yet: an insider replays an old, validly signed

@@ -17,6 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from swarm.checkpoint.manifest import SignedManifest
+from swarm.checkpoint.store import CheckpointStore
 from swarm.events import read_events
 from swarm.tasks import get_task
 from tests.helpers import expect_success, python_cmd, spawn, terminate, terminate_all, wait_until
@@ -431,7 +433,7 @@ def _install_example_task(site: Path) -> dict[str, str]:
 @pytest.mark.heavy(seconds=12)
 def test_swarm_peer_trains_a_task_from_an_installed_package(bootstrap_node, tmp_path):
     """`swarm.peer --task mlp` finds the example package's entry point (group swarm.tasks) and two peers
-    average it."""
+    average it; the state they stop at (their last round's) is sealed before they leave (`Trainer.finish`)."""
     env = _install_example_task(tmp_path / "site")
     common = ["--initial-peers", *bootstrap_node, "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run", "own-task"]
     flags = ["--task", "mlp", "--task-preset", "tiny", "--num-shards", "2", "--torch-threads", "1", "--no-progress"]
@@ -462,6 +464,10 @@ def test_swarm_peer_trains_a_task_from_an_installed_package(bootstrap_node, tmp_
     for i in range(2):
         events = read_events(tmp_path / f"peer{i}.jsonl")
         assert [e["group_size"] for e in events if e["event"] == "round"] == [2, 2], events
+        (folder,) = (tmp_path / f"ck{i}" / "own-task").iterdir()  # the run's folder holds this peer's store
+        store = CheckpointStore(folder)
+        sealed = [SignedManifest.from_bytes(store.get_manifest(d)).manifest.round for d in store.list_manifests()]
+        assert sealed == [1, 2], sealed
 
 
 NODE_SYNC_EVERY, NODE_ROUNDS = 5, 3

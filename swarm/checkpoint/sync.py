@@ -19,7 +19,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,6 +190,7 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._sealer = ThreadPoolExecutor(1, thread_name_prefix="swarm-sealer")
+        self._last_submitted: Future | None = None
         self.exchange = ShardExchange(dht, StoreShardSource(self.store))
         self.gossip = ManifestGossip(
             dht,
@@ -246,7 +247,22 @@ class CheckpointManager:
         round_ = seal.step if seal is not None else receipt.receipt.round if receipt is not None else -1
         with self._lock:
             self._newest_round_submitted = max(self._newest_round_submitted, round_)
-        return self._sealer.submit(self._finish_round, receipt, seal, round_)
+        future = self._sealer.submit(self._finish_round, receipt, seal, round_)
+        self._last_submitted = future
+        return future
+
+    def flush(self, *, cancel: threading.Event | None = None) -> bool:
+        """Wait for the work `finish_round_async` was given last (the sealer runs it in order, so all of it): the
+        round's receipts swapped and its seal, if any, sealed or given up. True if it ended; the wait is bounded
+        by that work's own deadlines (`seal_timeout_s`, then `receipt_timeout_s`), and ends within 0.1 s of
+        ``cancel`` being set (a stop request) or of `close`."""
+        future = self._last_submitted
+        deadline = time.monotonic() + self.seal_timeout_s + self.receipt_timeout_s + 1.0
+        while future is not None and not future.done() and time.monotonic() < deadline:
+            if cancel is not None and cancel.is_set():
+                break
+            wait([future], timeout=0.1)
+        return future is None or future.done()
 
     def _overtaken(self, round_: int) -> bool:
         with self._lock:
@@ -303,7 +319,12 @@ class CheckpointManager:
             if receipts is not None:
                 receipts.poll()
             self._closing.wait(0.2)  # polling the DHT for the others' signatures, with a deadline
-        logger.info("step %s: fewer than %s signatures within %.0fs; not sealed", step, quorum, self.seal_timeout_s)
+        if self._closing.is_set():
+            logger.info("step %s: left before the group's %s signatures came; not sealed", step, quorum)
+        elif self._overtaken(step):  # a newer round's seal takes its place: routine when rounds come fast
+            logger.debug("step %s: not sealed, overtaken by a newer round", step)
+        else:
+            logger.info("step %s: fewer than %s signatures within %.0fs; not sealed", step, quorum, self.seal_timeout_s)
         return False
 
     def _publish_sealed(self, manifest: Manifest, signatures: dict[str, str], receipts: _ReceiptSwap | None) -> None:
