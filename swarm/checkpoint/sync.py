@@ -190,7 +190,6 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._sealer = ThreadPoolExecutor(1, thread_name_prefix="swarm-sealer")
-        self._last_submitted: Future | None = None
         self.exchange = ShardExchange(dht, StoreShardSource(self.store))
         self.gossip = ManifestGossip(
             dht,
@@ -247,22 +246,23 @@ class CheckpointManager:
         round_ = seal.step if seal is not None else receipt.receipt.round if receipt is not None else -1
         with self._lock:
             self._newest_round_submitted = max(self._newest_round_submitted, round_)
-        future = self._sealer.submit(self._finish_round, receipt, seal, round_)
-        self._last_submitted = future
-        return future
+        return self._sealer.submit(self._finish_round, receipt, seal, round_)
 
     def flush(self, *, cancel: threading.Event | None = None) -> bool:
-        """Wait for the work `finish_round_async` was given last (the sealer runs it in order, so all of it): the
-        round's receipts swapped and its seal, if any, sealed or given up. True if it ended; the wait is bounded
-        by that work's own deadlines (`seal_timeout_s`, then `receipt_timeout_s`), and ends within 0.1 s of
-        ``cancel`` being set (a stop request) or of `close`."""
-        future = self._last_submitted
+        """Wait for the work `finish_round_async` was given so far: each round's receipts swapped and its seal, if
+        any, sealed or given up. True if it ended; the wait is bounded by that work's own deadlines
+        (`seal_timeout_s`, then `receipt_timeout_s`; an overtaken round's work ends at once), and ends within 0.1 s
+        of ``cancel`` being set (a stop request)."""
+        try:  # the sealer has one worker and runs its queue in order: the marker is done once all before it is
+            marker = self._sealer.submit(lambda: None)
+        except RuntimeError:  # closed: nothing runs any more
+            return True
         deadline = time.monotonic() + self.seal_timeout_s + self.receipt_timeout_s + 1.0
-        while future is not None and not future.done() and time.monotonic() < deadline:
+        while not marker.done() and time.monotonic() < deadline:
             if cancel is not None and cancel.is_set():
                 break
-            wait([future], timeout=0.1)
-        return future is None or future.done()
+            wait([marker], timeout=0.1)
+        return marker.done()
 
     def _overtaken(self, round_: int) -> bool:
         with self._lock:
