@@ -191,10 +191,10 @@ def test_a_seal_and_close_end_in_bounded_time_when_the_dht_process_died(tmp_path
     import torch
 
     from bootstrap.network import start_swarm_dht
-    from swarm.checkpoint import sync
+    from swarm.checkpoint import posts, sync
     from tests.helpers import descendants
 
-    monkeypatch.setattr(sync, "DHT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(posts, "DHT_TIMEOUT_S", 0.5)
     me, partner = Identity.generate(), Identity.generate()
     dht = start_swarm_dht(me, host_maddrs=LOOPBACK)
     tree = descendants(dht.pid)

@@ -46,7 +46,6 @@ import pickle
 import sqlite3
 import time
 from collections import Counter
-from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -544,49 +543,40 @@ def test_old_or_foreign_receipts_in_a_manifest_are_refused():
         assert info.value.reason == "bad receipt" and counter == {"bad receipt": 1}, (name, info.value)
 
 
-class _BoardDHT:
-    """A DHT stand-in that stores and returns values (what _ReceiptSwap reads and writes)."""
+class _Board:
+    """A stand-in for `swarm.checkpoint.posts.GroupPosts`: posts filed by key and sender (what _ReceiptSwap sends
+    and reads, directly or from the DHT alike)."""
 
     def __init__(self) -> None:
         self.values: dict[str, dict[str, object]] = {}
 
-    def store(self, key, value, *, expiration_time, subkey, return_future=False):
-        self.values.setdefault(key, {})[subkey] = value
-        return _done(True) if return_future else True
+    def post(self, key, value, *, sender, to) -> None:
+        self.values.setdefault(key, {})[sender] = value
 
-    def get(self, key, latest=True, return_future=False):
-        items = self.values.get(key)
-        found = (
-            None if items is None else SimpleNamespace(value={k: SimpleNamespace(value=v) for k, v in items.items()})
-        )
-        return _done(found) if return_future else found
+    def read(self, key, *, since):
+        return list(self.values.get(key, {}).items())
 
-
-def _done(value: object) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future
+    def wait(self, timeout_s) -> None:
+        pass
 
 
 def test_a_replayed_receipt_is_not_taken_in_the_receipt_swap():
     me, peer, outsider = _group()
     group = sorted([me, peer], key=lambda i: i.peer_id)
-    manager = SimpleNamespace(run_id=RUN, dht=_BoardDHT(), receipt_rejections=Counter())
+    manager = SimpleNamespace(run_id=RUN, posts=_Board(), receipt_rejections=Counter())
     swap = _ReceiptSwap(manager, _receipt(me, group, round_=5))
     key = swap.key
     # the peer's genuine receipt of an earlier round, of another run, and an outsider's posted under its name
-    manager.dht.store(key, _receipt(peer, group, round_=4).to_dict(), expiration_time=0, subkey=peer.peer_id)
+    manager.posts.post(key, _receipt(peer, group, round_=4).to_dict(), sender=peer.peer_id, to=())
     swap.poll()
-    manager.dht.store(
-        key, _receipt(peer, group, round_=5, run=OTHER_RUN).to_dict(), expiration_time=0, subkey=peer.peer_id
-    )
+    manager.posts.post(key, _receipt(peer, group, round_=5, run=OTHER_RUN).to_dict(), sender=peer.peer_id, to=())
     swap.poll()
     trio = sorted([me, outsider, peer], key=lambda i: i.peer_id)
-    manager.dht.store(key, _receipt(outsider, trio, round_=5).to_dict(), expiration_time=0, subkey=peer.peer_id)
+    manager.posts.post(key, _receipt(outsider, trio, round_=5).to_dict(), sender=peer.peer_id, to=())
     swap.poll()
     assert not swap.complete() and set(swap.found) == {me.peer_id}
     assert manager.receipt_rejections == {"another round or peer": 2, "another run": 1}
-    manager.dht.store(key, _receipt(peer, group, round_=5).to_dict(), expiration_time=0, subkey=peer.peer_id)
+    manager.posts.post(key, _receipt(peer, group, round_=5).to_dict(), sender=peer.peer_id, to=())
     swap.poll()
     assert swap.complete()
 

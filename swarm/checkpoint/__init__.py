@@ -3,8 +3,10 @@
 Owns the on-disk layout of checkpoints (`store`: safetensors shards named by SHA-256, atomic
 writes, re-hashing on every read, pruning) and the manifest that describes one training state
 (`manifest`: canonical JSON, Ed25519 signatures with run-bound domain separation, strict parsing,
-quorum/replay/lineage checks). Nothing here touches the network: shard exchange and gossip build on
-this API (`put_manifest` then `put_shard_bytes` for downloads; `read_shard` to serve).
+quorum/replay/lineage checks). Those two touch no network; the network side builds on their API
+(`put_manifest` then `put_shard_bytes` for downloads; `read_shard` to serve): `exchange` (shards between
+peers), `gossip` (sealed manifests), `posts` (a group's seal signatures and receipts) and `sync` (the
+trainer's sealing and loading).
 
 Depends on `bootstrap.identity` (signing, canonical JSON, peer IDs), `safetensors` and `torch`.
 Never loads pickle.

@@ -2,8 +2,9 @@
 
 After an averaging round every member of the group holds bit-identical global parameters and outer
 momentum (the all-reduce gives everyone the same bytes), so every member builds the *same*
-manifest, signs it, and posts its signature under the manifest's digest in the DHT. Once a quorum
-of the group's signatures is there, the manifest is sealed: any member publishes it by gossip.
+manifest, signs it, and posts its signature under the manifest's digest to the other members
+(`swarm.checkpoint.posts`: directly, the DHT only for a member it cannot reach). Once a quorum of the
+group's signatures is there, the manifest is sealed: any member publishes it by gossip.
 
 A joiner takes the newest sealed manifest (gossip, or the run's DHT index), verifies it (signatures,
 quorum of signers that hold live records in the run, run id, model digest), downloads the shards it
@@ -26,9 +27,7 @@ from typing import Any
 
 import hivemind
 import torch
-from hivemind.utils.timed_storage import get_dht_time
 
-from bootstrap.dhtcalls import latest_within, store_within
 from bootstrap.identity import Identity
 from swarm.checkpoint.exchange import ShardExchange
 from swarm.checkpoint.gossip import ManifestGossip
@@ -41,6 +40,7 @@ from swarm.checkpoint.manifest import (
     sign_manifest,
     verify_manifest,
 )
+from swarm.checkpoint.posts import GroupPosts
 from swarm.checkpoint.store import CheckpointStore
 from swarm.ledger.receipts import ReceiptRejected, SignedReceipt, verify_receipt
 
@@ -49,8 +49,6 @@ ANNOUNCERS = 1
 index lags one seal, and the next group's seal brings it up to date)."""
 
 logger = logging.getLogger(__name__)
-DHT_TIMEOUT_S = 5.0
-"""Bound on one DHT store or read of seal signatures and receipts (a DHT whose process died never answers)."""
 
 
 def seal_key(run_id: str, manifest_digest: str) -> str:
@@ -61,26 +59,6 @@ def seal_key(run_id: str, manifest_digest: str) -> str:
 def receipts_key(run_id: str, group_id: str) -> str:
     """Where a group's members post their signed receipts of one round (subkey: the receipt's peer)."""
     return f"swarm/{run_id}/receipts/{group_id}"
-
-
-def _dht_store(dht: hivemind.DHT, key: str, value: Any, *, subkey: str, expiry_s: float = 120.0) -> bool:
-    """Store ``value`` under ``key``/``subkey`` for ``expiry_s``; False (logged) if the DHT refused it or did
-    not answer within `DHT_TIMEOUT_S`."""
-    failure = store_within(
-        dht, key, value, subkey=subkey, expiration_time=get_dht_time() + expiry_s, timeout_s=DHT_TIMEOUT_S
-    )
-    if failure is not None:  # the seal or the swap goes on without it
-        logger.info("could not store %s: %s", key, failure)
-    return failure is None
-
-
-def _dht_get(dht: hivemind.DHT, key: str) -> Any:
-    """The newest value under ``key``, or None (logged at debug) if the DHT did not answer within `DHT_TIMEOUT_S`."""
-    try:
-        return latest_within(dht, key, timeout_s=DHT_TIMEOUT_S)
-    except Exception as e:
-        logger.debug("could not read %s: %r", key, e)
-        return None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -154,11 +132,12 @@ class CheckpointManager:
         )
 
     def rejections(self) -> dict[str, Counter[str]]:
-        """Refused untrusted input by source (manifest, receipt, gossip) and reason."""
+        """Refused untrusted input by source (manifest, receipt, gossip, post) and reason."""
         return {
             "manifest": self.manifest_rejections,
             "receipt": self.receipt_rejections,
             "gossip": self.gossip.rejected,
+            "post": self.posts.rejected,
         }
 
     def __init__(
@@ -176,7 +155,7 @@ class CheckpointManager:
         receipt_timeout_s: float = 5.0,
         on_event: Callable[[str, dict], None] | None = None,
     ):
-        self.dht, self.identity, self.run_id = dht, identity, run_id
+        self.identity, self.run_id = identity, run_id
         self.task, self.config_digest, self.run_peers = task, config_digest, run_peers
         self.seal_timeout_s, self.receipt_timeout_s = seal_timeout_s, receipt_timeout_s
         self.on_event = on_event
@@ -191,6 +170,8 @@ class CheckpointManager:
         self._closing = threading.Event()
         self._sealer = ThreadPoolExecutor(1, thread_name_prefix="swarm-sealer")
         self.exchange = ShardExchange(dht, StoreShardSource(self.store))
+        self.posts = GroupPosts(dht, run_id=run_id, prefixes=(seal_key(run_id, ""), receipts_key(run_id, "")))
+        """Seal signatures and receipts, to and from the group's members (the DHT the fallback)."""
         self.gossip = ManifestGossip(
             dht,
             run_id=run_id,
@@ -274,6 +255,7 @@ class CheckpointManager:
             sealed = self._seal(seal, receipts) if seal is not None and not self._overtaken(round_) else False
             if receipts is not None:
                 receipts.wait(deadline=time.monotonic() + self.receipt_timeout_s, round_=round_)
+                self.posts.discard(receipts.key)
                 self._tell("receipts", {"receipts": [r.to_dict() for r in receipts.sorted()]})
             return sealed
         except Exception as e:  # evidence and sealing are best effort: training goes on, the next round seals
@@ -306,19 +288,22 @@ class CheckpointManager:
         )
         key = seal_key(self.run_id, manifest.digest())
         peer_id, signature = sign_manifest(manifest, self.identity)
-        _dht_store(self.dht, key, signature, subkey=peer_id)
+        self.posts.post(key, signature, sender=peer_id, to=manifest.participants)
         quorum = default_quorum(len(manifest.participants))
-        deadline = time.monotonic() + self.seal_timeout_s
+        began = time.monotonic()
+        deadline = began + self.seal_timeout_s
         while time.monotonic() < deadline and not self._closing.is_set() and not self._overtaken(step):
-            signatures = self._collect(key, manifest)
+            signatures = self._collect(key, manifest, since=began)
             if len(signatures) >= quorum:
+                self.posts.discard(key)
                 if receipts is not None:  # a little longer for the last members' receipts, then seal
                     receipts.wait(deadline=min(deadline, time.monotonic() + self.receipt_timeout_s), round_=step)
                 self._publish_sealed(manifest, signatures, receipts)
                 return True
             if receipts is not None:
                 receipts.poll()
-            self._closing.wait(0.2)  # polling the DHT for the others' signatures, with a deadline
+            self.posts.wait(0.2)  # for the others' signatures (a post wakes it), with a deadline
+        self.posts.discard(key)
         if self._closing.is_set():
             logger.info("step %s: left before the group's %s signatures came; not sealed", step, quorum)
         elif self._overtaken(step):  # a newer round's seal takes its place: routine when rounds come fast
@@ -349,13 +334,11 @@ class CheckpointManager:
             },
         )
 
-    def _collect(self, key: str, manifest: Manifest) -> dict[str, str]:
-        found = _dht_get(self.dht, key)
+    def _collect(self, key: str, manifest: Manifest, *, since: float) -> dict[str, str]:
         signatures: dict[str, str] = {}
-        if found is None or not isinstance(found.value, dict):
-            return signatures
-        for peer, item in found.value.items():
-            signature = getattr(item, "value", None)
+        for peer, signature in self.posts.read(key, since=since):
+            if peer in signatures:
+                continue
             if isinstance(peer, str) and peer in manifest.participants and isinstance(signature, str):
                 signed = SignedManifest(manifest=manifest, signatures={peer: signature})
                 try:  # one bad signature must not spoil the others: check them one by one
@@ -479,6 +462,7 @@ class CheckpointManager:
 
     def close(self) -> None:
         self._closing.set()
+        self.posts.close()  # wakes a seal waiting for posts
         self._sealer.shutdown(wait=True, cancel_futures=True)  # a seal in progress stops at its next poll
         self.gossip.close()
         self.exchange.close()
@@ -492,14 +476,15 @@ def _signers_group(data: bytes) -> tuple[str, ...]:
 
 
 class _ReceiptSwap:
-    """One round's receipt exchange: this peer's receipt is posted under the group's DHT key at once;
-    the members' receipts are gathered (each verified, and for the same round and group) as they come."""
+    """One round's receipt exchange: this peer's receipt is posted to the members at once (`GroupPosts`, the
+    group's key); theirs are gathered (each verified, and for the same round and group) as they come."""
 
     def __init__(self, manager: CheckpointManager, own: SignedReceipt):
         self.manager, self.own = manager, own
         self.key = receipts_key(manager.run_id, own.receipt.group_id)
         self.found: dict[str, SignedReceipt] = {own.receipt.peer: own}
-        _dht_store(manager.dht, self.key, own.to_dict(), subkey=own.receipt.peer)
+        self.began = time.monotonic()
+        manager.posts.post(self.key, own.to_dict(), sender=own.receipt.peer, to=own.receipt.members)
 
     def complete(self) -> bool:
         return set(self.found) >= set(self.own.receipt.members)
@@ -513,23 +498,19 @@ class _ReceiptSwap:
             self.poll()
             if self.complete() or time.monotonic() >= deadline or self.manager._overtaken(round_):
                 return
-            if self.manager._closing.wait(0.2):  # polling the DHT for the others' receipts, with a deadline
+            if self.manager._closing.is_set():
                 return
+            self.manager.posts.wait(0.2)  # for the others' receipts (a post wakes it), with a deadline
 
     def poll(self) -> None:
         if self.complete():
             return
-        found = _dht_get(self.manager.dht, self.key)
-        if found is None or not isinstance(found.value, dict):
-            return
         own = self.own.receipt
-        for peer, item in list(found.value.items())[: 2 * len(own.members)]:
+        for peer, value in self.manager.posts.read(self.key, since=self.began)[: 4 * len(own.members)]:
             if peer in self.found:
                 continue
             try:
-                signed = verify_receipt(
-                    getattr(item, "value", None), run_id=self.manager.run_id, counter=self.manager.receipt_rejections
-                )
+                signed = verify_receipt(value, run_id=self.manager.run_id, counter=self.manager.receipt_rejections)
             except ReceiptRejected:
                 continue
             r = signed.receipt
