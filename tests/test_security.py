@@ -22,7 +22,8 @@ every check to the test that covers it (``this`` = this module).
 | replayed older (still valid) record loses to the newer one in a live DHT | this::test_a_replayed_older_record_never_replaces_the_newer_one |
 | replayed receipt: another run | test_ledger::test_receipt_rejections_are_counted_by_reason ("wrong run") |
 | replayed receipt: an old round's or another run's receipt attached to a manifest | this::test_old_or_foreign_receipts_in_a_manifest_are_refused |
-| replayed receipt in the group's DHT receipt swap | this::test_a_replayed_receipt_is_not_taken_in_the_receipt_swap |
+| replayed receipt in the group's receipt swap (direct posts or the DHT) | this::test_a_replayed_receipt_is_not_taken_in_the_receipt_swap |
+| a group post (seal signature, receipt) under another's peer ID, garbage, or a flood | test_posts (filed under the caller's authenticated peer ID; each refusal reason counted; a flood pushes out only the flooder's own posts) |
 | replayed manifest: older step, conflicting, another run, signature for another run | test_manifest::test_replays_are_refused, ::test_another_runs_manifest, ::test_signature_made_for_another_run_does_not_verify; test_gossip (an old manifest is not forwarded) |
 | replayed status: stale or from the future | test_status::test_forged_foreign_and_replayed_statuses_are_refused_and_counted |
 | replayed ledger entries (another run's, or an old one re-appended) | this::test_replayed_ledger_entries_are_blamed |
