@@ -606,7 +606,7 @@ class GroupAverager:
         """Leave: say so in the matchmaking key (peers then neither draw this one nor wait for it), stop
         serving after up to 3 s for replies still in flight to be read. Idempotent."""
         self.leave(timeout_s=min(2.0, timeout_s / 4))
-        if self._activity.serves and not self._dead:
+        if self._activity.serves and not self._dead and not self._service.runtime.dht_gone():
             with contextlib.suppress(Exception):
                 self._service.submit(self._drain(min(3.0, timeout_s / 2))).result(timeout=timeout_s / 2 + 1)
         self._service.close(timeout_s)
@@ -617,6 +617,8 @@ class GroupAverager:
         if self._left or self._dead or self._service.closed:
             return
         self._left = True
+        if self._service.runtime.dht_gone():  # the DHT died with its process group's signal: no one to tell
+            return
         with contextlib.suppress(Exception):
             self._service.submit(self._say_gone()).result(timeout=timeout_s)
 

@@ -122,7 +122,8 @@ class Heartbeat:
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.store_timeout_s + 1)
+            # a DHT whose process died (its process group's signal) never answers the store in flight
+            self._thread.join(timeout=0.5 if _process_gone(self.dht) else self.store_timeout_s + 1)
         return True
 
     def _loop(self) -> None:
@@ -134,3 +135,11 @@ class Heartbeat:
                 return
             self._wake.clear()
             self.publish_now()
+
+
+def _process_gone(dht: Any) -> bool:
+    """True once ``dht``'s process (a child of this one) has died."""
+    try:
+        return not dht.is_alive()
+    except (AssertionError, ValueError, AttributeError):  # not this process's child, closed, or a stand-in
+        return False

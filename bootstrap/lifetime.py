@@ -211,16 +211,26 @@ class StopSignal:
     signal only sets `event`, records `signal_name` and runs the `on_stop` callbacks (in the handler:
     keep them short and non-blocking, e.g. `loop.call_soon_threadsafe`); the owner polls or waits on
     `event`. A second signal while stopping raises KeyboardInterrupt if `second_interrupts` (the user
-    insists) and is ignored otherwise. A forked child (the DHT, an averager) that inherited the
-    handler dies by the signal, as if it had never been set.
+    insists) and is ignored otherwise; one within `SAME_REQUEST_S` of the first is the same request
+    delivered twice and is ignored (``timeout`` signals its child and then the child's process group,
+    which holds the child too). A forked child (the DHT, an averager) that inherited the handler dies by
+    the signal, as if it had never been set.
+
+    A signal can land while the handler itself runs (Python runs handlers between bytecodes of the main
+    thread, a handler's included): `_fired` is set first, before `event.set()` takes the event's lock, so
+    a nested call never waits on that lock, which the call it interrupted holds (a deadlock before).
 
     Use as a context manager: it installs the handlers on entry and restores the previous ones on exit.
     """
 
     _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SAME_REQUEST_S = 1.0
+    """A second signal this soon after the first is the first delivered again, not the user insisting."""
 
     def __init__(self, *, second_interrupts: bool = True) -> None:
         self.event = threading.Event()
+        self._fired: float | None = None
+        """When the first signal came (monotonic), set before anything that takes a lock."""
         self.signal_name: str | None = None
         self.on_stop: list[Callable[[], object]] = []
         self.second_interrupts = second_interrupts
@@ -255,10 +265,12 @@ class StopSignal:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        if self.event.is_set():
-            if self.second_interrupts:
-                raise KeyboardInterrupt
+        now = time.monotonic()
+        if self._fired is not None or self.event.is_set():
+            if self.second_interrupts and (self._fired is None or now - self._fired >= self.SAME_REQUEST_S):
+                raise KeyboardInterrupt  # the user insists (or set the event by other means, then signalled)
             return
+        self._fired = now
         self.signal_name = signal.Signals(signum).name
         self.event.set()
         for callback in self.on_stop:

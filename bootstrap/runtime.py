@@ -150,6 +150,18 @@ class NetworkRuntime:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop_requested
 
+    def dht_gone(self) -> bool:
+        """True once the DHT's process (this process's child, with the daemon it runs) has died, e.g. by the
+        signal a terminal sends its whole process group: a call to the daemon can then only time out."""
+        try:
+            return not self._dht.is_alive()
+        except (AssertionError, ValueError):  # not this process's child, or closed: assume it lives
+            return False
+
+    def closing_timeout(self, timeout_s: float) -> float:
+        """``timeout_s`` for a farewell call to the daemon, or 0.5 s once the DHT's process is gone."""
+        return min(timeout_s, 0.5) if self.dht_gone() else timeout_s
+
     def _run(self, dht: hivemind.DHT) -> None:
         try:
             import uvloop
@@ -285,7 +297,7 @@ class Handler:
             return
         self._closed = True
         with contextlib.suppress(Exception):
-            self.runtime.call(self._stop_serving(), timeout_s=timeout_s / 2)
+            self.runtime.call(self._stop_serving(), timeout_s=self.runtime.closing_timeout(timeout_s / 2))
         self.runtime.release(timeout_s=timeout_s)
 
 
@@ -347,7 +359,7 @@ class Served(Generic[S]):
                 return
             self._closed = True
         try:
-            self.runtime.call(self.server.stop(), timeout_s=timeout_s / 2)
+            self.runtime.call(self.server.stop(), timeout_s=self.runtime.closing_timeout(timeout_s / 2))
         except Exception as e:
             logger.warning("%s did not stop cleanly: %s", self.what, _described(e))
         self.runtime.release(timeout_s=timeout_s)

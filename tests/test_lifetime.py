@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import textwrap
+import threading
 import time
 
 import psutil
@@ -162,6 +163,9 @@ def test_stop_signal_second_signal_interrupts_only_if_asked(second_interrupts: b
         stop.on_stop.append(lambda: called.append(True))
         signal.raise_signal(signal.SIGINT)
         assert stop.event.is_set() and stop.signal_name == "SIGINT" and called == [True]
+        signal.raise_signal(signal.SIGTERM)  # at once: the same request delivered twice (`timeout`, a process group)
+        assert called == [True] and stop.signal_name == "SIGINT"
+        stop.SAME_REQUEST_S = 0.0  # from now on another signal is the user insisting
         if second_interrupts:
             with pytest.raises(KeyboardInterrupt):
                 signal.raise_signal(signal.SIGTERM)
@@ -169,6 +173,36 @@ def test_stop_signal_second_signal_interrupts_only_if_asked(second_interrupts: b
             signal.raise_signal(signal.SIGTERM)
         assert called == [True] and stop.signal_name == "SIGINT"
     assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_a_signal_that_lands_inside_the_handler_neither_deadlocks_nor_counts_as_insisting() -> None:
+    """Python runs signal handlers between bytecodes of the main thread, a handler's own included, so a second
+    signal (``timeout`` signals its child, then the child's process group) can land while the first's handler is
+    inside `event.set()`, holding the event's lock. Emulated here: the nested call runs while that lock is held.
+    Before `_fired`, the nested call took the lock again and the process hung for good (seen: a `swarm.peer` under
+    `setsid timeout` stuck in `_handle` until SIGKILL)."""
+    stop = StopSignal()
+    nested: list[bool] = []
+
+    class Landing(threading.Event):
+        def set(self) -> None:
+            with self._cond:  # what Event.set holds
+                if not nested:
+                    nested.append(True)
+                    stop._handle(signal.SIGTERM, None)  # the second signal lands here
+                self._flag = True
+                self._cond.notify_all()
+
+    stop.event = Landing()
+    done = threading.Event()
+
+    def first() -> None:
+        stop._handle(signal.SIGINT, None)
+        done.set()
+
+    threading.Thread(target=first, daemon=True).start()
+    assert done.wait(5), "the nested handler deadlocked on the event's lock"
+    assert nested == [True] and stop.event.is_set() and stop.signal_name == "SIGINT"
 
 
 # torch's libshm starts `torch_shm_manager` at a process's first shared tensor (hivemind's first MPFuture,
