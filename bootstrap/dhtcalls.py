@@ -16,6 +16,16 @@ from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 
+def process_gone(dht: DHT) -> bool:
+    """True once ``dht``'s process (a child of this one) has died, e.g. by the signal a terminal sends its whole
+    process group: a call to it, or to the daemon it ran, can then only time out. False when that cannot be told
+    (not this process's child, already closed, or a stand-in without a process)."""
+    try:
+        return not dht.is_alive()
+    except (AssertionError, ValueError, AttributeError):
+        return False
+
+
 def store_within(
     dht: DHT, key: str, value: Any, *, subkey: str, expiration_time: float, timeout_s: float
 ) -> str | None:

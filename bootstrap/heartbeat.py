@@ -15,7 +15,7 @@ from typing import Any
 
 from hivemind import DHT
 
-from bootstrap.dhtcalls import store_within
+from bootstrap.dhtcalls import process_gone, store_within
 from bootstrap.identity import Identity
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class Heartbeat:
         self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             # a DHT whose process died (its process group's signal) never answers the store in flight
-            self._thread.join(timeout=0.5 if _process_gone(self.dht) else self.store_timeout_s + 1)
+            self._thread.join(timeout=0.5 if process_gone(self.dht) else self.store_timeout_s + 1)
         return True
 
     def _loop(self) -> None:
@@ -135,11 +135,3 @@ class Heartbeat:
                 return
             self._wake.clear()
             self.publish_now()
-
-
-def _process_gone(dht: Any) -> bool:
-    """True once ``dht``'s process (a child of this one) has died."""
-    try:
-        return not dht.is_alive()
-    except (AssertionError, ValueError, AttributeError):  # not this process's child, closed, or a stand-in
-        return False

@@ -24,6 +24,7 @@ from google.protobuf.wrappers_pb2 import BytesValue
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from bootstrap.dhtcalls import process_gone
 from bootstrap.errors import Rejected, one_line
 from bootstrap.framing import close_stream
 from bootstrap.lifetime import Stopped
@@ -151,12 +152,8 @@ class NetworkRuntime:
         return self._thread.is_alive() and not self._stop_requested
 
     def dht_gone(self) -> bool:
-        """True once the DHT's process (this process's child, with the daemon it runs) has died, e.g. by the
-        signal a terminal sends its whole process group: a call to the daemon can then only time out."""
-        try:
-            return not self._dht.is_alive()
-        except (AssertionError, ValueError):  # not this process's child, or closed: assume it lives
-            return False
+        """True once the DHT's process, and the daemon it ran, have died (`bootstrap.dhtcalls.process_gone`)."""
+        return process_gone(self._dht)
 
     def closing_timeout(self, timeout_s: float) -> float:
         """``timeout_s`` for a farewell call to the daemon, or 0.5 s once the DHT's process is gone."""
