@@ -983,8 +983,13 @@ def test_the_last_member_to_look_closes_every_window_at_once(make_group, monkeyp
 
     async def counted(self, *args, **kwargs):
         reads[self.peer_id] += 1
-        last_read[self.peer_id] = time.monotonic()
-        return await read(self, *args, **kwargs)
+        try:
+            return await read(self, *args, **kwargs)
+        finally:
+            # when the read returned: one that began before the last member came and returned after its entry
+            # was stored saw it (a clean-clone run of stop 61, under load: an early one with a single read that
+            # began 0.0x s before `came`, and all 4 averaged)
+            last_read[self.peer_id] = time.monotonic()
 
     monkeypatch.setattr(GroupAverager, "_read_candidates", counted)
     tensors, weights = _inputs()
@@ -1011,7 +1016,7 @@ def test_the_last_member_to_look_closes_every_window_at_once(make_group, monkeyp
         assert (out - reference).abs().max().item() < 1e-5
     assert reads[last.peer_id] == 1, reads  # before stop 54: 2, the second one 0.1 s after the first
     # the early ones read again once the last one came (or first read after it, under load: a clean-clone run of
-    # stop 58 had an early one with a single read, and all 4 averaged)
+    # stop 58 had an early one with a single read, and all 4 averaged); a read counts when it returned
     assert all(last_read[a.peer_id] >= came for a in averagers[:-1]), (last_read, came, reads)
     assert came - began < 2.5, "the early entries took too long to show for this test to tell the cases apart"
     if woken:
