@@ -247,9 +247,9 @@ def test_flush_waits_for_the_last_rounds_work_and_a_stop_request_ends_the_wait(t
     )  # fmt: skip
     release, stop, done = threading.Event(), threading.Event(), []
 
-    def work(receipt: object, seal: object, round_: int) -> bool:
+    def work(receipt: object, round_: int) -> bool:
         release.wait(30)
-        done.append(seal.step)
+        done.append(round_)
         return True
 
     monkeypatch.setattr(manager, "_finish_round", work)
@@ -266,6 +266,59 @@ def test_flush_waits_for_the_last_rounds_work_and_a_stop_request_ends_the_wait(t
         assert 0.25 < time.monotonic() - started < 2.0 and done == []
         threading.Timer(0.3, release.set).start()
         assert manager.flush() is True and done == [1, 2]  # the last work submitted, so all before it too
+    finally:
+        release.set()
+        manager.close()
+        stop_dht(dht)
+
+
+def test_a_seal_overtaken_while_it_waits_for_the_sealer_is_dropped_at_once(tmp_path, monkeypatch) -> None:
+    """Rounds that come faster than the disk seals them (a large model): a seal still waiting for the sealer when
+    a newer round comes is dropped at once, so the sealer's queue holds one copy of the state, not one a round
+    (before stop 62 each waited in the queue with its copy until the sealer skipped it). The sealer is held on
+    round 1's seal while rounds 2-4 come; then it seals round 4, the newest, and neither 2 nor 3."""
+    import gc
+    import threading
+
+    import torch
+
+    from bootstrap.network import start_swarm_dht
+    from swarm.checkpoint import sync
+
+    me = Identity.generate()
+    dht = start_swarm_dht(me, host_maddrs=LOOPBACK)
+    manager = sync.CheckpointManager(
+        dht, identity=me, run_id=RUN, task="teacher", config_digest="a" * 64, directory=tmp_path, keep_last=2,
+        run_peers=set, seal_timeout_s=30.0, receipt_timeout_s=1.0,
+    )  # fmt: skip
+    holding, release, sealed = threading.Event(), threading.Event(), []
+
+    def seal_(seal: sync.SealRequest, receipts: object) -> bool:
+        holding.set()
+        release.wait(30)
+        sealed.append(seal.step)
+        return True
+
+    monkeypatch.setattr(manager, "_seal", seal_)
+    shape = (4321,)  # this test's states, told apart from every other tensor in the process
+
+    def copies() -> int:
+        """Tensors of this test's states alive anywhere in the process, clones included."""
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and tuple(o.shape) == shape)
+
+    try:
+        for step in (1, 2, 3, 4):
+            seal = sync.SealRequest(
+                state={"w": torch.zeros(shape)}, step=step, participants=(me.peer_id,), created_at=1, parent=""
+            )
+            manager.finish_round_async(receipt=None, seal=seal)
+            del seal
+            if step == 1:  # the fault: the sealer is busy with round 1 while the next rounds come
+                assert holding.wait(10), "the sealer never took up round 1"
+        assert copies() == 2, "only round 1's state (being sealed) and round 4's (waiting) may be kept"
+        release.set()
+        assert manager.flush() is True and sealed == [1, 4]
     finally:
         release.set()
         manager.close()

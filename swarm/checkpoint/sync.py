@@ -13,7 +13,6 @@ lacks from several donors with every digest checked, and resumes from exactly th
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import threading
@@ -162,7 +161,10 @@ class CheckpointManager:
         """Told ("receipts", {"receipts": [...]}) and ("checkpoint_sealed", {...}) from the sealer thread."""
         self.receipt_rejections: Counter[str] = Counter()
         self.manifest_rejections: Counter[str] = Counter()
-        self._newest_round_submitted = -1
+        self._newest: tuple[int, SealRequest | None] = (-1, None)
+        """The newest round given to the sealer, and its seal until the sealer takes it up: a seal still waiting
+        when a newer round comes is dropped at once (it would be skipped as overtaken), so the sealer's queue
+        holds at most one copy of the state however far the rounds run ahead of the disk."""
         self.store = CheckpointStore(directory, keep_last=keep_last)
         self.sealed = 0
         self.newest: Manifest | None = None
@@ -221,13 +223,14 @@ class CheckpointManager:
     def finish_round_async(self, *, receipt: SignedReceipt | None, seal: SealRequest | None) -> Future:
         """In the background: swap signed participation receipts with the group and, with ``seal``, write
         the state, sign its manifest and collect the group's signatures; the sealed manifest carries the
-        receipts gathered by then. Work for a round already overtaken by a newer one is cut short."""
-        if seal is not None:
-            seal = dataclasses.replace(seal, state={k: t.detach().clone() for k, t in seal.state.items()})
+        receipts gathered by then. Work for a round already overtaken by a newer one is cut short, and a seal
+        overtaken before the sealer took it up is dropped at once. ``seal.state`` is the sealer's from here on:
+        tensors the caller does not change (`swarm.outer.DiLoCo.state_dict` makes copies)."""
         round_ = seal.step if seal is not None else receipt.receipt.round if receipt is not None else -1
         with self._lock:
-            self._newest_round_submitted = max(self._newest_round_submitted, round_)
-        return self._sealer.submit(self._finish_round, receipt, seal, round_)
+            newest, waiting = self._newest
+            self._newest = (round_, seal) if round_ > newest else (newest, waiting)
+        return self._sealer.submit(self._finish_round, receipt, round_)
 
     def flush(self, *, cancel: threading.Event | None = None) -> bool:
         """Wait for the work `finish_round_async` was given so far: each round's receipts swapped and its seal, if
@@ -247,12 +250,22 @@ class CheckpointManager:
 
     def _overtaken(self, round_: int) -> bool:
         with self._lock:
-            return self._newest_round_submitted > round_
+            return self._newest[0] > round_
 
-    def _finish_round(self, receipt: SignedReceipt | None, seal: SealRequest | None, round_: int) -> bool:
+    def _take_seal(self, round_: int) -> SealRequest | None:
+        """Round ``round_``'s seal, if it is still the newest (handed over once)."""
+        with self._lock:
+            newest, waiting = self._newest
+            if newest != round_ or waiting is None:
+                return None
+            self._newest = (newest, None)
+            return waiting
+
+    def _finish_round(self, receipt: SignedReceipt | None, round_: int) -> bool:
         try:
             receipts = _ReceiptSwap(self, receipt) if receipt is not None else None
-            sealed = self._seal(seal, receipts) if seal is not None and not self._overtaken(round_) else False
+            seal = self._take_seal(round_)
+            sealed = self._seal(seal, receipts) if seal is not None else False
             if receipts is not None:
                 receipts.wait(deadline=time.monotonic() + self.receipt_timeout_s, round_=round_)
                 self.posts.discard(receipts.key)
