@@ -7,6 +7,12 @@ asks it for the round's pseudo-gradient, hands the averaged one back to `step`, 
     delta  = global_params - local_params                 (this peer's pseudo-gradient, flat fp32)
     global = outer_optimizer(global, grad=averaged delta) (Nesterov SGD; lr 1, momentum 0: averaging)
     local  = global                                       (copied into the model)
+
+A model's floating-point buffers (a batch norm's running mean and variance: what ``model.state_dict()`` holds
+besides the parameters) ride along after the parameters (`DiLoCo.for_model`), with lr 1 and no momentum: each
+round sets them to the group's weighted mean of the members' own, as data parallelism keeps one copy of them
+(DDP broadcasts rank 0's), and they are sealed, loaded and exported with the parameters (``param/NAME``).
+Integer buffers (a batch norm's ``num_batches_tracked``) stay each peer's own.
 """
 
 from __future__ import annotations
@@ -43,22 +49,42 @@ class PseudoGradient:
 
 
 class DiLoCo:
-    """The outer optimizer over ``params`` (a model's trainable parameters, in order, named ``names``).
+    """The outer optimizer over ``params`` (a model's trainable parameters, in order, named ``names``; the last
+    ``buffers`` of them the model's floating-point buffers, averaged each round: see the module docstring).
 
     Thread-safe: the training thread steps it while a checkpoint is sealed or loaded from another.
     """
 
-    def __init__(self, names: Sequence[str], params: Sequence[torch.Tensor], settings: OuterSettings) -> None:
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, settings: OuterSettings) -> DiLoCo:
+        """Over ``model``'s trainable parameters, then its floating-point buffers that its state dict holds."""
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        kept = model.state_dict(keep_vars=True)
+        buffers = [(n, b) for n, b in model.named_buffers() if n in kept and b.is_floating_point()]
+        names, tensors = zip(*params, *buffers)
+        return cls(names, tensors, settings, buffers=len(buffers))
+
+    def __init__(
+        self, names: Sequence[str], params: Sequence[torch.Tensor], settings: OuterSettings, *, buffers: int = 0
+    ) -> None:
         self.names, self.params, self.settings = tuple(names), tuple(params), settings
+        self.buffers = buffers
+        """How many of ``params``, at the end, are the model's buffers (lr 1, no momentum: the group's mean)."""
         self.round = 0
         """The run's round counter: rounds applied to the global state (or the sealed state's round)."""
         self.model_writes = 0
         """How many times the swarm wrote the model's parameters (a node's other ranks then copy them)."""
         self._lock = threading.Lock()
         self._global = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
+        trained = len(self._global) - buffers
+        groups = [{"params": self._global[:trained]}]
+        if buffers:
+            groups.append({"params": self._global[trained:], "lr": 1.0, "momentum": 0.0, "nesterov": False})
         self._optimizer = torch.optim.SGD(
-            self._global, lr=settings.lr, momentum=settings.momentum, nesterov=settings.momentum > 0
+            groups, lr=settings.lr, momentum=settings.momentum, nesterov=settings.momentum > 0
         )
+        self._trained_numel = sum(b.numel() for b in self._global[:trained])
+        """Coordinates of the flat state before the buffers'."""
         self._version = 0
         """Bumped whenever the global state changes (`step`, `load_state_dict`): its digest is hashed once."""
         self._digest: tuple[int, str] = (-1, "")
@@ -152,7 +178,9 @@ class DiLoCo:
         """What `step` would subtract from the global parameters for the gradient ``delta`` (flat): torch's SGD
         with this lr and momentum (Nesterov when momentum > 0), from the current momentum buffer."""
         buffer = torch.cat([self._momentum(b).reshape(-1) for b in self._global])
-        return outer_update(delta, buffer, lr=self.settings.lr, momentum=self.settings.momentum)
+        cut = self._trained_numel  # the buffers after it: lr 1, no momentum
+        trained = outer_update(delta[:cut], buffer[:cut], lr=self.settings.lr, momentum=self.settings.momentum)
+        return torch.cat([trained, delta[cut:]]) if self.buffers else trained
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """``param/NAME`` and ``momentum/NAME`` for every parameter (copies): what a checkpoint seals."""

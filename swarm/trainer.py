@@ -101,10 +101,9 @@ class Trainer:
         self.state = "joining"
         self.before_sync: list[Callable[[int, list[torch.Tensor]], None]] = []
         """Callbacks run with (round, local parameters) right before each averaging round."""
-        names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
-        self.outer = DiLoCo(names, params, config.outer())
-        """The outer optimizer: global parameters, outer momentum, the run's round counter."""
-        self.task_info = (task_info or TaskInfo()).for_params(names, params)
+        self.outer = DiLoCo.for_model(model, config.outer())
+        """The outer optimizer: global parameters (and the model's buffers), outer momentum, the round counter."""
+        self.task_info = (task_info or TaskInfo()).for_params(self.outer.names, self.outer.params)
         self.evidence = Evidence()
         """This trainer's ledger, status board entry and metrics (see ``swarm._private.evidence``)."""
         guard = DivergenceGuard(rounds=config.divergence_rounds)

@@ -327,10 +327,15 @@ class WorkChecks:
 
     @classmethod
     def for_trainer(cls, trainer: Any, spec: WorkSpec | None) -> WorkChecks | None:
-        """A `swarm.Trainer`'s verified work, or None: ``verify_work`` off, no spec, overlapped rounds, or a DHT
-        that is not the trainer's own (nothing could be signed)."""
+        """A `swarm.Trainer`'s verified work, or None: ``verify_work`` off, no spec, overlapped rounds, a model with
+        floating-point buffers, or a DHT that is not the trainer's own (nothing could be signed)."""
         cfg = trainer.config
         if not cfg.work.verify_work or spec is None or cfg.overlap or trainer.identity.peer_id != trainer.peer_id:
+            return None
+        if trainer.outer.buffers:  # a replay restores the parameters and the optimizer's state, not the buffers
+            logger.warning(
+                "verified work is off: the model has buffers (batch norm statistics), which no replay restores"
+            )
             return None
         averager, record = trainer.group_averager, trainer.evidence.record
         return cls(

@@ -1,6 +1,6 @@
 """A user's own script on `swarm.Trainer` (own model and data, the README's pattern), as 3 processes with
-persistent identities: a restart is the same peer, Ctrl+C and SIGTERM are a clean leave, and the others'
-next round is not slowed by a member that leaves."""
+persistent identities: a restart is the same peer and resumes with the run's state (its batch norm's statistics
+included), Ctrl+C and SIGTERM are a clean leave, and the others' next round is not slowed by a member that leaves."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import json, sys, time, torch, swarm
 
 key, ledgers, checkpoints, *initial_peers = sys.argv[1:]
 torch.manual_seed(0)  # every member builds the same model
-model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
 truth = torch.randn(8, 1, generator=torch.Generator().manual_seed(1))
 data = torch.Generator().manual_seed(abs(hash(key)) % 2**31)  # its own data
 with swarm.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), run="users-own", identity_key=key,
@@ -29,6 +29,7 @@ with swarm.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), run="u
                    checkpoint_dir=checkpoints, sync_every=20, target_group_size=3, round_timeout_s=10.0,
                    load_state_timeout_s=10.0) as trainer:
     print("PEER", trainer.peer_id, flush=True)
+    print("STATS", float(model[1].running_mean.abs().sum()), flush=True)  # 0 until trained, or loaded from a seal
     while True:
         x = torch.randn(16, 8, generator=data)
         loss = (model(x) - x @ truth).pow(2).mean()
@@ -95,6 +96,9 @@ def test_three_processes_of_a_users_script_restart_ctrl_c_and_sigterm(bootstrap_
         leave(children["a"], signal.SIGINT, "a", [children["b"], children["c"]])  # Ctrl+C
         children["a"] = start("a")  # the restart: the same key, the same peer of the run
         assert read_line_matching(children["a"], r"^PEER (\S+)$", timeout_s=60).group(1) == ids["a"]
+        # it resumed from a sealed checkpoint, its model's batch norm statistics included (before stop 62 only the
+        # parameters were sealed, and a restart or joiner began with a fresh model's zeros)
+        assert float(read_line_matching(children["a"], r"^STATS (\S+)$", timeout_s=10).group(1)) > 0
         since = {name: _grouped(child, 3) for name, child in children.items()}
         for name, child in children.items():  # all three together again, settled
             wait_until(lambda c=child, n=since[name]: _grouped(c, 3) >= n + 3, timeout_s=90, message=child.describe)
