@@ -16,7 +16,7 @@ their own for tasks that draw random numbers) and the one-command demo (`python 
 Composes the other packages: `bootstrap` (the ground floor: DHT start-up, identity and signatures,
 capability records, process lifetime), `peers` (probes, advertiser, resource graph) and `averaging`
 (groups, robust all-reduce), over hivemind's DHT and the ground floor's one network runtime per process.
-Exports: Trainer, TrainerConfig, RoundResult, Identity (imported lazily: `import swarm` stays cheap).
+Exports: Trainer, TrainerConfig, RoundResult, Identity, ScaledStep (imported lazily: `import swarm` stays cheap).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 from bootstrap.version import SWARM_VERSION
 
-__all__ = ["Identity", "RoundResult", "RunMismatch", "TaskInfo", "Trainer", "TrainerConfig"]
+__all__ = ["Identity", "RoundResult", "RunMismatch", "ScaledStep", "TaskInfo", "Trainer", "TrainerConfig"]
 __version__ = SWARM_VERSION
 
 _LAZY = {
@@ -35,6 +35,7 @@ _LAZY = {
     "TaskInfo": "swarm.config",
     "RunMismatch": "swarm.config",
     "Identity": "bootstrap.identity",
+    "ScaledStep": "swarm.recipe",
 }
 
 

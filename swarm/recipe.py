@@ -62,7 +62,7 @@ def warmup_factor(step: int, warmup_steps: int) -> float:
     return min(1.0, step / warmup_steps) if warmup_steps > 0 else 1.0
 
 
-def step_with_lr_factor(optimizer: torch.optim.Optimizer, factor: float) -> None:
+def step_with_lr_factor(optimizer: torch.optim.Optimizer | ScaledStep, factor: float) -> None:
     """``optimizer.step()`` with every group's learning rate scaled by ``factor`` for this step only: the
     learning rates are restored afterwards, so a user's own scheduler keeps working on its own values."""
     if factor >= 1.0:
@@ -79,7 +79,31 @@ def step_with_lr_factor(optimizer: torch.optim.Optimizer, factor: float) -> None
             group["lr"] = lr
 
 
-def inner_step(optimizer: torch.optim.Optimizer, step: int, warmup_steps: int) -> None:
+class ScaledStep:
+    """An inner optimizer stepped through a `torch.amp.GradScaler`, for fp16 mixed precision: pass
+    ``swarm.ScaledStep(optimizer, scaler)`` to `swarm.Trainer` in the optimizer's place, and backpropagate
+    ``scaler.scale(loss)``. Each `Trainer.step` then unscales the gradients, skips the optimizer's step when one
+    of them is inf or NaN, and updates the scale (``scaler.step``, ``scaler.update``), as a torch AMP loop does;
+    the plain optimizer would apply the gradients still multiplied by the scale (2^16 at first). To clip
+    gradients, call ``scaler.unscale_(optimizer)`` and clip before ``trainer.step``. The learning rates are the
+    optimizer's own (``param_groups`` is its list: a scheduler of the optimizer keeps working)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
+        self.optimizer, self.scaler = optimizer, scaler
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def step(self) -> None:
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def inner_step(optimizer: torch.optim.Optimizer | ScaledStep, step: int, warmup_steps: int) -> None:
     """Local step ``step`` (1-based) of the inner loop: the optimizer step under the warm-up factor, then
     ``zero_grad``. The one definition shared by `swarm.Trainer.step` and the other ranks of a node."""
     step_with_lr_factor(optimizer, warmup_factor(step, warmup_steps))

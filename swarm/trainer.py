@@ -50,7 +50,7 @@ from swarm.config import RunMismatch, TaskInfo, TrainerConfig
 from swarm.outer import DiLoCo
 from swarm.overlap import Overlap
 from swarm.presence import PeerView, Presence, RunFacts, check_run
-from swarm.recipe import inner_step, warmup_factor
+from swarm.recipe import ScaledStep, inner_step, warmup_factor
 from swarm.round_runner import RoundRunner
 from swarm.rounds import RoundResult, TrainerCounters
 from swarm.work import WorkChecks, WorkSpec
@@ -77,7 +77,7 @@ class Trainer:
     def __init__(
         self,
         model: torch.nn.Module,
-        inner_optimizer: torch.optim.Optimizer,
+        inner_optimizer: torch.optim.Optimizer | ScaledStep,
         *,
         config: TrainerConfig | None = None,
         dht: DHT | None = None,

@@ -328,7 +328,8 @@ class WorkChecks:
     @classmethod
     def for_trainer(cls, trainer: Any, spec: WorkSpec | None) -> WorkChecks | None:
         """A `swarm.Trainer`'s verified work, or None: ``verify_work`` off, no spec, overlapped rounds, a model with
-        floating-point buffers, or a DHT that is not the trainer's own (nothing could be signed)."""
+        floating-point buffers, a `swarm.ScaledStep`, or a DHT that is not the trainer's own (nothing could be
+        signed)."""
         cfg = trainer.config
         if not cfg.work.verify_work or spec is None or cfg.overlap or trainer.identity.peer_id != trainer.peer_id:
             return None
@@ -336,6 +337,9 @@ class WorkChecks:
             logger.warning(
                 "verified work is off: the model has buffers (batch norm statistics), which no replay restores"
             )
+            return None
+        if not isinstance(trainer.inner_optimizer, torch.optim.Optimizer):  # a `swarm.ScaledStep` (fp16 steps)
+            logger.warning("verified work is off: the inner optimizer steps through a gradient scaler (not replayed)")
             return None
         averager, record = trainer.group_averager, trainer.evidence.record
         return cls(

@@ -71,14 +71,17 @@ def test_a_round_is_prelaunched_only_after_a_grouped_round_and_never_first() -> 
 @pytest.mark.timeout(120)
 def test_a_lone_overlapped_trainer_trains_on_and_leaves_with_no_round_thread(tmp_path) -> None:
     """Alone with plain averaging (outer lr 1, no momentum) one round late, a peer's model is just its local
-    training: each sync point must leave the model where the inner steps took it."""
+    training: each sync point must leave the model where the inner steps took it. Its inner steps go through a
+    gradient scaler (`swarm.ScaledStep`, as for fp16), whose scale grows every 2 steps only if they do."""
+    from swarm.recipe import ScaledStep
     from swarm.trainer import Trainer
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     trainer = Trainer(
         model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
+        ScaledStep(torch.optim.SGD(model.parameters(), lr=0.1), scaler),
         run="lone-overlap",
         overlap=True,
         outer_lr=1.0,
@@ -97,7 +100,7 @@ def test_a_lone_overlapped_trainer_trains_on_and_leaves_with_no_round_thread(tmp
     trainer.before_sync.append(lambda round_, local: at_sync.append([t.clone() for t in local]))
     try:
         for step in range(1, 7):
-            model(torch.randn(8, 4)).pow(2).mean().backward()
+            scaler.scale(model(torch.randn(8, 4)).pow(2).mean()).backward()
             results.append(trainer.step(num_samples=8))
             if step % 2 == 0:  # a sync point: the model is where the inner steps took it
                 assert len(at_sync) == step // 2
@@ -106,7 +109,7 @@ def test_a_lone_overlapped_trainer_trains_on_and_leaves_with_no_round_thread(tmp
         synced = [r for r in results if r is not None]
         assert results[1] is None and len(synced) == 2  # sync points at steps 2, 4, 6; the first joins nothing
         assert [r.group_size for r in synced] == [1, 1] and [r.round for r in synced] == [1, 2]
-        assert trainer.round == 2
+        assert trainer.round == 2 and scaler.get_scale() == 2.0**13  # 6 steps through the scaler
         assert any(t.name == "swarm-round" for t in threading.enumerate())  # the third round is in flight
     finally:
         began = time.monotonic()

@@ -123,3 +123,38 @@ def test_a_rising_streak_reaches_the_status_board_and_the_report():
     kind, detail = _status_note("diverging", report.to_dict())
     assert kind == "val loss rising" and "1.000 -> 1.500" in detail
     assert "diverging" in TIMELINE_KINDS
+
+
+def test_a_scaled_step_unscales_keeps_the_warm_up_and_skips_an_inf_step_where_the_plain_optimizer_would_not():
+    """fp16 mixed precision (`swarm.ScaledStep`): after ``scaler.scale(loss).backward()``, the trainer's inner step
+    must equal the plain step on the unscaled gradients, under the warm-up factor, with the learning rate restored;
+    the plain optimizer on the same gradients (the negative control) would step 2^16 times as far."""
+    from swarm import ScaledStep
+    from swarm.recipe import inner_step
+
+    x = torch.tensor([1.0, -2.0, 3.0])
+
+    def arm(scaled: bool, plain_on_scaled: bool = False) -> tuple[torch.Tensor, torch.amp.GradScaler]:
+        param = torch.nn.Parameter(torch.tensor([0.5, 0.25, -1.0]))
+        optimizer = torch.optim.SGD([param], lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1000)
+        loss = (param * x).sum()
+        (scaler.scale(loss) if scaled or plain_on_scaled else loss).backward()
+        inner_step(ScaledStep(optimizer, scaler) if scaled else optimizer, 1, 4)  # warm-up: lr x 1/4 this step
+        assert optimizer.param_groups[0]["lr"] == 0.1 and param.grad is None
+        return param.detach(), scaler
+
+    start = torch.tensor([0.5, 0.25, -1.0])
+    reference, _ = arm(scaled=False)
+    torch.testing.assert_close(reference, start - 0.025 * x)
+    scaled, scaler = arm(scaled=True)
+    assert torch.equal(scaled, reference) and scaler.get_scale() == 2.0**16
+    plain, _ = arm(scaled=False, plain_on_scaled=True)
+    torch.testing.assert_close(start - plain, 2.0**16 * (start - reference))
+
+    param = torch.nn.Parameter(start.clone())  # an overflow: the step is skipped and the scale halved
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    scaler.scale((param * torch.tensor([1.0, float("inf"), 1.0])).sum()).backward()
+    inner_step(ScaledStep(optimizer, scaler), 200, 4)
+    assert torch.equal(param.detach(), start) and scaler.get_scale() == 2.0**15
