@@ -229,7 +229,8 @@ class CheckpointManager:
         round_ = seal.step if seal is not None else receipt.receipt.round if receipt is not None else -1
         with self._lock:
             newest, waiting = self._newest
-            self._newest = (round_, seal) if round_ > newest else (newest, waiting)
+            if round_ > newest or (round_ == newest and seal is not None):
+                self._newest = (round_, seal)
         return self._sealer.submit(self._finish_round, receipt, round_)
 
     def flush(self, *, cancel: threading.Event | None = None) -> bool:
