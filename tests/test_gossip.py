@@ -4,6 +4,7 @@ was away finds the newest manifest in the run's DHT index."""
 import contextlib
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from hivemind.utils.timed_storage import get_dht_time
@@ -229,6 +230,19 @@ def test_a_seal_and_close_end_in_bounded_time_when_the_dht_process_died(tmp_path
         stop_dht(dht)
 
 
+def _lone_manager(me: Identity, directory: Path) -> tuple:
+    """A DHT of its own and a `CheckpointManager` on it (the sealer's tests: their work is replaced)."""
+    from bootstrap.network import start_swarm_dht
+    from swarm.checkpoint import sync
+
+    dht = start_swarm_dht(me, host_maddrs=LOOPBACK)
+    manager = sync.CheckpointManager(
+        dht, identity=me, run_id=RUN, task="teacher", config_digest="a" * 64, directory=directory, keep_last=2,
+        run_peers=set, seal_timeout_s=30.0, receipt_timeout_s=1.0,
+    )  # fmt: skip
+    return dht, manager
+
+
 def test_flush_waits_for_the_last_rounds_work_and_a_stop_request_ends_the_wait(tmp_path, monkeypatch) -> None:
     """`Trainer.finish` waits (`CheckpointManager.flush`) for the sealer's last work, so the state a run ends at is
     sealed; a stop request (Ctrl+C) ends that wait within 0.1 s. The work here blocks until released."""
@@ -236,15 +250,10 @@ def test_flush_waits_for_the_last_rounds_work_and_a_stop_request_ends_the_wait(t
 
     import torch
 
-    from bootstrap.network import start_swarm_dht
     from swarm.checkpoint import sync
 
     me = Identity.generate()
-    dht = start_swarm_dht(me, host_maddrs=LOOPBACK)
-    manager = sync.CheckpointManager(
-        dht, identity=me, run_id=RUN, task="teacher", config_digest="a" * 64, directory=tmp_path, keep_last=2,
-        run_peers=set, seal_timeout_s=30.0, receipt_timeout_s=1.0,
-    )  # fmt: skip
+    dht, manager = _lone_manager(me, tmp_path)
     release, stop, done = threading.Event(), threading.Event(), []
 
     def work(receipt: object, round_: int) -> bool:
@@ -282,15 +291,10 @@ def test_a_seal_overtaken_while_it_waits_for_the_sealer_is_dropped_at_once(tmp_p
 
     import torch
 
-    from bootstrap.network import start_swarm_dht
     from swarm.checkpoint import sync
 
     me = Identity.generate()
-    dht = start_swarm_dht(me, host_maddrs=LOOPBACK)
-    manager = sync.CheckpointManager(
-        dht, identity=me, run_id=RUN, task="teacher", config_digest="a" * 64, directory=tmp_path, keep_last=2,
-        run_peers=set, seal_timeout_s=30.0, receipt_timeout_s=1.0,
-    )  # fmt: skip
+    dht, manager = _lone_manager(me, tmp_path)
     holding, release, sealed = threading.Event(), threading.Event(), []
 
     def seal_(seal: sync.SealRequest, receipts: object) -> bool:
