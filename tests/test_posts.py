@@ -96,3 +96,24 @@ def test_a_flooding_sender_only_pushes_out_its_own_oldest_posts(pair):
     held = [key for key in keys if me in b.received(key)]
     assert held == keys[-MAX_KEYS_PER_SENDER:]  # its newest stay, its oldest gave way
     assert b.received(keep) == {them: {"r": 1}}  # the others' posts are untouched
+
+
+@pytest.mark.timeout(60)
+def test_a_post_that_comes_between_a_read_and_the_wait_ends_the_wait_at_once(pair):
+    """The sealer reads the posts, then waits for more: a post that lands between the two must end the wait at
+    once, not after its whole timeout (before stop 62 `wait` took no ``since`` and missed it, waiting 0.2 s a
+    time). The negative control: with no post since, the wait runs out its timeout."""
+    (dht_a, dht_b), (a, b) = pair
+    me, them = str(dht_a.peer_id), str(dht_b.peer_id)
+    key = seal_key(RUN, "5" * 64)
+    seen = b.arrivals
+    assert b.read(key, since=time.monotonic()) == []  # the read: nothing yet
+    a.post(key, "sig-a5", sender=me, to=[me, them])  # lands before the wait begins
+    assert b.received(key) == {me: "sig-a5"}
+    began = time.monotonic()
+    b.wait(5.0, since=seen)
+    assert time.monotonic() - began < 0.5
+    seen = b.arrivals
+    began = time.monotonic()
+    b.wait(0.3, since=seen)  # nothing comes: the timeout
+    assert time.monotonic() - began >= 0.29

@@ -63,6 +63,8 @@ class GroupPosts:
         self.rejected: Counter[str] = Counter()
         self._inbox: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._arrived = threading.Condition()
+        self.arrivals = 0
+        """Posts filed so far (this peer's own included), and once more at `close`: `wait`'s ``since``."""
         self._service = Handler(
             dht,
             handler_name=f"swarm.posts.v1.{run_id}",
@@ -120,10 +122,11 @@ class GroupPosts:
         with self._arrived:
             return dict(self._inbox.get(key, {}))
 
-    def wait(self, timeout_s: float) -> None:
-        """Return when a post arrives, or after ``timeout_s``."""
+    def wait(self, timeout_s: float, *, since: int) -> None:
+        """Return once a post has arrived since `arrivals` read ``since`` (at once if one has already: one that
+        came between the caller's read and this call is not missed), or after ``timeout_s``."""
         with self._arrived:
-            self._arrived.wait(timeout_s)
+            self._arrived.wait_for(lambda: self.arrivals != since, timeout_s)
 
     def discard(self, key: str) -> None:
         with self._arrived:
@@ -132,6 +135,7 @@ class GroupPosts:
     def close(self) -> None:
         self._service.close()
         with self._arrived:
+            self.arrivals += 1  # a waiter returns at once
             self._arrived.notify_all()
 
     async def _serve_unary(self, data: bytes, sender: str) -> bytes:
@@ -164,6 +168,7 @@ class GroupPosts:
             self._inbox.setdefault(key, {})[sender] = value
             while len(self._inbox) > MAX_KEYS:
                 self._inbox.popitem(last=False)
+            self.arrivals += 1
             self._arrived.notify_all()
 
 

@@ -307,6 +307,7 @@ class CheckpointManager:
         began = time.monotonic()
         deadline = began + self.seal_timeout_s
         while time.monotonic() < deadline and not self._closing.is_set() and not self._overtaken(step):
+            seen = self.posts.arrivals  # before the read: a post that comes after it ends the wait below at once
             signatures = self._collect(key, manifest, since=began)
             if len(signatures) >= quorum:
                 self.posts.discard(key)
@@ -316,7 +317,7 @@ class CheckpointManager:
                 return True
             if receipts is not None:
                 receipts.poll()
-            self.posts.wait(0.2)  # for the others' signatures (a post wakes it), with a deadline
+            self.posts.wait(0.2, since=seen)  # for the others' signatures (a post wakes it), with a deadline
         self.posts.discard(key)
         if self._closing.is_set():
             logger.info("step %s: left before the group's %s signatures came; not sealed", step, quorum)
@@ -509,12 +510,13 @@ class _ReceiptSwap:
     def wait(self, *, deadline: float, round_: int) -> None:
         """Poll until every member's receipt is in, ``deadline`` passes or a newer round overtakes this one."""
         while not self.complete():
+            seen = self.manager.posts.arrivals  # before the read: a post that comes after it ends the wait at once
             self.poll()
             if self.complete() or time.monotonic() >= deadline or self.manager._overtaken(round_):
                 return
             if self.manager._closing.is_set():
                 return
-            self.manager.posts.wait(0.2)  # for the others' receipts (a post wakes it), with a deadline
+            self.manager.posts.wait(0.2, since=seen)  # for the others' receipts (a post wakes it), with a deadline
 
     def poll(self) -> None:
         if self.complete():
