@@ -546,7 +546,7 @@ def test_old_or_foreign_receipts_in_a_manifest_are_refused():
 
 class _Board:
     """A stand-in for `swarm.checkpoint.posts.GroupPosts`: posts filed by key and sender (what _ReceiptSwap sends
-    and reads, directly or from the DHT alike)."""
+    and what its `poll` reads, directly or from the DHT alike)."""
 
     def __init__(self) -> None:
         self.values: dict[str, dict[str, object]] = {}
@@ -556,9 +556,6 @@ class _Board:
 
     def read(self, key, *, since):
         return list(self.values.get(key, {}).items())
-
-    def wait(self, timeout_s) -> None:
-        pass
 
 
 def test_a_replayed_receipt_is_not_taken_in_the_receipt_swap():

@@ -228,7 +228,7 @@ class CheckpointManager:
         tensors the caller does not change (`swarm.outer.DiLoCo.state_dict` makes copies)."""
         round_ = seal.step if seal is not None else receipt.receipt.round if receipt is not None else -1
         with self._lock:
-            newest, waiting = self._newest
+            newest = self._newest[0]
             if round_ > newest or (round_ == newest and seal is not None):
                 self._newest = (round_, seal)
         return self._sealer.submit(self._finish_round, receipt, round_)
