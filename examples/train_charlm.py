@@ -32,7 +32,8 @@ def main() -> None:
     task = get_task("charlm", preset=args.task_preset)
     model = task.build_model(seed=0).to(device)  # every peer of a run starts from the same seed
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if native_bf16 else contextlib.nullcontext()
 
     # task_info tells the run which model this is, so peers building another model are refused
     trainer = swarm.Trainer(

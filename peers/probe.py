@@ -51,7 +51,7 @@ def probe_hardware(device: torch.device | str = "cpu") -> Hardware:
             count=torch.cuda.device_count(),
             memory_total_bytes=int(total),
             memory_free_bytes=int(free),
-            bf16=bool(torch.cuda.is_bf16_supported()),
+            bf16=bool(torch.cuda.is_bf16_supported(including_emulation=False)),  # natively (emulated: slower than fp32)
             fp16=major >= 6,
             **common,
         )

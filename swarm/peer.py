@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from hivemind import DHT
@@ -37,7 +37,7 @@ from bootstrap.network import start_swarm_dht
 from peers import ResourceGraph, pick_run, probe_hardware, probe_software
 from swarm.events import EventLog
 from swarm.node import Node, launched_size
-from swarm.recipe import inner_step
+from swarm.recipe import PRECISIONS, ScaledStep, autocast_dtype, inner_step
 from swarm.tasks import get_task
 from swarm.trainer import TaskInfo, Trainer, TrainerConfig, WorkSpec
 
@@ -55,6 +55,10 @@ class PeerConfig:
     """Size preset of the task's model (charlm: tiny, small, default; teacher: tiny, default)."""
     device: str = "auto"
     """auto (CUDA when available), cpu or cuda."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Autocast of the forward pass: auto (bf16 on GPUs that compute it natively, compute capability 8.0 and
+    up; fp16 with a loss scaler on 7.x, V100/T4/RTX 20xx; fp32 on older GPUs and on a CPU), fp32, bf16, or fp16
+    (with a torch.amp.GradScaler; verified work is then off)."""
     optimizer: str = "adamw"
     """Inner optimizer: adamw, or adamw8bit (bitsandbytes 8-bit states)."""
     lr: float = 3e-3
@@ -92,6 +96,8 @@ class PeerConfig:
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.optimizer not in ("adamw", "adamw8bit"):
             raise ValueError(f"optimizer must be adamw or adamw8bit, got {self.optimizer!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -174,7 +180,11 @@ class PeerRunner:
         self.model = self.task.build_model(seed=config.seed).to(self.device)
         self.forward = node.wrap(self.model) if node is not None else self.model
         """The model as the training step calls it (under DDP in a node)."""
-        self.optimizer = make_inner_optimizer(config, self.model.parameters())
+        self.autocast_dtype = autocast_dtype(config.precision, self.device)
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.autocast_dtype == torch.float16 else None
+        optimizer = make_inner_optimizer(config, self.model.parameters())
+        self.optimizer = optimizer if self.scaler is None else ScaledStep(optimizer, self.scaler)
+        """The inner optimizer, stepped through the loss scaler under fp16."""
         self.trainer: Trainer | None = None
         self.samples_seen = 0
         self.rounds_done = 0
@@ -198,6 +208,7 @@ class PeerRunner:
             task=self.task.name,
             params=sum(p.numel() for p in self.model.parameters()),
             device=str(self.device),
+            precision=self.precision_name,
         )
         task_info = TaskInfo.of(self.task, self.config.task_preset)
         cfg = self.config  # verified work (--verify-work) replays this peer's shard of the task's stream
@@ -242,7 +253,15 @@ class PeerRunner:
         )
         if self.config.dump_dir:
             self._dump("joined", self.trainer.round, list(self.model.parameters()))
-        logger.info("training shard %s/%s on %s", self.shard_index, self.config.num_shards, self.device)
+        logger.info(
+            "training shard %s/%s on %s, %s",
+            self.shard_index, self.config.num_shards, self.device, self.precision_name,
+        )  # fmt: skip
+
+    @property
+    def precision_name(self) -> str:
+        """What the forward pass runs in: fp32, bf16 or fp16 (with a loss scaler)."""
+        return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.autocast_dtype]
 
     def evaluate_or_nan(self) -> float:
         """The trainer's ``evaluate``: after the rounds that ``eval_every`` names (NaN after the others)."""
@@ -259,9 +278,9 @@ class PeerRunner:
             return float(self.task.evaluate(self.model, max_batches=self.config.eval_batches))
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _batches(self) -> Iterator[Any]:
         cfg = self.config
@@ -273,7 +292,7 @@ class PeerRunner:
         x, y = (t.to(self.device, non_blocking=True) for t in batch)
         with self._autocast():
             loss = self.task.loss(self.forward, (x, y))
-        loss.backward()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         return x.shape[0] * (self.node.world_size if self.node is not None else 1), loss.item()
 
     def follow(self) -> None:

@@ -103,6 +103,27 @@ class ScaledStep:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
 
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+"""Mixed-precision choices of `autocast_dtype` (``swarm.peer --precision``)."""
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of ``precision`` on ``device``; None: fp32, no autocast. ``auto`` picks what the device
+    computes natively: bf16 on CUDA GPUs of compute capability 8.0 and up (and on ROCm); fp16 on 7.x (Volta and
+    Turing: V100, T4, RTX 20xx), whose tensor cores compute fp16, not bf16 (torch runs bf16 there emulated),
+    trained with a loss scaler (`ScaledStep`); fp32 on older GPUs (no tensor cores) and on a CPU."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision != "auto":
+        return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    if device.type != "cuda":
+        return None
+    if torch.version.hip:
+        return torch.bfloat16
+    major, _ = torch.cuda.get_device_capability(device)
+    return torch.bfloat16 if major >= 8 else torch.float16 if major >= 7 else None
+
+
 def inner_step(optimizer: torch.optim.Optimizer | ScaledStep, step: int, warmup_steps: int) -> None:
     """Local step ``step`` (1-based) of the inner loop: the optimizer step under the warm-up factor, then
     ``zero_grad``. The one definition shared by `swarm.Trainer.step` and the other ranks of a node."""

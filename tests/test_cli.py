@@ -80,6 +80,7 @@ PEER_FLAGS = [
     "--task",
     "--task-preset",
     "--device",
+    "--precision",
     "--optimizer",
     "--lr",
     "--weight-decay",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -158,3 +160,82 @@ def test_a_scaled_step_unscales_keeps_the_warm_up_and_skips_an_inf_step_where_th
     scaler.scale((param * torch.tensor([1.0, float("inf"), 1.0])).sum()).backward()
     inner_step(ScaledStep(optimizer, scaler), 200, 4)
     assert torch.equal(param.detach(), start) and scaler.get_scale() == 2.0**15
+
+
+@pytest.mark.parametrize(
+    ("precision", "capability", "hip", "expected"),
+    [
+        ("auto", (9, 0), None, torch.bfloat16),
+        ("auto", (8, 0), None, torch.bfloat16),
+        ("auto", (7, 5), None, torch.float16),  # T4, RTX 20xx: tensor cores without bf16
+        ("auto", (7, 0), None, torch.float16),  # V100
+        ("auto", (6, 1), None, None),  # GTX 10xx: no tensor cores
+        ("auto", (6, 1), "6.2", torch.bfloat16),  # ROCm
+        ("fp16", (9, 0), None, torch.float16),
+        ("bf16", (7, 5), None, torch.bfloat16),  # asked for: taken as asked
+        ("fp32", (9, 0), None, None),
+    ],
+)
+def test_autocast_dtype_picks_what_the_gpu_computes_natively(monkeypatch, precision, capability, hip, expected):
+    """``swarm.peer`` used bf16 autocast on every GPU; torch runs bf16 on GPUs before compute capability 8.0
+    emulated (their tensor cores compute fp16). Now, with ``auto``: bf16 where native, fp16 (with a loss scaler)
+    on 7.x, fp32 below; an explicit choice is taken as asked."""
+    from swarm.recipe import autocast_dtype
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    assert autocast_dtype(precision, torch.device("cuda")) == expected
+    assert autocast_dtype("auto", torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="precision"):
+        autocast_dtype("fp8", torch.device("cpu"))
+
+
+def test_a_peer_in_fp16_runs_its_forward_in_fp16_and_steps_through_its_loss_scaler():
+    """`swarm.peer --precision fp16` (what auto picks on a V100 or a T4), on this CPU: the forward runs in fp16,
+    the backward is scaled by the runner's GradScaler (the gradients are 2^16 times those of the same forward
+    backpropagated unscaled, but where that underflowed), and the inner step goes through it (`ScaledStep`: the gradients unscaled, the
+    scale kept). The default on a CPU (the control) is fp32 with the plain optimizer."""
+    from swarm import ScaledStep
+    from swarm.peer import PeerConfig, PeerRunner
+    from swarm.recipe import inner_step
+    from swarm.trainer import TrainerConfig
+
+    def runner(precision: str) -> PeerRunner:
+        config = PeerConfig(task="charlm", task_preset="tiny", device="cpu", precision=precision, shard_index=0)
+        return PeerRunner(TrainerConfig(run="precision"), config, stop=None, identity=None)
+
+    def forward_dtypes(peer: PeerRunner, batch: Any) -> set[torch.dtype]:
+        seen: set[torch.dtype] = set()
+        hooks = [m.register_forward_hook(lambda m, i, o: seen.add(o.dtype)) for m in peer.model.modules()
+                 if isinstance(m, torch.nn.Linear)]  # fmt: skip
+        try:
+            peer._backward(batch)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return seen
+
+    plain = runner("auto")
+    batch = next(plain._batches())
+    assert plain.precision_name == "fp32" and plain.scaler is None and isinstance(plain.optimizer, torch.optim.AdamW)
+    assert forward_dtypes(plain, batch) == {torch.float32}
+
+    fp16, reference = runner("fp16"), runner("fp16")
+    assert fp16.precision_name == "fp16" and isinstance(fp16.optimizer, ScaledStep)
+    assert fp16.optimizer.scaler is fp16.scaler and fp16.scaler.get_scale() == 2.0**16
+    assert forward_dtypes(fp16, batch) == {torch.float16}
+    x, y = batch
+    with reference._autocast():
+        reference.task.loss(reference.forward, (x, y)).backward()  # the same forward, unscaled
+    scaled = [p.grad for p in fp16.model.parameters()]
+    unscaled = [p.grad for p in reference.model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in scaled)
+    # equal but where the unscaled fp16 backward underflowed (what the scale is for): compared as whole tensors
+    errors = [((s - u * 2.0**16).norm() / (u * 2.0**16).norm()).item() for s, u in zip(scaled, unscaled)]
+    assert max(errors) < 1e-2, errors
+    before = [p.detach().clone() for p in fp16.model.parameters()]
+    inner_step(fp16.optimizer, 1, 0)
+    assert fp16.scaler.get_scale() == 2.0**16  # no inf: the step was taken, the scale kept
+    assert all(p.grad is None for p in fp16.model.parameters())
+    moved = max((p.detach() - b).abs().max().item() for p, b in zip(fp16.model.parameters(), before))
+    assert 0 < moved <= 1.1 * 3e-3  # AdamW's first step: at most about its learning rate per coordinate
