@@ -136,6 +136,16 @@ class RoundRecord:
     members' mean of when their parts began to arrive, this one's own at 0; negative: it is behind), ``agreement`` (the
     reducers' lists of senders), ``reduced`` (its own slice aggregated, from the attempt's start) and
     ``allreduce`` (every slice back); ``total``."""
+    parts: dict[str, dict] = field(default_factory=dict)
+    """Sender -> ``{"sha256": its part of this peer's slice as it came (`averaging.group.part_digest`), "weight":
+    the weight it claimed}``, for the senders in this peer's slice of the result (the last attempt's): a verifier
+    of the sender binds them to its committed update (`swarm.work`)."""
+    own_slice: tuple[int, int] = (0, 0)
+    """The coordinates [start, end) of the vector this peer reduced in the last attempt."""
+    codec: str = ""
+    """The last attempt's wire format."""
+    piece_numel: int = 0
+    """The last attempt's pieces (`AveragingConfig.piece_numel`)."""
     attempts: int = 0
     outcome: str = "failed"
     """ok (every member included), partial (survivors' mean: some senders dropped), retried (a slice was

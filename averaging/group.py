@@ -39,7 +39,9 @@ member's piece k has come, the reducer aggregates it (the rule runs per piece) a
 member's stream, while later pieces still arrive: the two halves of the round overlap, as a ring
 all-reduce's do, instead of the link idling while the slowest reducer finishes and aggregates. Those
 pieces are tentative: they assume every member survives. The reply on a stream is
-``(piece)* [revised (piece)*] final``; a member takes the pieces it holds when ``final`` comes.
+``(piece)* [revised (piece)*] final``; a member takes the pieces it holds when ``final`` comes. A reducer
+records the sha256 of each sender's part as it came, with the weight it claimed (`RoundRecord.parts`,
+`part_digest`): what a verifier binds to that sender's committed update (`swarm.work`).
 
 Faults. A sender silent past ``sender_timeout_s`` (a straggler or a dead peer) is dropped. Reducers
 exchange the lists of parts they received in full and all use their intersection, so every slice averages
@@ -227,6 +229,16 @@ def piece_bounds(numel: int, piece_numel: int) -> list[tuple[int, int]]:
     return slice_bounds(numel, count)
 
 
+def part_digest(part: torch.Tensor, codec: str, piece_numel: int) -> str:
+    """sha256 of a member's ``part`` of one slice as a sender streams it: its pieces (`piece_bounds`), each
+    encoded with ``codec``. What a reducer records of each sender's part (`RoundRecord.parts`), and what a
+    verifier recomputes from the sender's committed update (`swarm.work`)."""
+    digest, encode = hashlib.sha256(), get_codec(codec).encode
+    for a, b in piece_bounds(part.numel(), piece_numel):
+        digest.update(encode(part[a:b].contiguous()))
+    return digest.hexdigest()
+
+
 # --------------------------------------------------------------------------------------------- state
 @dataclass
 class _Pieces:
@@ -235,6 +247,8 @@ class _Pieces:
     bounds: list[tuple[int, int]]
     weights: dict[str, float] = field(default_factory=dict)
     """Sender -> the weight its part's header claimed."""
+    digests: dict[str, str] = field(default_factory=dict)
+    """Sender -> sha256 of its part's bytes as they came, every piece of it (`part_digest`)."""
     received: list[dict[str, torch.Tensor]] = field(init=False)
     """Per piece: sender -> its decoded values (the reducer's own included)."""
     ready: list[asyncio.Event] = field(init=False)
@@ -1357,6 +1371,12 @@ class GroupAverager:
                     slices[peer] = await task
             lost = {peer for peer, value in slices.items() if value is None}
             record.phase_s["allreduce"] = time.monotonic() - started
+            record.parts = {
+                peer: {"sha256": state.pieces.digests[peer], "weight": state.pieces.weights[peer]}
+                for peer in record.included
+                if peer in state.pieces.digests
+            }
+            record.own_slice, record.codec, record.piece_numel = (lo, hi), codec, cfg.piece_numel
             if lost:
                 for peer in lost - unheard:
                     reason = "given up: silent" if peer in state.silent else "its slice was not completed"
@@ -1896,13 +1916,14 @@ class GroupAverager:
         state.heard_from(peer)
         pieces.weights[peer] = weight
         replying = asyncio.create_task(self._reply(state, writer))
+        digest = hashlib.sha256()
         try:
             for k, (a, b) in enumerate(pieces.bounds):
                 payload = await asyncio.wait_for(
                     read_exactly(reader, wire_bytes(codec, b - a)), max(0.01, state.sender_deadline - time.monotonic())
                 )
-                try:
-                    piece = await asyncio.to_thread(codec.decode, payload, numel=b - a)
+                try:  # hashed and decoded off the event loop, in order
+                    piece = await asyncio.to_thread(_hashed_decode, codec, payload, b - a, digest)
                 except ValueError as e:
                     raise ProtocolError("undecodable part", str(e)[:100]) from None
                 if time.monotonic() > state.sender_deadline or self.peer_id in state.received_sets:
@@ -1910,6 +1931,7 @@ class GroupAverager:
                 pieces.received[k][peer] = piece
                 state.heard_from(peer)
                 state.update()
+            pieces.digests[peer] = digest.hexdigest()
             state.parts.add(peer)
             state.update()
             await replying
@@ -1948,6 +1970,11 @@ class GroupAverager:
             for k, data in enumerate(pieces.final):
                 await write_frame(writer, {"status": "piece", "k": k, "payload_bytes": len(data)}, data)
         await write_frame(writer, {"status": "final"})
+
+
+def _hashed_decode(codec: Any, payload: bytes, numel: int, digest: Any) -> torch.Tensor:
+    digest.update(payload)
+    return codec.decode(payload, numel=numel)
 
 
 async def _until_closed(reader: asyncio.StreamReader) -> None:

@@ -8,9 +8,11 @@ Side by side in one run (interleaved, so the machine's load hits both arms alike
 the same phase under a `swarm.verify.WorkRecorder` (a boundary every ``segment_steps`` steps: hashes
 and copies of the parameters and the optimizer state, then the signed commitment). Then a verifier's
 check of each segment: the inputs through safetensors bytes, the digests, the replay, with the verifier's
-positioned batch streams (`swarm.verify.Streams`, as `swarm.work` keeps them). ``--stream-offset N`` starts
-the phases N batches into the shard's stream (a check late in a run); the first check of a shard then
-draws those N batches once, which the median leaves out: the table also gives the slowest check.
+positioned batch streams (`swarm.verify.Streams`, as `swarm.work` keeps them), and the binding (the
+verifier's slice of the committed update, in a group of ``--group-size``, encoded as sent and hashed).
+``--stream-offset N`` starts the phases N batches into the shard's stream (a check late in a run); the
+first check of a shard then draws those N batches once, which the median leaves out: the table also gives
+the slowest check.
 
 Per segment length: the recording overhead, measured twice: as the difference of the two arms (recorded /
 plain phase - 1, noisy on a shared machine) and directly, as the time spent inside the recorder (begin,
@@ -33,6 +35,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from averaging.config import AveragingConfig
+from averaging.group import part_digest, slice_bounds
 from benchmarks._common import run_metadata, save_result
 from bootstrap.identity import Identity
 from swarm import verify
@@ -57,7 +61,9 @@ def _phase(task, model, optimizer, batches, steps: int, step: int, recorder=None
     return step, in_recorder
 
 
-def measure(task, info: TaskInfo, *, steps: int, segment_steps: int, phases: int, stream_offset: int = 0) -> dict:
+def measure(
+    task, info: TaskInfo, *, steps: int, segment_steps: int, phases: int, stream_offset: int = 0, group_size: int = 2
+) -> dict:
     identity = Identity.generate()
     model = task.build_model(seed=0)
     params = verify.trainable(model)
@@ -69,7 +75,8 @@ def measure(task, info: TaskInfo, *, steps: int, segment_steps: int, phases: int
     for _ in range(stream_offset):
         next(batches)
     step, _ = _phase(task, model, optimizer, batches, steps, step)  # warm-up: allocator, optimizer state
-    plain, recorded, in_recorder, checks, signed = [], [], [], [], []
+    plain, recorded, in_recorder, checks, signed, binding = [], [], [], [], [], []
+    averaging = AveragingConfig()
     for round_ in range(phases):
         started = time.perf_counter()
         step, _ = _phase(task, model, optimizer, batches, steps, step)
@@ -95,9 +102,13 @@ def measure(task, info: TaskInfo, *, steps: int, segment_steps: int, phases: int
             ok, reason, _ = verify.check(
                 task, info.config_digest, commitment, segment, inputs, base=base, streams=streams
             )
-            checks.append(time.perf_counter() - started)
             if not ok:
                 raise SystemExit(f"an honest segment failed its check: {reason}")
+            bound = time.perf_counter()  # the binding: the verifier's slice of the committed update, as sent
+            lo, hi = slice_bounds(base.numel(), group_size)[0]
+            part_digest((base - inputs.end_params)[lo:hi], averaging.codec, averaging.piece_numel)
+            checks.append(time.perf_counter() - started)
+            binding.append(time.perf_counter() - bound)
     phase_s, recorded_s, check_s = statistics.median(plain), statistics.median(recorded), statistics.median(checks)
     record_s = statistics.median(in_recorder)
     state_bytes = sum(p.numel() for p in params) * 4 * 3  # parameters + AdamW's two moments, fp32
@@ -111,6 +122,7 @@ def measure(task, info: TaskInfo, *, steps: int, segment_steps: int, phases: int
         "check_s": check_s,
         "check_fraction": check_s / phase_s,
         "slowest_check_s": max(checks),
+        "binding_s": statistics.median(binding),
         "checks": len(checks),
         "boundary_memory_mb": (-(-steps // segment_steps) + 1) * state_bytes / 1e6,
     }
@@ -125,20 +137,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phases", type=int, default=8, help="phases per arm")
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5])
     parser.add_argument("--stream-offset", type=int, default=0, help="batches of the stream drawn before the phases")
+    parser.add_argument("--group-size", type=int, default=2, help="the verifier's slice is 1/group-size of a part")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # one core per peer, as on this 2-core machine's swarm runs
     task = get_task(args.task, preset=args.preset)
     info = TaskInfo.of(task, args.preset)
-    rows = [
-        measure(task, info, steps=args.steps, segment_steps=m, phases=args.phases, stream_offset=args.stream_offset)
-        for m in args.segments
-    ]
+    extra = {"stream_offset": args.stream_offset, "group_size": args.group_size}
+    rows = [measure(task, info, steps=args.steps, segment_steps=m, phases=args.phases, **extra) for m in args.segments]
     defaults = WorkConfig()
     rates = sorted({*args.rates, defaults.check_rate, defaults.trusted_rate})
     table = Table(title=f"verified work: {args.task} {args.preset}, {args.steps} steps a phase")
     names = (
-        "segment", "phase s", "recorded s", "recorded / plain - 1", "in recorder", "check s", "slowest", "check / phase"
+        "segment", "phase s", "recorded s", "recorded / plain - 1", "in recorder", "check s", "of it binding ms",
+        "slowest", "check / phase",
     )  # fmt: skip
     for name in names:
         table.add_column(name, justify="right")
@@ -156,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['record_overhead']:+.1%}",
             f"{row['record_fraction']:.1%}",
             f"{row['check_s']:.3f}",
+            f"{1e3 * row['binding_s']:.1f}",
             f"{row['slowest_check_s']:.3f}",
             f"{row['check_fraction']:.1%}",
             *[f"{costs[str(r)]:.1%}" for r in rates],

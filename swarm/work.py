@@ -18,6 +18,13 @@ the verdicts, re-check every accusation, exclude whoever a replay shows wrong.
   leaves idle before it takes any from training), sign a verdict, write it to the ledger (``work_check``). A
   failed check excludes the prover here at once (ledger: ``work_excluded``, with the reason) and is
   published under the run's verdicts key (owner-bound: subkey = the verifier), with the commitment.
+* **Binding.** A verifier is a reducer of its prover's group: its `averaging.RoundRecord` holds the digest of
+  the prover's part of its slice as it came, and the weight claimed (``parts``). A check whose replay matches
+  also requires that part to be the committed update's slice, ``base - end`` encoded as a sender streams it
+  (`averaging.group.part_digest`), and the weight to be the committed samples (`_Part`): else it fails
+  (`UNBOUND`), so a peer cannot commit honest work and average something else. Such a verdict is published
+  too; others confirm it only on their own slice of that round (`_confirm_unbound`), never against the
+  accuser, since what a prover sent one reducer nobody else saw.
 * **Arbiter.** Each round the worker reads the verdicts key, ahead of its routine checks (`_Worker`). A
   failing verdict this peer can re-check (it holds that round's base) is replayed a third time: if the
   prover's work fails again the prover is excluded; if it checks out the *verifier* lied, and is excluded
@@ -65,6 +72,7 @@ import torch
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
+from averaging.group import part_digest
 from bootstrap.dhtcalls import latest_within, store_within
 from bootstrap.framing import ProtocolError, header_field, linger, read_blob, read_frame, write_blob, write_frame
 from bootstrap.identity import Identity
@@ -99,6 +107,7 @@ LATE_AFTER_S = KEEP_FOR_S / 2
 prover keeps such phases for `KEEP_FOR_S` (within `KEEP_BYTES`), so younger ones are still asked for (under
 load this peer's checks fall rounds behind: skipped, they let a cheater through for rounds more)."""
 _MAX_SETTLED = 10_000
+_PARTS_KEPT = 256
 TIMEOUT_S = 30.0
 """Bound on one chunk of replay inputs, one DHT read or store of verdicts, the handler's start, and on a
 check's wait for this peer's round to end before its next chunk."""
@@ -261,6 +270,39 @@ class _Replays:
             replayer.close()
 
 
+UNBOUND = "its part in the all-reduce was not its committed update"
+"""A check's reason when the prover's work replays but the part it sent this peer's slice is another update."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """What a prover sent this peer, as its reducer, in the round it is checked for: the digest of its part of
+    this peer's slice (`averaging.group.part_digest`) and the weight it claimed. A check whose replay matches
+    the commitment also requires that part to be the committed update's (``base - end``) slice, so that a peer
+    cannot commit honest work and average something else (a poisoned or a copied update)."""
+
+    digest: str
+    weight: float
+    lo: int
+    hi: int
+    codec: str
+    piece_numel: int
+
+    @classmethod
+    def of(cls, record: Any, prover: str) -> _Part | None:
+        """From the round's `averaging.RoundRecord` (None: ``prover``'s part is not in this peer's slice)."""
+        part = record.parts.get(prover) if record is not None else None
+        if part is None:
+            return None
+        lo, hi = record.own_slice
+        return cls(part["sha256"], part["weight"], lo, hi, record.codec, record.piece_numel)
+
+    def matches(self, delta: torch.Tensor, commitment: Commitment) -> bool:
+        if self.weight != float(max(commitment.samples, 1)) or not 0 <= self.lo <= self.hi <= delta.numel():
+            return False
+        return part_digest(delta[self.lo : self.hi], self.codec, self.piece_numel) == self.digest
+
+
 @dataclass
 class _Disputes:
     """The verdicts this peer published, and those of others it settled (the arbiter's state)."""
@@ -269,6 +311,9 @@ class _Disputes:
     """Where verdicts are published and read (the run's verdicts key)."""
     published: list[dict] = field(default_factory=list)
     settled: set[str] = field(default_factory=set)
+    parts: OrderedDict[tuple[int, str], _Part] = field(default_factory=OrderedDict)
+    """(round, prover) -> the prover's part of this peer's slice that round (the newest `_PARTS_KEPT`): what an
+    accusation that it averaged another update than it committed is re-checked against (`_confirm_unbound`)."""
     polling: threading.Event = field(default_factory=threading.Event)
 
 
@@ -424,8 +469,10 @@ class WorkChecks:
         self.counts["waited for checks ms"] += round(1000 * (time.monotonic() - began))
 
     # ------------------------------------------------------------------------------------ after a round
-    def after_round(self, group: Any, base: torch.Tensor) -> None:
-        """A grouped round ended: keep its base, draw its checks, run this peer's on the worker (returns at once)."""
+    def after_round(self, group: Any, base: torch.Tensor, record: Any = None) -> None:
+        """A grouped round ended: keep its base, draw its checks, run this peer's on the worker (returns at once).
+        ``record``: the round's `averaging.RoundRecord`, whose part digests bind each prover's commitment to what
+        it sent this peer (`_Part`)."""
         committed, self.replays.committed = self.replays.committed, None
         same = committed is not None and verify.same_bits(committed[0], base)
         base_digest = committed[1] if same else verify.params_digest(base)
@@ -445,6 +492,13 @@ class WorkChecks:
             if commitment is not None and commitment.params[0] == base_digest:
                 commitments[peer], raw[peer] = commitment, work  # a member on another base is not checked here
         self._lag.newest_round = max([self._lag.newest_round, *(c.round for c in commitments.values())])
+        parts = self._disputes.parts
+        for prover, commitment in commitments.items():
+            part = _Part.of(record, prover)
+            if part is not None:
+                parts[(commitment.round, prover)] = part
+        while len(parts) > _PARTS_KEPT:
+            parts.popitem(last=False)
         for peer, gathered in group.gathered.items():  # an unreachable prover is back: it is asked once more
             owed = self._lag.owed.pop(str(peer), None)
             if owed is not None and not (isinstance(gathered, dict) and gathered.get("fresh")):  # fresh: restarted
@@ -459,8 +513,17 @@ class WorkChecks:
             # a prover on probation (this peer has not passed `trust_after` of its checks): rounds wait for it
             probation = self.standing.passed[prover] < self.config.trust_after
             drawn, round_ = time.monotonic(), commitments[prover].round if probation else None
+            part = parts.get((commitments[prover].round, prover))
             self._submit(
-                self._check_one, commitments[prover], raw[prover], assignment.segment, base, False, drawn, round_=round_
+                self._check_one,
+                commitments[prover],
+                raw[prover],
+                assignment.segment,
+                base,
+                False,
+                drawn,
+                part,
+                round_=round_,
             )
 
     def poll(self) -> None:
@@ -554,6 +617,7 @@ class WorkChecks:
         base: torch.Tensor,
         asked_again: bool = False,
         drawn_at: float | None = None,
+        part: _Part | None = None,
     ) -> None:
         if self._late(commitment.round, drawn_at):
             return
@@ -597,6 +661,10 @@ class WorkChecks:
             self.counts["cannot replay here"] += 1
             logger.info("round %s: cannot replay the work of %s here: %s", commitment.round, commitment.peer, e)
             return
+        sent_other = outcome[0] and part is not None and not part.matches(base - inputs.end_params, commitment)
+        if sent_other:  # its replay checks out, but what it averaged with this peer was not that update
+            outcome = (False, UNBOUND, "")
+            self.counts["part not its update"] += 1
         ok, reason, _ = outcome
         self.counts["checks"] += 1
         self.counts["passed" if ok else ("refused" if inputs is None else "failed")] += 1
@@ -607,7 +675,10 @@ class WorkChecks:
         if ok:
             return
         logger.warning("round %s: the work of %s failed its check: %s", commitment.round, commitment.peer, reason)
-        self._exclude_peer(commitment.peer, f"failed a replay check: {reason}")
+        if sent_other:  # seen on this peer's own stream; the others re-check their own slices (`_confirm_unbound`)
+            self._exclude_peer(commitment.peer, f"{UNBOUND} (its part of this peer's slice)")
+        else:
+            self._exclude_peer(commitment.peer, f"failed a replay check: {reason}")
         self._publish({**signed, "work": work})  # the commitment as the prover signed it: anyone can re-check
 
     def _replaying(self, base: torch.Tensor, commitment: Commitment) -> dict[str, Any]:
@@ -826,6 +897,10 @@ class WorkChecks:
         if len(self._disputes.settled) >= _MAX_SETTLED:  # bounded: a verdict seen long ago may be replayed once more
             self._disputes.settled.clear()
         self._disputes.settled.add(key)
+        if verdict.reason == UNBOUND:  # its replay passes; only its part of this peer's own slice can tell
+            if liar not in self.standing.excluded:  # an excluded accuser's word costs this peer no fetch
+                self._confirm_unbound(entry, commitment, verdict.segment)
+            return
         inputs = self._inputs(prover, commitment.round, verdict.segment)
         base = self.replays.bases.get(commitment.params[0])
         if base is None and verdict.reason != "not from the round's base":
@@ -859,6 +934,29 @@ class WorkChecks:
         elif outcome == "verifier":
             self.counts["liars"] += 1
             self._exclude_peer(liar, f"accused {prover} falsely: its work replays to its commitment")
+
+    def _confirm_unbound(self, entry: dict, commitment: Commitment, segment: int) -> None:
+        """An accusation that a prover averaged another update than it committed (`UNBOUND`): confirmed here only
+        if its part of this peer's own slice, that round, was not its committed update either. What it sent the
+        accuser no one else can see, so the accuser is never taken for a liar on this: a prover may have sent
+        another update to one reducer only (then each of those reducers excludes it itself, when it checks it)."""
+        part = self._disputes.parts.get((commitment.round, commitment.peer))
+        base = self.replays.bases.get(commitment.params[0])
+        if part is None or base is None:  # not in that group, or its part was not in this peer's slice
+            self.counts["cannot recheck: not its reducer"] += 1
+            return
+        inputs = self._inputs(commitment.peer, commitment.round, segment)
+        end = inputs.end_params if inputs is not None else None
+        if end is None or end.shape != base.shape or verify.params_digest(end) != commitment.params[-1]:
+            self.counts["cannot recheck: inputs not served"] += 1
+            return
+        self.counts["rechecked"] += 1
+        if part.matches(base - end, commitment):
+            self.counts["unbound here: not confirmed"] += 1
+            return
+        self.counts["confirmed"] += 1
+        self._record("work_dispute", {"verdict": entry["verdict"], "outcome": "prover"})
+        self._exclude_peer(commitment.peer, f"{UNBOUND} (its part of this peer's slice too), confirmed here")
 
     def _inputs(self, prover: str, round_: int, segment: int) -> ReplayInputs | None:
         if prover == self.identity.peer_id:  # accused: this peer replays its own work like any arbiter

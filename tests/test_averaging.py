@@ -35,6 +35,7 @@ from averaging.group import (
     GroupAverager,
     draw_groups,
     matchmaking_key,
+    part_digest,
     piece_bounds,
     shard_count,
     shard_of,
@@ -115,6 +116,21 @@ def test_an_averager_loads_its_codec_when_it_is_made_not_in_its_first_round(dhts
 def _inputs(numel=10_003, scale=1.0):
     generator = torch.Generator().manual_seed(SEED)
     return [scale * torch.randn(numel, generator=generator) for _ in range(NUM_PEERS)], [1.0, 2.0, 3.0, 4.0]
+
+
+def _assert_parts_recorded(results, tensors, weights, codec: str, piece_numel: int) -> None:
+    """Each reducer's record of every other member's part (what a verifier binds to that member's committed
+    update, `swarm.work`) is the digest of that member's values of its slice, encoded as a sender streams them."""
+    for _, record, group in results:
+        lo, hi = record.own_slice
+        assert (record.codec, record.piece_numel) == (codec, piece_numel) and hi > lo
+        index = {peer: gathered["i"] for peer, gathered in group.gathered.items()}
+        # every other member's part (all were included), not its own
+        assert set(record.parts) < set(record.included) and len(record.parts) == len(group.members) - 1
+        for peer, part in record.parts.items():
+            i = index[peer]
+            assert part == {"sha256": part_digest(tensors[i][lo:hi], codec, piece_numel), "weight": weights[i]}
+            assert part["sha256"] != part_digest(-tensors[i][lo:hi], codec, piece_numel)  # it can tell another
 
 
 def _run(averagers, tensors, weights, *, timeout_s=40.0, expected=()):
@@ -315,6 +331,7 @@ def test_a_pipelined_round_aggregates_piece_by_piece_and_equals_the_single_proce
         assert err < 1e-5, f"seed {SEED}, peer {i}: max abs error {err:.3g}"
     assert all(torch.equal(results[0][0], r[0]) for r in results), "every member must hold the same result"
     assert [a.revised_slices for a in averagers] == [0] * NUM_PEERS
+    _assert_parts_recorded(results, tensors, weights, "fp32", 1000)
 
 
 @pytest.mark.timeout(120)
@@ -535,6 +552,7 @@ def test_compressed_rounds_stay_within_the_codec_bound(make_group, codec):
         assert err <= bound, f"seed {SEED}: {codec} error {err:.3g} above the bound {bound:.3g}"
         if codec == "int8":
             assert record.bytes_sent < 0.3 * fp32_bytes, record.bytes_sent
+    _assert_parts_recorded(results, tensors, weights, codec, AveragingConfig().piece_numel)
 
 
 @pytest.mark.timeout(120)

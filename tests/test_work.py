@@ -479,14 +479,20 @@ with swarm.Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), run="v
     print("PEER", trainer.peer_id, flush=True)
     if mode == "liar":  # trains honestly, and accuses every other member of every round
         honest_after_round = work.after_round
-        def lying(group, base):
-            honest_after_round(group, base)
+        def lying(group, base, *args):
+            honest_after_round(group, base, *args)
             for peer, gathered in group.gathered.items():
                 if str(peer) != trainer.peer_id and isinstance(gathered, dict) and gathered.get("work"):
                     c = verify.verify_commitment(gathered["work"]).commitment
                     work._publish({**verify.verdict_of(work.identity, c, 0, (False, "replay differs", "")),
                                    "work": gathered["work"]})
         work.after_round = lying
+    if mode == "tamper":  # trains and commits honestly, but averages another update: its own, negated
+        averager = trainer.group_averager
+        honest_write = averager._write_pieces
+        async def tampered(writer, header, part, *args):
+            await honest_write(writer, header, -part, *args)
+        averager._write_pieces = tampered
     stale = None
     own = task.train_batches(shard_index=int(shard), num_shards=8)  # a custom data loop: nothing to replay
     for batch in (own if mode == "custom" else work.batches()):
@@ -512,7 +518,7 @@ with swarm.Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), run="v
 """
 
 CHEATS = ("honest", "honest", "free", "shard", "stale")
-LIAR = ("honest", "honest", "liar", "custom")
+LIAR = ("honest", "honest", "liar", "custom", "tamper")
 
 
 def _rounds(child: Child) -> list[dict]:
@@ -521,7 +527,7 @@ def _rounds(child: Child) -> list[dict]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.heavy(seconds=45, timed=True)
-@pytest.mark.parametrize("modes", [CHEATS, LIAR], ids=["cheaters", "liar-and-unverified"])
+@pytest.mark.parametrize("modes", [CHEATS, LIAR], ids=["cheaters", "liar-unverified-tamperer"])
 def test_cheaters_and_a_lying_verifier_are_excluded_within_5_rounds(bootstrap_node, tmp_path: Path, modes) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
@@ -573,7 +579,9 @@ def test_cheaters_and_a_lying_verifier_are_excluded_within_5_rounds(bootstrap_no
         assert "falsely" in reasons.get("liar", "falsely"), reasons
         assert all("verified work required" in why for why in refused.values()), refused
         cheats = {mode: why for mode, why in reasons.items() if mode != "liar"}
-        assert all("replay" in why or "base" in why for why in cheats.values()), reasons
+        assert all("replay" in why or "base" in why for mode, why in cheats.items() if mode != "tamper"), reasons
+        # its work replays: it is caught by what it sent this peer, or, accused by another, on this peer's slice
+        assert "not its committed update" in cheats.get("tamper", "not its committed update"), reasons
         counts = rounds[-1]["counts"]
         fired = counts.get("failed", 0) + counts.get("confirmed", 0) + counts.get("liars", 0)
         assert fired >= 1, counts  # the faults fired and were seen here
