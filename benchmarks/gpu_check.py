@@ -1,9 +1,11 @@
-"""The CUDA path, checked on a machine with a GPU: bf16 autocast, the 8-bit optimizer, a real swarm run.
+"""The CUDA path, checked on a machine with a GPU: bf16 and fp16 autocast, the 8-bit optimizer, a real swarm run.
 
     python -m benchmarks.gpu_check [--out benchmarks/results] [--swarm-duration-s 60]
 
 1. charlm (``default`` preset, and a ~25M-parameter ``wide`` variant) trained from the same seed for
-   the same batches in fp32 and under bf16 autocast: steps/s and the loss reached (bf16 must track fp32).
+   the same batches in fp32, under bf16 autocast, and under fp16 autocast stepped through a loss scaler
+   (`swarm.ScaledStep`: what ``swarm.peer --precision auto`` picks on a GPU of compute capability 7.x):
+   steps/s and the loss reached (both must track fp32). The JSON names what ``auto`` picks on this GPU.
 2. Inner optimizer: torch AdamW against bitsandbytes AdamW8bit (bf16 autocast): steps/s, loss reached,
    and optimizer-state bytes.
 3. A real run: a bootstrap node and two ``swarm.peer`` processes on this GPU (``--device cuda
@@ -32,13 +34,17 @@ from rich.console import Console
 from rich.table import Table
 
 from swarm.events import read_events
+from swarm.recipe import ScaledStep, autocast_dtype
 from swarm.tasks import get_task
 
 _INITIAL_PEERS = re.compile(r"--initial-peers\s+(.+)$")
+ARMS = (("fp32", "adamw"), ("bf16", "adamw"), ("bf16", "adamw8bit"), ("fp16", "adamw"))
+"""(precision, inner optimizer) of each training arm, on each model."""
 
 
-def _autocast(bf16: bool) -> contextlib.AbstractContextManager:
-    return torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+def _autocast(precision: str) -> contextlib.AbstractContextManager:
+    dtype = autocast_dtype(precision, torch.device("cuda"))
+    return torch.autocast("cuda", dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
@@ -59,10 +65,12 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
-def train_once(preset: str, *, bf16: bool, optimizer: str, steps: int, overrides: dict | None = None) -> dict:
+def train_once(preset: str, *, precision: str, optimizer: str, steps: int, overrides: dict | None = None) -> dict:
     task = get_task("charlm", preset=preset, **(overrides or {}))
     model = task.build_model(seed=0).cuda()
     opt = _optimizer(optimizer, model.parameters())
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    step = ScaledStep(opt, scaler) if scaler is not None else opt
     batches = task.train_batches(shard_index=0, num_shards=1, seed=0)
     data = [next(batches) for _ in range(steps)]
     losses = []
@@ -70,20 +78,20 @@ def train_once(preset: str, *, bf16: bool, optimizer: str, steps: int, overrides
         if i == 5:  # warm-up done (kernels compiled, allocator primed)
             torch.cuda.synchronize()
             started = time.perf_counter()
-        with _autocast(bf16):
+        with _autocast(precision):
             loss = task.loss(model, (x.cuda(), y.cuda()))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        step.step()
+        step.zero_grad(set_to_none=True)
         losses.append(loss.detach())
     torch.cuda.synchronize()
     seconds = time.perf_counter() - started
-    with _autocast(bf16):
+    with _autocast(precision):
         val = float(task.evaluate(model, max_batches=8))
     tail = torch.stack(losses[-10:]).float().mean().item()
     return {
         "preset": preset,
-        "bf16": bf16,
+        "precision": precision,
         "optimizer": optimizer,
         "params": sum(p.numel() for p in model.parameters()),
         "steps_per_s": (steps - 5) / seconds,
@@ -205,13 +213,15 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "bf16_supported": torch.cuda.is_bf16_supported(),
+        "bf16_native": torch.cuda.is_bf16_supported(including_emulation=False),
+        "precision_auto": str(autocast_dtype("auto", torch.device("cuda"))),
         "date": time.strftime("%Y-%m-%d"),
     }
     wide = {"d_model": 768, "num_layers": 4, "num_heads": 12, "seq_len": 256, "batch_size": 64}
     runs = []
     for preset, overrides in (("default", None), ("wide", wide)):
-        for bf16, opt in ((False, "adamw"), (True, "adamw"), (True, "adamw8bit")):
-            run = train_once("default", bf16=bf16, optimizer=opt, steps=args.steps, overrides=overrides)
+        for precision, opt in ARMS:
+            run = train_once("default", precision=precision, optimizer=opt, steps=args.steps, overrides=overrides)
             run["preset"] = preset
             runs.append(run)
     result["training"] = runs
@@ -224,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(
             r["preset"],
             f"{r['params'] / 1e6:.1f}M",
-            "bf16" if r["bf16"] else "fp32",
+            r["precision"],
             r["optimizer"],
             f"{r['steps_per_s']:.1f}",
             f"{r['train_loss_last10']:.3f}",
@@ -233,14 +243,18 @@ def main(argv: list[str] | None = None) -> int:
         )
     console.print(table)
     console.print({k: v for k, v in result["swarm"].items() if k != "logs"})
+    arm = {(r["preset"], r["precision"], r["optimizer"]): r for r in runs}
+
+    def tracks(arm_a: tuple[str, str], arm_b: tuple[str, str]) -> bool:
+        """Val loss of ``arm_b`` within 10% of ``arm_a``'s, on both models."""
+        pairs = [(arm[(p, *arm_a)], arm[(p, *arm_b)]) for p in ("default", "wide")]
+        return all(abs(b["val_loss"] - a["val_loss"]) <= 0.1 * a["val_loss"] for a, b in pairs)
+
     checks = {
         "finite": all(r["finite"] for r in runs),
-        "bf16 tracks fp32 (val loss within 10%)": all(
-            abs(b["val_loss"] - f["val_loss"]) <= 0.1 * f["val_loss"] for f, b in zip(runs[0::3], runs[1::3])
-        ),
-        "adamw8bit tracks adamw (val loss within 10%)": all(
-            abs(q["val_loss"] - b["val_loss"]) <= 0.1 * b["val_loss"] for b, q in zip(runs[1::3], runs[2::3])
-        ),
+        "bf16 tracks fp32 (val loss within 10%)": tracks(("fp32", "adamw"), ("bf16", "adamw")),
+        "fp16 with a loss scaler tracks fp32 (val loss within 10%)": tracks(("fp32", "adamw"), ("fp16", "adamw")),
+        "adamw8bit tracks adamw (val loss within 10%)": tracks(("bf16", "adamw"), ("bf16", "adamw8bit")),
         "swarm run on CUDA": bool(result["swarm"].get("ok")),
     }
     result["checks"] = checks
