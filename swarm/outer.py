@@ -97,21 +97,24 @@ class DiLoCo:
         """This round's pseudo-gradient of ``local`` (the model's parameters now, on the CPU in fp32): global -
         local, or ``delta`` if given (an overlapped phase's progress, `swarm.overlap`), with the global state."""
         state, digest = self.state()
-        base = state[: state.numel() // 2]
-        delta = base - torch.cat([t.reshape(-1) for t in local]) if delta is None else delta
+        if delta is None:  # base - local, tensor by tensor into one copy of the base (no flat copy of local)
+            delta, start = state[: state.numel() // 2].clone(), 0
+            for t in local:
+                delta[start : start + t.numel()].sub_(t.reshape(-1))
+                start += t.numel()
         return PseudoGradient(delta=delta, state=state, digest=digest)
 
     def state(self) -> tuple[torch.Tensor, str]:
         """The global parameters then the outer momentum (flat fp32, a copy), and its short digest."""
-        with self._lock:
-            base = torch.cat([b.reshape(-1) for b in self._global])
-            momentum = torch.cat([self._momentum(b).reshape(-1) for b in self._global])
+        with self._lock:  # one copy: no flat base and momentum first, no bytes of them to hash
+            flat = [b.reshape(-1) for b in self._global] + [self._momentum(b).reshape(-1) for b in self._global]
+            state = torch.cat(flat)
             version = self._version
         hashed_at, digest = self._digest  # an overlapped phase asks twice: at its prelaunch, at its sync point
         if hashed_at != version:
-            digest = hashlib.sha256(base.numpy().tobytes() + momentum.numpy().tobytes()).hexdigest()[:32]
+            digest = hashlib.sha256(state.numpy()).hexdigest()[:32]  # the base's bytes, then the momentum's
             self._digest = (version, digest)
-        return torch.cat([base, momentum]), digest
+        return state, digest
 
     def step(
         self, delta: torch.Tensor, *, next_round: int, new_state: torch.Tensor | None = None, to_model: bool = True
