@@ -161,7 +161,7 @@ class RoundRunner:
                     logger.info("round %s: diverged bases not averaged: %s", self.outer.round, agreement.failures[:3])
             next_round = rounds.next_round(self.outer.round, group.gathered)
             if self.work is not None:
-                self.work.after_round(group, pseudo.state[: pseudo.delta.numel()], record)
+                self.work.after_round(group, pseudo.state[: pseudo.delta.numel()], record, averaged)
             self.counters.rounds_ok += 1
             book.solo_streak = 0
             self.presence.recent.add(group.members)

@@ -547,24 +547,33 @@ def _draw(seed: str, *parts: Any) -> int:
 
 
 def draw_checks(
-    seed: str, commitments: Mapping[str, Commitment], *, rate: float | Callable[[str, str], float]
+    seed: str,
+    commitments: Mapping[str, Commitment],
+    *,
+    rate: float | Callable[[str, str], float],
+    salts: Mapping[str, str] | None = None,
 ) -> list[Assignment]:
     """The checks of one round: each contribution's verifier is the other contributor nearest to it by
     rendezvous hashing, and it checks one segment of it with probability ``rate`` (or ``rate(prover,
     verifier)``: a verifier's own rate for that prover, e.g. lower once it has passed enough of its checks;
     then only the draws of the peer that calls it are meaningful). The same on every peer for the same rates.
-    ``seed`` must be unknown until the contributions are fixed (the group's id and the commitments)."""
+    ``seed`` must be unknown until the contributions are fixed (the group's id and the commitments); a prover's
+    draw is also salted with ``salts[prover]`` (none: ""). Since a check also binds the work to the part the
+    prover sent (`swarm.work`), that salt is the round's result without the prover's own slice
+    (`swarm.work.result_salts`): no member knows it before it sent all of its part, and none can steer its own
+    draw through the slice it reduces."""
     peers = sorted(commitments)
     out = []
     for prover in peers:
         others = [p for p in peers if p != prover]
         if not others:
             continue
-        verifier = min(others, key=lambda v: _draw(seed, "verifier", prover, v))
+        seed_ = seed + (salts or {}).get(prover, "")
+        verifier = min(others, key=lambda v: _draw(seed_, "verifier", prover, v))
         chance = rate(prover, verifier) if callable(rate) else rate
-        if _draw(seed, "check", prover) >= chance * 2**256:
+        if _draw(seed_, "check", prover) >= chance * 2**256:
             continue
-        segment = _draw(seed, "segment", prover) % commitments[prover].segments
+        segment = _draw(seed_, "segment", prover) % commitments[prover].segments
         out.append(Assignment(prover, segment, verifier))
     return out
 

@@ -9,8 +9,9 @@ the verdicts, re-check every accusation, exclude whoever a replay shows wrong.
   the round's gathered metadata (``"work"``). This peer serves the replay inputs of its last
   `KEEP_ROUNDS` phases, and of older ones younger than `KEEP_FOR_S` within `KEEP_BYTES`, on the
   ``swarm_<run>.work`` stream handler.
-* **Verifier.** After a grouped round, every member draws the same verifiers from the group's id and its
-  commitments (`swarm.verify.draw_checks`: fixed only once every commitment was sent); a verifier checks
+* **Verifier.** After a grouped round, every member draws the same verifiers from the group's id, its
+  commitments and the round's result (`swarm.verify.draw_checks`, `result_salts`: fixed only once every
+  commitment and every part was sent); a verifier checks
   its prover with probability ``check_rate`` while the prover is on probation with it, ``trusted_rate``
   once it has passed ``trust_after`` of that prover's checks itself (`_Standing`). The checks drawn to
   this peer run on one worker thread: fetch the prover's inputs (in `CHUNK_BYTES` chunks, each only
@@ -57,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import itertools
 import logging
 import os
@@ -64,7 +66,7 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +74,7 @@ import torch
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from averaging.group import part_digest
+from averaging.group import part_digest, piece_bounds, slice_bounds
 from bootstrap.dhtcalls import latest_within, store_within
 from bootstrap.framing import ProtocolError, header_field, linger, read_blob, read_frame, write_blob, write_frame
 from bootstrap.identity import Identity
@@ -268,6 +270,23 @@ class _Replays:
     def close(self) -> None:
         for replayer in self.apart.values():
             replayer.close()
+
+
+def result_salts(averaged: torch.Tensor | None, members: Sequence[str], piece_numel: int) -> dict[str, str]:
+    """Member -> the salt of its draw (`verify.draw_checks`): a digest of the last piece of every slice of the
+    round's result (``averaged``, bit for bit the same on every member) but the slice the member reduced itself.
+    The group's id and the commitments are known before the all-reduce, so a draw seeded by them alone tells a
+    prover, before it sends its parts, who checks it: it could send another update to every reducer but that
+    one. A slice's last piece is aggregated only once every member sent all of its part (pieces go in order),
+    so a prover learns its draw after the last byte it could tamper with; and leaving its own slice out, it
+    cannot steer its draw by choosing what it sends back as that slice's aggregate."""
+    if averaged is None:
+        return {}
+    pieces = []
+    for lo, hi in slice_bounds(averaged.numel(), len(members)):
+        a, b = piece_bounds(hi - lo, piece_numel)[-1]
+        pieces.append(hashlib.sha256(averaged[lo + a : lo + b].contiguous().numpy()).hexdigest())
+    return {str(m): ":" + ":".join(d for j, d in enumerate(pieces) if j != i) for i, m in enumerate(members)}
 
 
 UNBOUND = "its part in the all-reduce was not its committed update"
@@ -469,10 +488,13 @@ class WorkChecks:
         self.counts["waited for checks ms"] += round(1000 * (time.monotonic() - began))
 
     # ------------------------------------------------------------------------------------ after a round
-    def after_round(self, group: Any, base: torch.Tensor, record: Any = None) -> None:
+    def after_round(
+        self, group: Any, base: torch.Tensor, record: Any = None, averaged: torch.Tensor | None = None
+    ) -> None:
         """A grouped round ended: keep its base, draw its checks, run this peer's on the worker (returns at once).
         ``record``: the round's `averaging.RoundRecord`, whose part digests bind each prover's commitment to what
-        it sent this peer (`_Part`)."""
+        it sent this peer (`_Part`); ``averaged``: the round's result, the same on every member, which seeds the
+        draw (`result_salts`)."""
         committed, self.replays.committed = self.replays.committed, None
         same = committed is not None and verify.same_bits(committed[0], base)
         base_digest = committed[1] if same else verify.params_digest(base)
@@ -506,7 +528,10 @@ class WorkChecks:
         if len(commitments) < 2:
             return
         seed = f"{group.group_id}:" + ":".join(commitments[p].digest() for p in sorted(commitments))
-        draws = verify.draw_checks(seed, commitments, rate=lambda prover, _: self.standing.rate(self.config, prover))
+        salts = result_salts(averaged, group.members, getattr(record, "piece_numel", 0))
+        draws = verify.draw_checks(
+            seed, commitments, rate=lambda prover, _: self.standing.rate(self.config, prover), salts=salts
+        )
         mine = [a for a in draws if a.verifier == self.identity.peer_id]
         for assignment in mine:
             prover = assignment.prover

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from averaging.group import piece_bounds, slice_bounds
 from bootstrap import stop_dht, visible_maddrs
 from bootstrap.framing import LENGTH, write_blob
 from bootstrap.identity import Identity
@@ -256,6 +257,38 @@ def test_the_draw_is_the_same_everywhere_and_never_self_verifies() -> None:
     assert 0.5 < checked < 0.7
     assert all(a.prover != a.verifier and 0 <= a.segment < 2 for d in draws for a in d)
     assert verify.draw_checks("x", dict(list(commitments.items())[:1]), rate=1.0) == []
+
+
+def test_a_provers_draw_is_salted_by_the_last_pieces_of_the_result_but_not_by_its_own_slice() -> None:
+    """Known before the all-reduce, the draw would tell a prover which reducer checks the part it sends (it
+    could send another update to all the others). Each prover's draw is salted by the last piece of every slice
+    of the round's result (`work_module.result_salts`: known only once every member sent all of its part) but
+    its own slice (whose aggregate it could choose to steer its draw). Without salts (the negative control) a
+    prover's verifier is the same whatever the result."""
+    peers = [SimPeer(i) for i in range(4)]
+    base = verify.flat_params(peers[0].params)
+    commitments = {p.identity.peer_id: p.phase(base, 0)[0].commitment for p in peers}
+    members = sorted(commitments)
+    averaged = torch.randn(4000, generator=torch.Generator().manual_seed(0))
+    salts = work_module.result_salts(averaged, members, piece_numel=300)
+    lo, hi = slice_bounds(4000, 4)[1]
+    own = averaged.clone()
+    own[hi - 1] += 1.0  # the last piece of member 1's own slice
+    changed = work_module.result_salts(own, members, 300)
+    assert changed[members[1]] == salts[members[1]]
+    assert all(changed[m] != salts[m] for m in members if m != members[1])
+    early = averaged.clone()
+    early[lo + piece_bounds(hi - lo, 300)[-1][0] - 1] += 1.0  # just before that slice's last piece
+    assert work_module.result_salts(early, members, 300) == salts
+    salted, unsalted = set(), set()
+    for i in range(60):
+        result = torch.randn(4000, generator=torch.Generator().manual_seed(i))
+        for a in verify.draw_checks(
+            "seed", commitments, rate=1.0, salts=work_module.result_salts(result, members, 300)
+        ):
+            salted |= {a.verifier} if a.prover == members[0] else set()
+        unsalted |= {a.verifier for a in verify.draw_checks("seed", commitments, rate=1.0) if a.prover == members[0]}
+    assert salted == set(members[1:]) and len(unsalted) == 1
 
 
 def test_a_verifier_checks_a_prover_less_once_it_passed_enough_of_its_checks_itself() -> None:
