@@ -7,11 +7,11 @@ including peers started with `python -m swarm.peer --run demo --task charlm`.
 """
 
 import argparse
-import contextlib
 
 import torch
 
 import swarm
+from swarm.recipe import autocast_dtype
 from swarm.tasks import get_task
 
 
@@ -32,13 +32,14 @@ def main() -> None:
     task = get_task("charlm", preset=args.task_preset)
     model = task.build_model(seed=0).to(device)  # every peer of a run starts from the same seed
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if native_bf16 else contextlib.nullcontext()
+    # bf16 where the GPU computes it natively, fp16 with a loss scaler on a V100 or a T4, fp32 on a CPU
+    dtype = autocast_dtype("auto", device)
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
     # task_info tells the run which model this is, so peers building another model are refused
     trainer = swarm.Trainer(
         model,
-        optimizer,
+        optimizer if scaler is None else swarm.ScaledStep(optimizer, scaler),  # steps through the scaler
         run=args.run,
         initial_peers=args.initial_peers,
         sync_every=args.sync_every,
@@ -50,9 +51,9 @@ def main() -> None:
         batches = task.train_batches(shard_index=args.shard_index, num_shards=args.num_shards)
         for _ in range(args.max_steps):
             x, y = (t.to(device) for t in next(batches))
-            with autocast:
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                 loss = task.loss(model, (x, y))
-            loss.backward()
+            (loss if scaler is None else scaler.scale(loss)).backward()
             result = trainer.step(num_samples=len(x), loss=loss.item())  # a round every sync_every steps
             if result is not None:
                 print(
