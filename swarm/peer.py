@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from hivemind import DHT
@@ -37,7 +37,7 @@ from bootstrap.network import start_swarm_dht
 from peers import ResourceGraph, pick_run, probe_hardware, probe_software
 from swarm.events import EventLog
 from swarm.node import Node, launched_size
-from swarm.recipe import PRECISIONS, ScaledStep, autocast_dtype, inner_step
+from swarm.recipe import PRECISIONS, Precision, ScaledStep, autocast_dtype, inner_step
 from swarm.tasks import get_task
 from swarm.trainer import TaskInfo, Trainer, TrainerConfig, WorkSpec
 
@@ -55,7 +55,7 @@ class PeerConfig:
     """Size preset of the task's model (charlm: tiny, small, default; teacher: tiny, default)."""
     device: str = "auto"
     """auto (CUDA when available), cpu or cuda."""
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    precision: Precision = "auto"
     """Autocast of the forward pass: auto (bf16 on GPUs that compute it natively, compute capability 8.0 and
     up; fp16 with a loss scaler on 7.x, V100/T4/RTX 20xx; fp32 on older GPUs and on a CPU), fp32, bf16, or fp16
     (with a torch.amp.GradScaler; verified work is then off)."""

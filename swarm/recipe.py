@@ -19,6 +19,7 @@ parallelism at equal samples, on two kinds of model (charlm, a transformer; teac
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
@@ -103,11 +104,12 @@ class ScaledStep:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
 """Mixed-precision choices of `autocast_dtype` (``swarm.peer --precision``)."""
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 
-def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+def autocast_dtype(precision: Precision, device: torch.device) -> torch.dtype | None:
     """The autocast dtype of ``precision`` on ``device``; None: fp32, no autocast. ``auto`` picks what the device
     computes natively: bf16 on CUDA GPUs of compute capability 8.0 and up (and on ROCm); fp16 on 7.x (Volta and
     Turing: V100, T4, RTX 20xx), whose tensor cores compute fp16, not bf16 (torch runs bf16 there emulated),
