@@ -41,7 +41,11 @@ all-reduce's do, instead of the link idling while the slowest reducer finishes a
 pieces are tentative: they assume every member survives. The reply on a stream is
 ``(piece)* [revised (piece)*] final``; a member takes the pieces it holds when ``final`` comes. A reducer
 records the sha256 of each sender's part as it came, with the weight it claimed (`RoundRecord.parts`,
-`part_digest`): what a verifier binds to that sender's committed update (`swarm.work`).
+`part_digest`): what a verifier binds to that sender's committed update (`swarm.work`). After its last piece
+a sender sends its signed statement of the part (`part_statement`: the slice, the codec, the weight, the
+digest and the caller's label, in swarm.work its commitment's digest); a reducer takes the part only if the
+statement is what came and, with an identity, carries the sender's signature. The reducer keeps it, so what a
+sender averaged is evidence anyone can check against what it committed, not only the reducer's word.
 
 Faults. A sender silent past ``sender_timeout_s`` (a straggler or a dead peer) is dropped. Reducers
 exchange the lists of parts they received in full and all use their intersection, so every slice averages
@@ -110,7 +114,7 @@ from averaging.membership import (
 )
 from bootstrap.dhtcalls import keep_out_of_lookups, let_back_into_lookups
 from bootstrap.framing import ProtocolError, header_field, linger, read_exactly, read_frame, write_frame
-from bootstrap.identity import Identity
+from bootstrap.identity import Identity, canonical_json, public_key_from_peer_id, verify
 from bootstrap.runtime import Handler
 
 logger = logging.getLogger(__name__)
@@ -239,6 +243,66 @@ def part_digest(part: torch.Tensor, codec: str, piece_numel: int) -> str:
     return digest.hexdigest()
 
 
+PART_KIND = "swarm-avg-part"
+"""What a sender's statement of its part is signed as (`part_statement`)."""
+_PART_FIELDS = {
+    "group_id": str,
+    "index": int,
+    "lo": int,
+    "hi": int,
+    "codec": str,
+    "piece_numel": int,
+    "weight": str,
+    "sha256": str,
+    "label": str,
+}
+
+
+def part_statement(
+    *, group_id: str, index: int, lo: int, hi: int, codec: str, piece_numel: int, weight: float, sha256: str, label: str
+) -> dict[str, Any]:
+    """What a sender signs of its part of one slice (sent after the last piece): slice ``index``, coordinates
+    [lo, hi) of the vector, in pieces of ``piece_numel`` encoded with ``codec`` (`part_digest` is ``sha256``),
+    with the weight it claimed (``repr`` of the float: signed payloads hold no floats) and the caller's
+    ``label`` (swarm.work: the digest of the sender's commitment, so a statement is evidence of that round only)."""
+    return {
+        "group_id": group_id,
+        "index": index,
+        "lo": lo,
+        "hi": hi,
+        "codec": codec,
+        "piece_numel": piece_numel,
+        "weight": repr(float(weight)),
+        "sha256": sha256,
+        "label": label,
+    }
+
+
+def sign_part(identity: Identity, prefix: str, statement: dict[str, Any]) -> str:
+    """``identity``'s hex signature of a `part_statement` among the averagers of ``prefix`` (`GroupAverager`'s:
+    in a `swarm.Trainer`, ``swarm_<run>``)."""
+    return identity.sign(kind=PART_KIND, run_id=prefix, payload=canonical_json(statement)).hex()
+
+
+def part_problem(statement: Any, signature: Any, *, signer: str | None, prefix: str) -> str | None:
+    """Why ``statement`` is not a well-formed `part_statement` signed by ``signer`` among the averagers of
+    ``prefix`` (None: it is; no ``signer``: the form only). Untrusted input: never raises."""
+    if not isinstance(statement, dict) or set(statement) != set(_PART_FIELDS):
+        return "malformed part statement"
+    for name, kind in _PART_FIELDS.items():
+        value = statement[name]
+        if type(value) is not kind or (kind is int and not 0 <= value < 2**62) or (kind is str and len(value) > 128):
+            return "malformed part statement"
+    if signer is None:
+        return None
+    try:
+        key, signed = public_key_from_peer_id(signer), bytes.fromhex(signature)
+    except (TypeError, ValueError):
+        return "unsigned part"
+    ok = verify(public_key=key, kind=PART_KIND, run_id=prefix, payload=canonical_json(statement), signature=signed)
+    return None if ok else "bad part signature"
+
+
 # --------------------------------------------------------------------------------------------- state
 @dataclass
 class _Pieces:
@@ -249,6 +313,10 @@ class _Pieces:
     """Sender -> the weight its part's header claimed."""
     digests: dict[str, str] = field(default_factory=dict)
     """Sender -> sha256 of its part's bytes as they came, every piece of it (`part_digest`)."""
+    signed: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Sender -> its `part_statement` (what came) and its signature: ``{"statement": ..., "signature": ...}``."""
+    lo: int = 0
+    """Where the slice begins in the vector."""
     received: list[dict[str, torch.Tensor]] = field(init=False)
     """Per piece: sender -> its decoded values (the reducer's own included)."""
     ready: list[asyncio.Event] = field(init=False)
@@ -596,7 +664,7 @@ class GroupAverager:
 
     @property
     def _handler_name(self) -> str:
-        return f"swarm.avg.v1.{self.prefix}"
+        return f"swarm.avg.v2.{self.prefix}"  # v2: a signed statement ends each part
 
     async def crash(self) -> None:
         """Fault injection: vanish at once, as a killed process would (streams drop, nothing answers)."""
@@ -680,6 +748,7 @@ class GroupAverager:
         gather: Any = None,
         timeout_s: float | None = None,
         expected: Iterable[str] = (),
+        label: str = "",
     ) -> tuple[torch.Tensor | None, RoundRecord, Group | None]:
         """Average ``tensor`` (1-D float32) with a group; see the class docstring. ``expected``: the peers this
         one believes to be the live members of the run (itself included); once all of them are looking (at
@@ -688,14 +757,15 @@ class GroupAverager:
 
         ``tensor`` may be a future of ``(tensor, weight)`` (then ``weight`` is ignored): the group forms now and
         the all-reduce starts once the future is set (an overlapped trainer matchmakes before its sync point);
-        no group, or no tensor by the deadline (a cancelled future included), and the round has no result."""
+        no group, or no tensor by the deadline (a cancelled future included), and the round has no result.
+        ``label`` goes into this peer's signed statement of each part it sends (`part_statement`)."""
         if isinstance(tensor, torch.Tensor):
             tensor = self._checked(tensor, weight)
         timeout_s = timeout_s if timeout_s is not None else self.config.round_timeout_s
         with self._step_lock:
             self._rounds += 1
             self._admission.expected = frozenset(expected)
-            record = RoundRecord(round=self._rounds)
+            record = RoundRecord(round=self._rounds, label=label[:128])
             future = asyncio.run_coroutine_threadsafe(
                 self._step(tensor, weight, gather, record, time.monotonic() + timeout_s), self._loop
             )
@@ -1324,7 +1394,7 @@ class GroupAverager:
             codec=codec,
             sender_deadline=min(deadline, started + cfg.sender_timeout_s),
             started=started,
-            pieces=_Pieces(piece_bounds(hi - lo, cfg.piece_numel)),
+            pieces=_Pieces(piece_bounds(hi - lo, cfg.piece_numel), lo=lo),
         )
         own = tensor[lo:hi].clone()
         for (a, b), received in zip(state.pieces.bounds, state.pieces.received):
@@ -1345,6 +1415,7 @@ class GroupAverager:
                             peer,
                             state,
                             i,
+                            a,
                             tensor[a:b],
                             weight,
                             record,
@@ -1372,7 +1443,11 @@ class GroupAverager:
             lost = {peer for peer, value in slices.items() if value is None}
             record.phase_s["allreduce"] = time.monotonic() - started
             record.parts = {
-                peer: {"sha256": state.pieces.digests[peer], "weight": state.pieces.weights[peer]}
+                peer: {
+                    "sha256": state.pieces.digests[peer],
+                    "weight": state.pieces.weights[peer],
+                    **state.pieces.signed[peer],
+                }
                 for peer in record.included
                 if peer in state.pieces.digests
             }
@@ -1586,6 +1661,7 @@ class GroupAverager:
         peer: str,
         state: _ReduceState,
         index: int,
+        lo: int,
         part: torch.Tensor,
         weight: float,
         record: RoundRecord,
@@ -1602,6 +1678,7 @@ class GroupAverager:
             "op": "part",
             "group_id": group.group_id,
             "index": index,
+            "lo": lo,
             "numel": part.numel(),
             "weight": weight,
             "codec": codec_name,
@@ -1659,15 +1736,31 @@ class GroupAverager:
         record: RoundRecord,
         peer: str,
     ) -> None:
-        """The part's header, then its pieces in order, each encoded (off the event loop) while the last drains."""
+        """The part's header, then its pieces in order, each encoded and hashed (off the event loop) while the last
+        drains, then the signed statement of what went (`part_statement`; unsigned without an identity)."""
         record.bytes_sent += await write_frame(writer, header)
+        digest = hashlib.sha256()
         for k, (a, b) in enumerate(bounds):
             if k:
                 await self._fault("piece", peer)
-            payload = await asyncio.to_thread(codec.encode, part[a:b].contiguous())
+            payload = await asyncio.to_thread(_hashed_encode, codec, part[a:b], digest)
             writer.write(payload)
             await writer.drain()
             record.bytes_sent += len(payload)
+        statement = part_statement(
+            group_id=header["group_id"],
+            index=header["index"],
+            lo=header["lo"],
+            hi=header["lo"] + part.numel(),
+            codec=header["codec"],
+            piece_numel=self.config.piece_numel,
+            weight=header["weight"],
+            sha256=digest.hexdigest(),
+            label=record.label,
+        )
+        identity = self._admission.identity
+        signature = sign_part(identity, self.prefix, statement) if identity is not None else ""
+        record.bytes_sent += await write_frame(writer, {"op": "signed", "statement": statement, "signature": signature})
 
     async def _read_pieces(
         self,
@@ -1931,6 +2024,13 @@ class GroupAverager:
                 pieces.received[k][peer] = piece
                 state.heard_from(peer)
                 state.update()
+            trailer = await asyncio.wait_for(
+                read_frame(reader, max_header_bytes=_MAX_HEADER_BYTES),
+                max(0.01, state.sender_deadline - time.monotonic()),
+            )
+            pieces.signed[peer] = self._signed_part(peer, trailer, state, digest.hexdigest(), weight)
+            if time.monotonic() > state.sender_deadline or self.peer_id in state.received_sets:
+                raise ProtocolError("late part", peer)
             pieces.digests[peer] = digest.hexdigest()
             state.parts.add(peer)
             state.update()
@@ -1939,6 +2039,30 @@ class GroupAverager:
             replying.cancel()
             await asyncio.gather(replying, return_exceptions=True)
         await linger(reader, self.config.reducer_timeout_s)  # until the sender, having read it all, hangs up
+
+    def _signed_part(self, peer: str, trailer: dict, state: _ReduceState, sha256: str, weight: float) -> dict:
+        """The sender's statement of the part that came (``sha256``), checked: ProtocolError unless it states
+        exactly that part of this slice and, when this peer signs, carries ``peer``'s signature."""
+        statement, signature = trailer.get("statement"), trailer.get("signature")
+        signer = peer if self._admission.identity is not None else None
+        problem = "unsigned part" if trailer.get("op") != "signed" else None
+        problem = problem or part_problem(statement, signature, signer=signer, prefix=self.prefix)
+        if problem is None:
+            came = part_statement(
+                group_id=state.group.group_id,
+                index=state.my_index,
+                lo=state.pieces.lo,
+                hi=state.pieces.lo + state.numel,
+                codec=state.codec,
+                piece_numel=self.config.piece_numel,
+                weight=weight,
+                sha256=sha256,
+                label=statement["label"],
+            )
+            problem = None if statement == came else "part statement differs from the part"
+        if problem is not None:
+            raise ProtocolError(problem, peer)
+        return {"statement": statement, "signature": signature}
 
     async def _reply(self, state: _ReduceState, writer: asyncio.StreamWriter) -> None:
         """Send a sender the pieces of my slice's aggregate as they are made, then ``final`` once the survivors
@@ -1970,6 +2094,12 @@ class GroupAverager:
             for k, data in enumerate(pieces.final):
                 await write_frame(writer, {"status": "piece", "k": k, "payload_bytes": len(data)}, data)
         await write_frame(writer, {"status": "final"})
+
+
+def _hashed_encode(codec: Any, values: torch.Tensor, digest: Any) -> bytes:
+    payload = codec.encode(values.contiguous())
+    digest.update(payload)
+    return payload
 
 
 def _hashed_decode(codec: Any, payload: bytes, numel: int, digest: Any) -> torch.Tensor:

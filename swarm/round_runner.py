@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swarm import rounds
+from swarm import rounds, verify
 from swarm.rounds import RoundBook, RoundResult, TrainerCounters
 
 if TYPE_CHECKING:
@@ -131,6 +131,7 @@ class RoundRunner:
                 gather=gather,
                 timeout_s=self.config.averaging.round_timeout_s,
                 expected=expected,
+                label=verify.commitment_digest(work) if work is not None else "",
             )
         except Exception as e:  # a failed round must not kill training; the update is applied alone
             logger.warning("averaging round failed: %r; applying this peer's update alone", e)

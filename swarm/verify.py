@@ -59,7 +59,7 @@ from safetensors.torch import save as save_tensors
 
 from bootstrap.envelope import JsonFields, Signable, check_hex, check_int, check_str, from_dict, strict_json
 from bootstrap.errors import Rejected
-from bootstrap.identity import Identity, public_key_from_peer_id, verify
+from bootstrap.identity import Identity, canonical_json, public_key_from_peer_id, verify
 from swarm.recipe import inner_step
 
 COMMITMENT_KIND = "swarm/work"
@@ -292,6 +292,12 @@ class SignedCommitment(JsonFields):
 def sign_commitment(commitment: Commitment, identity: Identity) -> SignedCommitment:
     signature = commitment.signature_by(identity, signer=commitment.peer, kind=COMMITMENT_KIND, run=commitment.run)
     return SignedCommitment(commitment, signature)
+
+
+def commitment_digest(signed: Mapping[str, Any]) -> str:
+    """``Commitment.digest()`` of a commitment as `SignedCommitment.to_dict` holds it (this peer's own): what its
+    prover's statements of its parts in the round name (`averaging.GroupAverager.step`'s ``label``)."""
+    return hashlib.sha256(canonical_json(signed["commitment"])).hexdigest()
 
 
 def verify_commitment(data: Any, *, run: str | None = None) -> SignedCommitment:

@@ -23,9 +23,12 @@ the verdicts, re-check every accusation, exclude whoever a replay shows wrong.
   the prover's part of its slice as it came, and the weight claimed (``parts``). A check whose replay matches
   also requires that part to be the committed update's slice, ``base - end`` encoded as a sender streams it
   (`averaging.group.part_digest`), and the weight to be the committed samples (`_Part`): else it fails
-  (`UNBOUND`), so a peer cannot commit honest work and average something else. Such a verdict is published
-  too; others confirm it only on their own slice of that round (`_confirm_unbound`), never against the
-  accuser, since what a prover sent one reducer nobody else saw.
+  (`UNBOUND`), so a peer cannot commit honest work and average something else. Each part came with the
+  prover's signed statement of it (`averaging.group.part_statement`, labelled with its commitment's digest; a
+  reducer refuses a part without one, and excludes a prover whose statement names another commitment than the
+  one it sent): an `UNBOUND` verdict is published with that statement, and any arbiter holds the prover to it
+  (`_judge_unbound`): the statement is the prover's own word of what it averaged, so a mismatch with its
+  committed update excludes the prover, and a match shows the accuser lied.
 * **Arbiter.** Each round the worker reads the verdicts key, ahead of its routine checks (`_Worker`). A
   failing verdict this peer can re-check (it holds that round's base) is replayed a third time: if the
   prover's work fails again the prover is excluded; if it checks out the *verifier* lied, and is excluded
@@ -74,7 +77,7 @@ import torch
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from averaging.group import part_digest, piece_bounds, slice_bounds
+from averaging.group import part_digest, part_problem, piece_bounds, slice_bounds
 from bootstrap.dhtcalls import latest_within, store_within
 from bootstrap.framing import ProtocolError, header_field, linger, read_blob, read_frame, write_blob, write_frame
 from bootstrap.identity import Identity
@@ -109,7 +112,6 @@ LATE_AFTER_S = KEEP_FOR_S / 2
 prover keeps such phases for `KEEP_FOR_S` (within `KEEP_BYTES`), so younger ones are still asked for (under
 load this peer's checks fall rounds behind: skipped, they let a cheater through for rounds more)."""
 _MAX_SETTLED = 10_000
-_PARTS_KEPT = 256
 TIMEOUT_S = 30.0
 """Bound on one chunk of replay inputs, one DHT read or store of verdicts, the handler's start, and on a
 check's wait for this peer's round to end before its next chunk."""
@@ -295,10 +297,11 @@ UNBOUND = "its part in the all-reduce was not its committed update"
 
 @dataclass(frozen=True, slots=True)
 class _Part:
-    """What a prover sent this peer, as its reducer, in the round it is checked for: the digest of its part of
-    this peer's slice (`averaging.group.part_digest`) and the weight it claimed. A check whose replay matches
-    the commitment also requires that part to be the committed update's (``base - end``) slice, so that a peer
-    cannot commit honest work and average something else (a poisoned or a copied update)."""
+    """What a prover sent a reducer in the round it is checked for, as the prover signed it: the digest of its
+    part of that slice (`averaging.group.part_digest`) and the weight it claimed (`averaging.group.part_statement`
+    and its signature). A check whose replay matches the commitment also requires that part to be the committed
+    update's (``base - end``) slice, so that a peer cannot commit honest work and average something else (a
+    poisoned or a copied update)."""
 
     digest: str
     weight: float
@@ -306,15 +309,37 @@ class _Part:
     hi: int
     codec: str
     piece_numel: int
+    statement: dict
+    signature: str
 
     @classmethod
     def of(cls, record: Any, prover: str) -> _Part | None:
         """From the round's `averaging.RoundRecord` (None: ``prover``'s part is not in this peer's slice)."""
         part = record.parts.get(prover) if record is not None else None
-        if part is None:
+        return None if part is None else cls.signed(part.get("statement"), part.get("signature"), prover, None)
+
+    @classmethod
+    def signed(cls, statement: Any, signature: Any, prover: str, run: str | None) -> _Part | None:
+        """From a statement ``prover`` signed (untrusted: None unless well-formed and, with ``run``, signed by
+        ``prover`` among the run's averagers, ``swarm_<run>``)."""
+        signer, prefix = (prover, f"swarm_{run}") if run is not None else (None, "")
+        if part_problem(statement, signature, signer=signer, prefix=prefix) is not None:
             return None
-        lo, hi = record.own_slice
-        return cls(part["sha256"], part["weight"], lo, hi, record.codec, record.piece_numel)
+        try:
+            weight = float(statement["weight"])
+        except ValueError:
+            return None
+        lo, hi, codec, numel = statement["lo"], statement["hi"], statement["codec"], statement["piece_numel"]
+        return cls(statement["sha256"], weight, lo, hi, codec, numel, statement, signature)
+
+    @property
+    def label(self) -> str:
+        """The commitment the prover bound this part to (`averaging.GroupAverager.step`'s ``label``)."""
+        return self.statement["label"]
+
+    def shown(self) -> dict:
+        """As it is published with an `UNBOUND` verdict."""
+        return {"statement": self.statement, "signature": self.signature}
 
     def matches(self, delta: torch.Tensor, commitment: Commitment) -> bool:
         if self.weight != float(max(commitment.samples, 1)) or not 0 <= self.lo <= self.hi <= delta.numel():
@@ -330,9 +355,6 @@ class _Disputes:
     """Where verdicts are published and read (the run's verdicts key)."""
     published: list[dict] = field(default_factory=list)
     settled: set[str] = field(default_factory=set)
-    parts: OrderedDict[tuple[int, str], _Part] = field(default_factory=OrderedDict)
-    """(round, prover) -> the prover's part of this peer's slice that round (the newest `_PARTS_KEPT`): what an
-    accusation that it averaged another update than it committed is re-checked against (`_confirm_unbound`)."""
     polling: threading.Event = field(default_factory=threading.Event)
 
 
@@ -514,13 +536,10 @@ class WorkChecks:
             if commitment is not None and commitment.params[0] == base_digest:
                 commitments[peer], raw[peer] = commitment, work  # a member on another base is not checked here
         self._lag.newest_round = max([self._lag.newest_round, *(c.round for c in commitments.values())])
-        parts = self._disputes.parts
-        for prover, commitment in commitments.items():
-            part = _Part.of(record, prover)
-            if part is not None:
-                parts[(commitment.round, prover)] = part
-        while len(parts) > _PARTS_KEPT:
-            parts.popitem(last=False)
+        parts = {prover: _Part.of(record, prover) for prover in commitments}
+        for prover, part in parts.items():  # a statement an arbiter could not hold against this commitment
+            if part is not None and part.label != commitments[prover].digest():
+                self._exclude_peer(prover, f"{UNBOUND} (its part's statement names another commitment)")
         for peer, gathered in group.gathered.items():  # an unreachable prover is back: it is asked once more
             owed = self._lag.owed.pop(str(peer), None)
             if owed is not None and not (isinstance(gathered, dict) and gathered.get("fresh")):  # fresh: restarted
@@ -538,7 +557,7 @@ class WorkChecks:
             # a prover on probation (this peer has not passed `trust_after` of its checks): rounds wait for it
             probation = self.standing.passed[prover] < self.config.trust_after
             drawn, round_ = time.monotonic(), commitments[prover].round if probation else None
-            part = parts.get((commitments[prover].round, prover))
+            part = parts.get(prover)
             self._submit(
                 self._check_one,
                 commitments[prover],
@@ -700,10 +719,11 @@ class WorkChecks:
         if ok:
             return
         logger.warning("round %s: the work of %s failed its check: %s", commitment.round, commitment.peer, reason)
-        if sent_other:  # seen on this peer's own stream; the others re-check their own slices (`_confirm_unbound`)
+        if sent_other:  # seen on this peer's own stream, and shown to others as the prover signed it
             self._exclude_peer(commitment.peer, f"{UNBOUND} (its part of this peer's slice)")
-        else:
-            self._exclude_peer(commitment.peer, f"failed a replay check: {reason}")
+            self._publish({**signed, "work": work, "part": part.shown()})
+            return
+        self._exclude_peer(commitment.peer, f"failed a replay check: {reason}")
         self._publish({**signed, "work": work})  # the commitment as the prover signed it: anyone can re-check
 
     def _replaying(self, base: torch.Tensor, commitment: Commitment) -> dict[str, Any]:
@@ -904,7 +924,7 @@ class WorkChecks:
 
     def _recheck(self, entry: Any) -> None:
         try:
-            if not isinstance(entry, dict) or set(entry) != {"verdict", "signature", "work"}:
+            if not isinstance(entry, dict) or set(entry) - {"part"} != {"verdict", "signature", "work"}:
                 raise WorkRejected("malformed", "verdict entry")
             verdict = verify.verify_verdict({"verdict": entry["verdict"], "signature": entry["signature"]})
             signed = verify.verify_commitment(entry["work"], run=self.run)
@@ -922,9 +942,9 @@ class WorkChecks:
         if len(self._disputes.settled) >= _MAX_SETTLED:  # bounded: a verdict seen long ago may be replayed once more
             self._disputes.settled.clear()
         self._disputes.settled.add(key)
-        if verdict.reason == UNBOUND:  # its replay passes; only its part of this peer's own slice can tell
+        if verdict.reason == UNBOUND:  # its replay passes; the part it signed tells
             if liar not in self.standing.excluded:  # an excluded accuser's word costs this peer no fetch
-                self._confirm_unbound(entry, commitment, verdict.segment)
+                self._judge_unbound(entry, commitment, verdict)
             return
         inputs = self._inputs(prover, commitment.round, verdict.segment)
         base = self.replays.bases.get(commitment.params[0])
@@ -960,28 +980,40 @@ class WorkChecks:
             self.counts["liars"] += 1
             self._exclude_peer(liar, f"accused {prover} falsely: its work replays to its commitment")
 
-    def _confirm_unbound(self, entry: dict, commitment: Commitment, segment: int) -> None:
-        """An accusation that a prover averaged another update than it committed (`UNBOUND`): confirmed here only
-        if its part of this peer's own slice, that round, was not its committed update either. What it sent the
-        accuser no one else can see, so the accuser is never taken for a liar on this: a prover may have sent
-        another update to one reducer only (then each of those reducers excludes it itself, when it checks it)."""
-        part = self._disputes.parts.get((commitment.round, commitment.peer))
-        base = self.replays.bases.get(commitment.params[0])
-        if part is None or base is None:  # not in that group, or its part was not in this peer's slice
-            self.counts["cannot recheck: not its reducer"] += 1
+    def _judge_unbound(self, entry: dict, commitment: Commitment, verdict: verify.Verdict) -> None:
+        """An accusation that a prover averaged another update than it committed (`UNBOUND`), judged on the part
+        the accuser shows: the prover's signed statement of what it sent the accuser's slice, labelled with this
+        commitment (else the verdict proves nothing and is set aside). Against the committed update (``base -
+        end``, the inputs digest-checked against the commitment): a mismatch excludes the prover, a match shows the
+        accuser lied, since the reducer takes a part only with a statement of exactly what came."""
+        shown = entry.get("part")
+        part = (
+            _Part.signed(shown.get("statement"), shown.get("signature"), commitment.peer, self.run)
+            if isinstance(shown, dict)
+            else None
+        )
+        if part is None or part.label != verdict.commitment or verdict.commitment != commitment.digest():
+            self.counts["rejected:unbound without its signed part"] += 1
             return
-        inputs = self._inputs(commitment.peer, commitment.round, segment)
+        inputs = self._inputs(commitment.peer, commitment.round, verdict.segment)
+        base = self.replays.bases.get(commitment.params[0])
+        if base is None:  # not in that group: the phase's own start (served, digest-checked) is the base it committed
+            first = self._inputs(commitment.peer, commitment.round, 0) if verdict.segment else inputs
+            if first is not None and verify.params_digest(first.start.params) == commitment.params[0]:
+                base = first.start.params
         end = inputs.end_params if inputs is not None else None
-        if end is None or end.shape != base.shape or verify.params_digest(end) != commitment.params[-1]:
+        if base is None or end is None or end.shape != base.shape or verify.params_digest(end) != commitment.params[-1]:
             self.counts["cannot recheck: inputs not served"] += 1
             return
         self.counts["rechecked"] += 1
         if part.matches(base - end, commitment):
-            self.counts["unbound here: not confirmed"] += 1
+            self.counts["liars"] += 1
+            self._record("work_dispute", {"verdict": entry["verdict"], "outcome": "verifier"})
+            self._exclude_peer(verdict.verifier, f"accused {commitment.peer} falsely: the part it signed is its update")
             return
         self.counts["confirmed"] += 1
         self._record("work_dispute", {"verdict": entry["verdict"], "outcome": "prover"})
-        self._exclude_peer(commitment.peer, f"{UNBOUND} (its part of this peer's slice too), confirmed here")
+        self._exclude_peer(commitment.peer, f"{UNBOUND} (the part it signed), confirmed here")
 
     def _inputs(self, prover: str, round_: int, segment: int) -> ReplayInputs | None:
         if prover == self.identity.peer_id:  # accused: this peer replays its own work like any arbiter

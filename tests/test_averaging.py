@@ -36,6 +36,8 @@ from averaging.group import (
     draw_groups,
     matchmaking_key,
     part_digest,
+    part_problem,
+    part_statement,
     piece_bounds,
     shard_count,
     shard_of,
@@ -129,7 +131,12 @@ def _assert_parts_recorded(results, tensors, weights, codec: str, piece_numel: i
         assert set(record.parts) < set(record.included) and len(record.parts) == len(group.members) - 1
         for peer, part in record.parts.items():
             i = index[peer]
-            assert part == {"sha256": part_digest(tensors[i][lo:hi], codec, piece_numel), "weight": weights[i]}
+            sha256 = part_digest(tensors[i][lo:hi], codec, piece_numel)
+            statement = part_statement(
+                group_id=record.group_id, index=slice_bounds(tensors[i].numel(), len(record.members)).index((lo, hi)),
+                lo=lo, hi=hi, codec=codec, piece_numel=piece_numel, weight=weights[i], sha256=sha256, label="",
+            )  # fmt: skip
+            assert part == {"sha256": sha256, "weight": weights[i], "statement": statement, "signature": ""}
             assert part["sha256"] != part_digest(-tensors[i][lo:hi], codec, piece_numel)  # it can tell another
 
 
@@ -1364,6 +1371,48 @@ def test_an_outsider_flooding_matchmaking_stalls_only_unsigned_rounds(dhts, swar
                 assert not failed_on_fakes and record.phase_s["matchmaking"] < MM_CONFIG["join_timeout_s"], record
         else:  # the same flood, read as-is: the peers wait for leaders and followers that do not exist
             assert failed_on_fakes, [r.to_dict() for _, r, _ in results]
+    finally:
+        for averager in averagers:
+            averager.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_part_comes_with_its_senders_signed_statement_and_one_another_key_signed_is_refused(swarm_peers, monkeypatch):
+    """Signed averagers: each reducer keeps every sender's statement of its part (what came, with the label the
+    sender stepped with), signed by that sender, so others can hold the sender to it (swarm.work). A part whose
+    statement another key signed is refused: counted, and that sender is left out of the reducer's slice."""
+    prefix = f"signed{next(_prefixes)}"
+    config = AveragingConfig(codec="fp32", aggregator="mean", **MM_CONFIG)
+    averagers = [GroupAverager(dht, prefix=prefix, config=config, identity=i) for i, dht in swarm_peers]
+    ids = [a.peer_id for a in averagers]
+    tensors = [torch.randn(1000, generator=torch.Generator().manual_seed(SEED + i)) for i in range(2)]
+    labels = ["a" * 64, "b" * 64]
+
+    def both() -> list:
+        def step(i):
+            return averagers[i].step(tensors[i], weight=1.0, timeout_s=MM_CONFIG["round_timeout_s"], label=labels[i])
+
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(step, range(2)))
+
+    try:
+        for i, (_out, record, _group) in enumerate(both()):
+            assert record.outcome == "ok", record.to_dict()
+            part = record.parts[ids[1 - i]]
+            assert part["statement"]["label"] == labels[1 - i] and part["statement"]["sha256"] == part["sha256"]
+            assert part_problem(part["statement"], part["signature"], signer=ids[1 - i], prefix=prefix) is None
+            assert (
+                part_problem(part["statement"], part["signature"], signer=ids[i], prefix=prefix) == "bad part signature"
+            )
+        forger, real = Identity.generate(), group_module.sign_part
+
+        def forged(identity, run, statement):
+            return real(forger if identity.peer_id == ids[1] else identity, run, statement)
+
+        monkeypatch.setattr(group_module, "sign_part", forged)
+        _out, record, _group = both()[0]
+        assert averagers[0].rejected["bad part signature"] >= 1, dict(averagers[0].rejected)  # the fault fired
+        assert ids[1] not in record.parts and ids[1] not in record.included, record.to_dict()
     finally:
         for averager in averagers:
             averager.close()

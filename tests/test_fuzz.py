@@ -1540,7 +1540,7 @@ def test_live_averaging_handler_survives_garbage_and_still_averages(live_dhts, c
     )
     prefix = f"fuzz{uuid.uuid4().hex[:8]}"
     averagers = [GroupAverager(dht, prefix=prefix, config=config) for dht in live_dhts]
-    target, handler = averagers[0], f"swarm.avg.v1.{prefix}"
+    target, handler = averagers[0], averagers[0]._handler_name
     part = {
         "op": "part",
         "group_id": "no-such-group",

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from averaging.group import piece_bounds, slice_bounds
+from averaging.group import part_digest, part_statement, piece_bounds, sign_part, slice_bounds
 from bootstrap import stop_dht, visible_maddrs
 from bootstrap.framing import LENGTH, write_blob
 from bootstrap.identity import Identity
@@ -492,6 +492,7 @@ def test_replay_inputs_travel_in_chunks_and_only_between_the_verifiers_rounds(mo
 
 SCRIPT = """
 import json, sys, torch, swarm
+from pathlib import Path
 from swarm import verify
 from swarm.config import TaskInfo
 from swarm.tasks import get_task
@@ -520,11 +521,13 @@ with swarm.Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), run="v
                     work._publish({**verify.verdict_of(work.identity, c, 0, (False, "replay differs", "")),
                                    "work": gathered["work"]})
         work.after_round = lying
-    if mode == "tamper":  # trains and commits honestly, but averages another update: its own, negated
-        averager = trainer.group_averager
+    if mode == "tamper":  # trains and commits honestly, but averages another update (its own, negated) with one
+        # peer only, the target the test names once every peer is up; every other reducer gets its true update
+        averager, target = trainer.group_averager, Path(ledgers).parent / "target"
         honest_write = averager._write_pieces
-        async def tampered(writer, header, part, *args):
-            await honest_write(writer, header, -part, *args)
+        async def tampered(writer, header, part, bounds, codec, record, peer):
+            hit = target.exists() and peer == target.read_text()
+            await honest_write(writer, header, -part if hit else part, bounds, codec, record, peer)
         averager._write_pieces = tampered
     stale = None
     own = task.train_batches(shard_index=int(shard), num_shards=8)  # a custom data loop: nothing to replay
@@ -583,6 +586,9 @@ def test_cheaters_and_a_lying_verifier_are_excluded_within_5_rounds(bootstrap_no
                 message=child.describe,
             )
             ids[line.split()[1]] = mode
+        # the tamperer's target: the first honest peer (the other sees only its true update, and must be shown)
+        target = next(pid for pid, mode in ids.items() if mode == "honest")
+        (tmp_path / "target").write_text(target)
         cheaters = {pid for pid, mode in ids.items() if mode not in ("honest", "custom")}
         unverified = {pid for pid, mode in ids.items() if mode == "custom"}
         honest = [c for c, mode in zip(children, modes) if mode == "honest"]
@@ -597,12 +603,14 @@ def test_cheaters_and_a_lying_verifier_are_excluded_within_5_rounds(bootstrap_no
         codes = terminate_all(children, timeout_s=20)
     # a clean leave with checks in flight (a replay on the worker thread must not abort the process at exit)
     assert codes == [0] * len(children), [(mode, code) for mode, code in zip(modes, codes)]
-    for child in honest:
+    for child, me in zip(honest, [pid for pid, mode in ids.items() if mode == "honest"]):
         rounds = _rounds(child)
         excluded, refused = rounds[-1]["excluded"], rounds[-1]["refused"]
         assert not set(excluded) & {pid for pid, mode in ids.items() if mode == "honest"}
         # a cheater's updates went into this honest peer's rounds at most 5 times before it was excluded here
-        mixed = {pid: sum(pid in r["included"] for r in rounds) for pid in cheaters | unverified}
+        # (the tamperer's true update went into the rounds of a peer it is not targeting)
+        poisoning = {p for p in cheaters if ids[p] != "tamper" or me == target}
+        mixed = {pid: sum(pid in r["included"] for r in rounds) for pid in poisoning | unverified}
         assert max(mixed.values()) <= 5, {ids[p]: n for p, n in mixed.items()}
         assert all(mixed[pid] == 0 for pid in unverified), mixed  # refused up front, by this peer or its leader
         for pid in cheaters:  # once excluded here, never in this peer's groups again
@@ -613,20 +621,83 @@ def test_cheaters_and_a_lying_verifier_are_excluded_within_5_rounds(bootstrap_no
         assert all("verified work required" in why for why in refused.values()), refused
         cheats = {mode: why for mode, why in reasons.items() if mode != "liar"}
         assert all("replay" in why or "base" in why for mode, why in cheats.items() if mode != "tamper"), reasons
-        # its work replays: it is caught by what it sent this peer, or, accused by another, on this peer's slice
-        assert "not its committed update" in cheats.get("tamper", "not its committed update"), reasons
+        # its work replays: its target catches it by what it sent, and shows the others the part it signed
+        why = "(its part of this peer's slice)" if me == target else "(the part it signed), confirmed here"
+        assert "tamper" not in modes or f"not its committed update {why}" in cheats["tamper"], reasons
         counts = rounds[-1]["counts"]
         fired = counts.get("failed", 0) + counts.get("confirmed", 0) + counts.get("liars", 0)
         assert fired >= 1, counts  # the faults fired and were seen here
 
 
+def test_an_unbound_accusation_is_judged_on_the_part_the_prover_signed() -> None:
+    """An accusation that a prover averaged another update than it committed (`UNBOUND`) comes with the prover's
+    signed statement of the part the accuser received. An arbiter that was in no group with either (it holds
+    neither the round's base nor a part of its own) judges it on that statement against the committed update:
+    the honest part shows the accuser lied, a tampered one (signed by the prover) excludes the prover. A
+    statement the prover did not sign, or one of another commitment, proves nothing: nobody is excluded."""
+    arbiter_id, prover_id = Identity.generate(), Identity.generate()
+    accusers = [Identity.generate() for _ in range(4)]
+    dht = start_swarm_dht(arbiter_id, host_maddrs=LOOPBACK)
+    params = verify.trainable(TASK.build_model(seed=0))
+    excluded: dict[str, str] = {}
+    arbiter = WorkChecks(
+        dht,
+        arbiter_id,
+        WorkSpec(task=TASK, task_digest=DIGEST, shard_index=1, num_shards=2),
+        WorkConfig(verify_work=True, segment_steps=2),
+        run=RUN,
+        warmup_steps=0,
+        exclude=lambda peer, reason: excluded.setdefault(peer, reason),
+        require=lambda _: None,
+        record=lambda *_: None,
+        params=params,
+        optimizer=torch.optim.AdamW(params, lr=3e-3),
+        first_step=1,
+        sync_every=4,
+    )
+    try:
+        signed, recorder, base = _a_committed_phase(TASK, DIGEST, identity=prover_id)
+        commitment = signed.commitment
+        arbiter._inputs = lambda prover, round_, segment: recorder.inputs(round_, segment)  # served as asked
+        assert commitment.params[0] not in arbiter.replays.bases  # not in that round's group
+        delta = base - recorder.inputs(0, 1).end_params
+        lo, hi = 5, delta.numel() - 7  # the accuser's slice
+
+        def shown(values, *, label=commitment.digest(), signer=prover_id) -> dict:
+            statement = part_statement(
+                group_id="g", index=1, lo=lo, hi=hi, codec="int8", piece_numel=100, weight=float(commitment.samples),
+                sha256=part_digest(values, "int8", 100), label=label,
+            )  # fmt: skip
+            return {"statement": statement, "signature": sign_part(signer, f"swarm_{RUN}", statement)}
+
+        def accusation(accuser: Identity, part: dict) -> dict:
+            verdict = verify.verdict_of(accuser, commitment, 1, (False, work_module.UNBOUND, ""))
+            return {**verdict, "work": signed.to_dict(), "part": part}
+
+        honest, tampered = delta[lo:hi], -delta[lo:hi]
+        arbiter._recheck(accusation(accusers[0], shown(tampered, signer=accusers[0])))  # not the prover's word
+        arbiter._recheck(accusation(accusers[1], shown(tampered, label="0" * 64)))  # another commitment's
+        assert not excluded and arbiter.counts["rejected:unbound without its signed part"] == 2, arbiter.counts
+        arbiter._recheck(accusation(accusers[2], shown(honest)))
+        assert list(excluded) == [accusers[2].peer_id] and "falsely" in excluded[accusers[2].peer_id], excluded
+        arbiter._recheck(accusation(accusers[3], shown(tampered)))
+        assert list(excluded) == [accusers[2].peer_id, prover_id.peer_id], excluded
+        assert (
+            "the part it signed" in excluded[prover_id.peer_id] and work_module.UNBOUND in excluded[prover_id.peer_id]
+        )
+        assert arbiter.counts["liars"] == 1 and arbiter.counts["confirmed"] == 1, arbiter.counts
+    finally:
+        arbiter.close()
+        stop_dht(dht)
+
+
 def _a_committed_phase(
-    task, digest: str, *, steps: int = 4, beside: Callable[[], None] | None = None
+    task, digest: str, *, steps: int = 4, beside: Callable[[], None] | None = None, identity: Identity | None = None
 ) -> tuple[verify.SignedCommitment, verify.WorkRecorder, torch.Tensor]:
     """One committed phase of ``steps`` steps (segments of 2) of ``task``, shard 0 of 2, from the seed-0 model:
-    (signed commitment, recorder, base). ``beside`` loops on a thread meanwhile, seen running before the phase
-    begins. PROVE_AT_A_LEVEL runs it in a process of its own."""
-    identity, model = Identity.generate(), task.build_model(seed=0)
+    (signed commitment, recorder, base), by ``identity`` (a new one by default). ``beside`` loops on a thread
+    meanwhile, seen running before the phase begins. PROVE_AT_A_LEVEL runs it in a process of its own."""
+    identity, model = identity or Identity.generate(), task.build_model(seed=0)
     params = verify.trainable(model)
     optimizer = torch.optim.AdamW(params, lr=3e-3)
     recorder = verify.WorkRecorder(task, peer=identity.peer_id, shard_index=0, num_shards=2, segment_steps=2)
