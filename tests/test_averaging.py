@@ -1382,7 +1382,8 @@ def test_a_part_comes_with_its_senders_signed_statement_and_one_another_key_sign
     sender stepped with), signed by that sender, so others can hold the sender to it (swarm.work). A part whose
     statement another key signed is refused: counted, and that sender is left out of the reducer's slice."""
     prefix = f"signed{next(_prefixes)}"
-    config = AveragingConfig(codec="fp32", aggregator="mean", **MM_CONFIG)
+    # a refused part is waited for like a missing one, until the sender deadline: a short one
+    config = AveragingConfig(codec="fp32", aggregator="mean", sender_timeout_s=2.0, **MM_CONFIG)
     averagers = [GroupAverager(dht, prefix=prefix, config=config, identity=i) for i, dht in swarm_peers]
     ids = [a.peer_id for a in averagers]
     tensors = [torch.randn(1000, generator=torch.Generator().manual_seed(SEED + i)) for i in range(2)]
