@@ -984,8 +984,9 @@ class WorkChecks:
         """An accusation that a prover averaged another update than it committed (`UNBOUND`), judged on the part
         the accuser shows: the prover's signed statement of what it sent the accuser's slice, labelled with this
         commitment (else the verdict proves nothing and is set aside). Against the committed update (``base -
-        end``, the inputs digest-checked against the commitment): a mismatch excludes the prover, a match shows the
-        accuser lied, since the reducer takes a part only with a statement of exactly what came."""
+        end``, from one fetch of the phase's first segment, digest-checked against the commitment): a mismatch
+        excludes the prover, a match shows the accuser lied, since a reducer takes a part only with a statement of
+        exactly what came. Nothing is replayed: the accusation says the work replays."""
         shown = entry.get("part")
         part = (
             _Part.signed(shown.get("statement"), shown.get("signature"), commitment.peer, self.run)
@@ -995,12 +996,11 @@ class WorkChecks:
         if part is None or part.label != verdict.commitment or verdict.commitment != commitment.digest():
             self.counts["rejected:unbound without its signed part"] += 1
             return
-        inputs = self._inputs(commitment.peer, commitment.round, verdict.segment)
+        # the first segment's inputs: the phase's start (the base it committed to) and its end, both digest-checked
+        inputs = self._inputs(commitment.peer, commitment.round, 0)
         base = self.replays.bases.get(commitment.params[0])
-        if base is None:  # not in that group: the phase's own start (served, digest-checked) is the base it committed
-            first = self._inputs(commitment.peer, commitment.round, 0) if verdict.segment else inputs
-            if first is not None and verify.params_digest(first.start.params) == commitment.params[0]:
-                base = first.start.params
+        if base is None and inputs is not None and verify.params_digest(inputs.start.params) == commitment.params[0]:
+            base = inputs.start.params  # not in that group: the phase's own start
         end = inputs.end_params if inputs is not None else None
         if base is None or end is None or end.shape != base.shape or verify.params_digest(end) != commitment.params[-1]:
             self.counts["cannot recheck: inputs not served"] += 1
