@@ -384,6 +384,27 @@ def test_the_worker_runs_re_checks_of_accusations_before_routine_checks_and_stop
     assert not worker.thread.is_alive() and ran[-1] == "routine 3" and counts["internal error"] == 0
 
 
+def _work_checks(
+    dht, identity: Identity, spec: WorkSpec, params: list, *, warmup_steps: int = 0, exclude=lambda *_: None
+) -> WorkChecks:
+    """A trainer's `WorkChecks` of 4-step phases (segments of 2) in run RUN, ``params`` trained by AdamW."""
+    return WorkChecks(
+        dht,
+        identity,
+        spec,
+        WorkConfig(verify_work=True, segment_steps=2),
+        run=RUN,
+        warmup_steps=warmup_steps,
+        exclude=exclude,
+        require=lambda _: None,
+        record=lambda *_: None,
+        params=params,
+        optimizer=torch.optim.AdamW(params, lr=3e-3),
+        first_step=1,
+        sync_every=4,
+    )
+
+
 def test_replay_inputs_travel_in_chunks_and_only_between_the_verifiers_rounds(monkeypatch) -> None:
     monkeypatch.setattr(work_module, "CHUNK_BYTES", 4096)  # teacher tiny's inputs are a few chunks of this
     ids = [Identity.generate(), Identity.generate()]
@@ -396,23 +417,7 @@ def test_replay_inputs_travel_in_chunks_and_only_between_the_verifiers_rounds(mo
         for dht, identity in zip(dhts, ids):
             params = verify.trainable(model if not checks else TASK.build_model(seed=0))
             spec = WorkSpec(task=TASK, task_digest=DIGEST, shard_index=len(checks), num_shards=8)
-            checks.append(
-                WorkChecks(
-                    dht,
-                    identity,
-                    spec,
-                    WorkConfig(verify_work=True, segment_steps=2),
-                    run=RUN,
-                    warmup_steps=WARMUP,
-                    exclude=lambda *_: None,
-                    require=lambda _: None,
-                    record=lambda *_: None,
-                    params=params,
-                    optimizer=torch.optim.AdamW(params, lr=3e-3),
-                    first_step=1,
-                    sync_every=4,
-                )  # fmt: skip
-            )
+            checks.append(_work_checks(dht, identity, spec, params, warmup_steps=WARMUP))
         prover, verifier = checks
         base = verify.flat_params(prover.params)
         for step, batch in zip(range(1, 5), prover.batches()):
@@ -638,22 +643,10 @@ def test_an_unbound_accusation_is_judged_on_the_part_the_prover_signed() -> None
     arbiter_id, prover_id = Identity.generate(), Identity.generate()
     accusers = [Identity.generate() for _ in range(4)]
     dht = start_swarm_dht(arbiter_id, host_maddrs=LOOPBACK)
-    params = verify.trainable(TASK.build_model(seed=0))
     excluded: dict[str, str] = {}
-    arbiter = WorkChecks(
-        dht,
-        arbiter_id,
-        WorkSpec(task=TASK, task_digest=DIGEST, shard_index=1, num_shards=2),
-        WorkConfig(verify_work=True, segment_steps=2),
-        run=RUN,
-        warmup_steps=0,
-        exclude=lambda peer, reason: excluded.setdefault(peer, reason),
-        require=lambda _: None,
-        record=lambda *_: None,
-        params=params,
-        optimizer=torch.optim.AdamW(params, lr=3e-3),
-        first_step=1,
-        sync_every=4,
+    spec = WorkSpec(task=TASK, task_digest=DIGEST, shard_index=1, num_shards=2)
+    arbiter = _work_checks(
+        dht, arbiter_id, spec, verify.trainable(TASK.build_model(seed=0)), exclude=excluded.setdefault
     )
     try:
         signed, recorder, base = _a_committed_phase(TASK, DIGEST, identity=prover_id)
