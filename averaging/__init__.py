@@ -8,14 +8,15 @@ Policy (see averaging.group for the protocol):
     live members looks on several keys, drawn anew each minute, so no DHT node serves a whole run;
   * on an open network (with the peer's identity) matchmaking entries are owner-signed and only live
     members of the run are drawn; no-shows are suspects for a while (averaging.membership);
-  * every part is validated (shape, codec, finite values, weight finite and within bounds) and each
+  * every part is validated (shape, codec, finite values, weight finite and within bounds) and ends with
+    its sender's signed statement of it (part_statement: what a verifier holds the sender to); each
     slice is aggregated with CenteredClip by default (trimmed mean or plain mean selectable);
   * a sender silent past its deadline is dropped and the survivors average exactly the surviving
     contributions (reducers agree on the survivor set); a lost slice re-forms the group from the
     survivors and retries within the round's deadline; every outcome is in a RoundRecord.
 
 Owns: AveragingConfig, RoundRecord, GroupAverager, the codecs (fp32, fp16, bitsandbytes int8) and the
-aggregators. Uses the ground floor (bootstrap: framing, the network runtime), hivemind's DHT, torch and
+aggregators. Uses the ground floor (bootstrap: framing, signatures, the network runtime), hivemind's DHT, torch and
 bitsandbytes; knows nothing of the peer process.
 """
 
