@@ -9,7 +9,7 @@ Policy (see averaging.group for the protocol):
   * on an open network (with the peer's identity) matchmaking entries are owner-signed and only live
     members of the run are drawn; no-shows are suspects for a while (averaging.membership);
   * every part is validated (shape, codec, finite values, weight finite and within bounds) and ends with
-    its sender's signed statement of it (part_statement: what a verifier holds the sender to); each
+    its sender's signed statement of it (PartStatement: what a verifier holds the sender to); each
     slice is aggregated with CenteredClip by default (trimmed mean or plain mean selectable);
   * a sender silent past its deadline is dropped and the survivors average exactly the surviving
     contributions (reducers agree on the survivor set); a lost slice re-forms the group from the

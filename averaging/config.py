@@ -138,7 +138,7 @@ class RoundRecord:
     ``allreduce`` (every slice back); ``total``."""
     parts: dict[str, dict] = field(default_factory=dict)
     """Sender -> ``{"sha256": its part of this peer's slice as it came (`averaging.group.part_digest`), "weight":
-    the weight it claimed, "statement": its `averaging.group.part_statement` of that part, "signature": the
+    the weight it claimed, "statement": its `averaging.group.PartStatement` of that part (as JSON), "signature": the
     sender's signature of it}``, for the senders in this peer's slice of the result (the last attempt's): a
     verifier of the sender binds them to its committed update, and shows them to others (`swarm.work`)."""
     own_slice: tuple[int, int] = (0, 0)
@@ -148,7 +148,7 @@ class RoundRecord:
     piece_numel: int = 0
     """The last attempt's pieces (`AveragingConfig.piece_numel`)."""
     label: str = ""
-    """What this peer's signed statements of its parts name (`averaging.group.part_statement`): the caller's
+    """What this peer's signed statements of its parts name (`averaging.group.PartStatement`): the caller's
     ``step(label=...)``, in swarm.work the digest of the phase's commitment."""
     attempts: int = 0
     outcome: str = "failed"

@@ -42,7 +42,7 @@ pieces are tentative: they assume every member survives. The reply on a stream i
 ``(piece)* [revised (piece)*] final``; a member takes the pieces it holds when ``final`` comes. A reducer
 records the sha256 of each sender's part as it came, with the weight it claimed (`RoundRecord.parts`,
 `part_digest`): what a verifier binds to that sender's committed update (`swarm.work`). After its last piece
-a sender sends its signed statement of the part (`part_statement`: the slice, the codec, the weight, the
+a sender sends its signed statement of the part (`PartStatement`: the slice, the codec, the weight, the
 digest and the caller's label, in swarm.work its commitment's digest); a reducer takes the part only if the
 statement is what came and, with an identity, carries the sender's signature. The reducer keeps it, so what a
 sender averaged is evidence anyone can check against what it committed, not only the reducer's word.
@@ -113,8 +113,10 @@ from averaging.membership import (
     sign_entry,
 )
 from bootstrap.dhtcalls import keep_out_of_lookups, let_back_into_lookups
+from bootstrap.envelope import Signable, check_int, check_str, from_dict
+from bootstrap.errors import Rejected
 from bootstrap.framing import ProtocolError, header_field, linger, read_exactly, read_frame, write_frame
-from bootstrap.identity import Identity, canonical_json, public_key_from_peer_id, verify
+from bootstrap.identity import Identity, public_key_from_peer_id, verify
 from bootstrap.runtime import Handler
 
 logger = logging.getLogger(__name__)
@@ -244,63 +246,82 @@ def part_digest(part: torch.Tensor, codec: str, piece_numel: int) -> str:
 
 
 PART_KIND = "swarm-avg-part"
-"""What a sender's statement of its part is signed as (`part_statement`)."""
-_PART_FIELDS = {
-    "group_id": str,
-    "index": int,
-    "lo": int,
-    "hi": int,
-    "codec": str,
-    "piece_numel": int,
-    "weight": str,
-    "sha256": str,
-    "label": str,
-}
+"""What a sender's statement of its part is signed as (`PartStatement`)."""
+_MAX_PART_INT = 2**62 - 1
+_MAX_PART_STR = 128
+
+
+class PartRejected(Rejected):
+    """A part's statement was refused (malformed, unsigned, or not signed by its sender)."""
+
+    what = "part statement"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PartStatement(Signable):
+    """What a sender signs of its part of one slice (sent after the last piece): slice ``index``, coordinates
+    [lo, hi) of the vector, in pieces of ``piece_numel`` encoded with ``codec`` (`part_digest` is ``sha256``),
+    with the weight it claimed and the caller's ``label`` (swarm.work: the digest of the sender's commitment,
+    so a statement is evidence of that round only). Made by `part_statement`, read by `read_part`."""
+
+    group_id: str
+    index: int
+    lo: int
+    hi: int
+    codec: str
+    piece_numel: int
+    weight: str
+    """``repr`` of the float weight (signed payloads hold no floats)."""
+    sha256: str
+    label: str
+
+    def __post_init__(self) -> None:
+        for name in ("index", "lo", "hi", "piece_numel"):
+            check_int(name, getattr(self, name), maximum=_MAX_PART_INT)
+        for name in ("group_id", "codec", "weight", "sha256", "label"):
+            check_str(name, getattr(self, name), max_chars=_MAX_PART_STR, allow_empty=True)
 
 
 def part_statement(
     *, group_id: str, index: int, lo: int, hi: int, codec: str, piece_numel: int, weight: float, sha256: str, label: str
-) -> dict[str, Any]:
-    """What a sender signs of its part of one slice (sent after the last piece): slice ``index``, coordinates
-    [lo, hi) of the vector, in pieces of ``piece_numel`` encoded with ``codec`` (`part_digest` is ``sha256``),
-    with the weight it claimed (``repr`` of the float: signed payloads hold no floats) and the caller's
-    ``label`` (swarm.work: the digest of the sender's commitment, so a statement is evidence of that round only)."""
-    return {
-        "group_id": group_id,
-        "index": index,
-        "lo": lo,
-        "hi": hi,
-        "codec": codec,
-        "piece_numel": piece_numel,
-        "weight": repr(float(weight)),
-        "sha256": sha256,
-        "label": label,
-    }
+) -> PartStatement:
+    """A `PartStatement` of a part whose claimed weight is ``weight``."""
+    return PartStatement(
+        group_id=group_id,
+        index=index,
+        lo=lo,
+        hi=hi,
+        codec=codec,
+        piece_numel=piece_numel,
+        weight=repr(float(weight)),
+        sha256=sha256,
+        label=label,
+    )
 
 
-def sign_part(identity: Identity, prefix: str, statement: dict[str, Any]) -> str:
-    """``identity``'s hex signature of a `part_statement` among the averagers of ``prefix`` (`GroupAverager`'s:
-    in a `swarm.Trainer`, ``swarm_<run>``)."""
-    return identity.sign(kind=PART_KIND, run_id=prefix, payload=canonical_json(statement)).hex()
+def sign_part(identity: Identity, prefix: str, statement: PartStatement) -> str:
+    """``identity``'s hex signature of ``statement`` among the averagers of ``prefix`` (`GroupAverager`'s: in a
+    `swarm.Trainer`, ``swarm_<run>``)."""
+    return identity.sign(kind=PART_KIND, run_id=prefix, payload=statement.payload()).hex()
 
 
-def part_problem(statement: Any, signature: Any, *, signer: str | None, prefix: str) -> str | None:
-    """Why ``statement`` is not a well-formed `part_statement` signed by ``signer`` among the averagers of
-    ``prefix`` (None: it is; no ``signer``: the form only). Untrusted input: never raises."""
-    if not isinstance(statement, dict) or set(statement) != set(_PART_FIELDS):
-        return "malformed part statement"
-    for name, kind in _PART_FIELDS.items():
-        value = statement[name]
-        if type(value) is not kind or (kind is int and not 0 <= value < 2**62) or (kind is str and len(value) > 128):
-            return "malformed part statement"
+def read_part(data: Any, signature: Any, *, signer: str | None, prefix: str) -> PartStatement:
+    """The `PartStatement` in untrusted ``data``, signed by ``signer`` among the averagers of ``prefix`` (no
+    ``signer``: the form only); PartRejected ("malformed part statement", "unsigned part", "bad part
+    signature") otherwise."""
+    try:
+        statement = from_dict(PartStatement, data, "part", max_str=_MAX_PART_STR)
+    except (TypeError, ValueError) as e:
+        raise PartRejected("malformed part statement", str(e)[:200]) from None
     if signer is None:
-        return None
+        return statement
     try:
         key, signed = public_key_from_peer_id(signer), bytes.fromhex(signature)
     except (TypeError, ValueError):
-        return "unsigned part"
-    ok = verify(public_key=key, kind=PART_KIND, run_id=prefix, payload=canonical_json(statement), signature=signed)
-    return None if ok else "bad part signature"
+        raise PartRejected("unsigned part") from None
+    if not verify(public_key=key, kind=PART_KIND, run_id=prefix, payload=statement.payload(), signature=signed):
+        raise PartRejected("bad part signature")
+    return statement
 
 
 # --------------------------------------------------------------------------------------------- state
@@ -314,7 +335,7 @@ class _Pieces:
     digests: dict[str, str] = field(default_factory=dict)
     """Sender -> sha256 of its part's bytes as they came, every piece of it (`part_digest`)."""
     signed: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Sender -> its `part_statement` (what came) and its signature: ``{"statement": ..., "signature": ...}``."""
+    """Sender -> its `PartStatement` (what came, as JSON) and its signature: ``{"statement": ..., "signature": ...}``."""
     lo: int = 0
     """Where the slice begins in the vector."""
     received: list[dict[str, torch.Tensor]] = field(init=False)
@@ -758,7 +779,7 @@ class GroupAverager:
         ``tensor`` may be a future of ``(tensor, weight)`` (then ``weight`` is ignored): the group forms now and
         the all-reduce starts once the future is set (an overlapped trainer matchmakes before its sync point);
         no group, or no tensor by the deadline (a cancelled future included), and the round has no result.
-        ``label`` goes into this peer's signed statement of each part it sends (`part_statement`)."""
+        ``label`` goes into this peer's signed statement of each part it sends (`PartStatement`)."""
         if isinstance(tensor, torch.Tensor):
             tensor = self._checked(tensor, weight)
         timeout_s = timeout_s if timeout_s is not None else self.config.round_timeout_s
@@ -1737,7 +1758,7 @@ class GroupAverager:
         peer: str,
     ) -> None:
         """The part's header, then its pieces in order, each encoded and hashed (off the event loop) while the last
-        drains, then the signed statement of what went (`part_statement`; unsigned without an identity)."""
+        drains, then the signed statement of what went (`PartStatement`; unsigned without an identity)."""
         record.bytes_sent += await write_frame(writer, header)
         digest = hashlib.sha256()
         for k, (a, b) in enumerate(bounds):
@@ -1760,7 +1781,8 @@ class GroupAverager:
         )
         identity = self._admission.identity
         signature = sign_part(identity, self.prefix, statement) if identity is not None else ""
-        record.bytes_sent += await write_frame(writer, {"op": "signed", "statement": statement, "signature": signature})
+        trailer = {"op": "signed", "statement": statement.to_dict(), "signature": signature}
+        record.bytes_sent += await write_frame(writer, trailer)
 
     async def _read_pieces(
         self,
@@ -2043,26 +2065,27 @@ class GroupAverager:
     def _signed_part(self, peer: str, trailer: dict, state: _ReduceState, sha256: str, weight: float) -> dict:
         """The sender's statement of the part that came (``sha256``), checked: ProtocolError unless it states
         exactly that part of this slice and, when this peer signs, carries ``peer``'s signature."""
-        statement, signature = trailer.get("statement"), trailer.get("signature")
+        if trailer.get("op") != "signed":
+            raise ProtocolError("unsigned part", peer)
         signer = peer if self._admission.identity is not None else None
-        problem = "unsigned part" if trailer.get("op") != "signed" else None
-        problem = problem or part_problem(statement, signature, signer=signer, prefix=self.prefix)
-        if problem is None:
-            came = part_statement(
-                group_id=state.group.group_id,
-                index=state.my_index,
-                lo=state.pieces.lo,
-                hi=state.pieces.lo + state.numel,
-                codec=state.codec,
-                piece_numel=self.config.piece_numel,
-                weight=weight,
-                sha256=sha256,
-                label=statement["label"],
-            )
-            problem = None if statement == came else "part statement differs from the part"
-        if problem is not None:
-            raise ProtocolError(problem, peer)
-        return {"statement": statement, "signature": signature}
+        try:
+            statement = read_part(trailer.get("statement"), trailer.get("signature"), signer=signer, prefix=self.prefix)
+        except PartRejected as e:
+            raise ProtocolError(e.reason, peer) from None
+        came = part_statement(
+            group_id=state.group.group_id,
+            index=state.my_index,
+            lo=state.pieces.lo,
+            hi=state.pieces.lo + state.numel,
+            codec=state.codec,
+            piece_numel=self.config.piece_numel,
+            weight=weight,
+            sha256=sha256,
+            label=statement.label,
+        )
+        if statement != came:
+            raise ProtocolError("part statement differs from the part", peer)
+        return {"statement": statement.to_dict(), "signature": trailer.get("signature")}
 
     async def _reply(self, state: _ReduceState, writer: asyncio.StreamWriter) -> None:
         """Send a sender the pieces of my slice's aggregate as they are made, then ``final`` once the survivors

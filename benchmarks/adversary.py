@@ -62,6 +62,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from rich.console import Console
 from rich.table import Table
 
+from averaging.group import matchmaking_key
 from averaging.membership import sign_entry
 from benchmarks._common import is_stopped, process_tree, run_metadata, save_result, signals_unwind, start_bootstrap_node
 from benchmarks.netlab import loopback_lab
@@ -70,6 +71,7 @@ from bootstrap.owned import OwnerBoundValidator
 from bootstrap.records import peers_key, sign_record
 from peers.testing import make_record
 from swarm.checkpoint.gossip import index_key
+from swarm.config import averaging_prefix
 from swarm.events import read_events
 from swarm.status import status_key
 
@@ -84,7 +86,7 @@ class Adversary:
     """Writes fake or Sybil entries under the run's keys from its own hivemind node, in a thread."""
 
     def __init__(self, initial_peers: list[str], run: str, kind: str, count: int, nice: int = 0) -> None:
-        self.key, self.kind = f"swarm_{run}.mm", kind
+        self.key, self.kind = matchmaking_key(averaging_prefix(run), 1, 0), kind  # the run's trainers' key
         self.identities = [Identity.generate() for _ in range(count)]
         # an outsider's node checks and signs nothing; a Sybil's node owner-signs for its keys
         validators = [OwnerBoundValidator(*self.identities)] if kind == "sybils" else []

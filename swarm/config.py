@@ -31,6 +31,12 @@ _RENAMED = {"averaging_timeout_s": "round_timeout_s"}
 """Field names of earlier releases, still accepted (with a DeprecationWarning)."""
 
 
+def averaging_prefix(run: str) -> str:
+    """The `averaging.GroupAverager` prefix of a run's trainers: their matchmaking keys, their averaging handler,
+    and what their signed statements of parts are bound to (`swarm.work` checks those signatures)."""
+    return f"swarm_{run}"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NetworkConfig:
     """How this peer listens and reaches the network."""

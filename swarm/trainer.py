@@ -46,7 +46,7 @@ from swarm import rounds
 from swarm._private.divergence import DivergenceGuard
 from swarm._private.evidence import Evidence, open_evidence, status_snapshot
 from swarm.checkpoint.sync import CheckpointManager
-from swarm.config import RunMismatch, TaskInfo, TrainerConfig
+from swarm.config import RunMismatch, TaskInfo, TrainerConfig, averaging_prefix
 from swarm.outer import DiLoCo
 from swarm.overlap import Overlap
 from swarm.presence import PeerView, Presence, RunFacts, check_run
@@ -148,7 +148,7 @@ class Trainer:
         # own DHT: owner-signed matchmaking entries; with members_only, only members of the run are drawn
         signed = {"identity": self.identity, "run": cfg.run if cfg.averaging.members_only else None} if own else {}
         where = {"bandwidth_mbps": self.presence.bandwidth_mbps, "region": cfg.presence.region, **signed}
-        self.group_averager = GroupAverager(self.dht, prefix=f"swarm_{cfg.run}", config=cfg.averaging, **where)
+        self.group_averager = GroupAverager(self.dht, prefix=averaging_prefix(cfg.run), config=cfg.averaging, **where)
         if own:
             self.checkpoints = CheckpointManager.for_run(
                 self.dht, self.identity, cfg, task, self.presence.run_peers, self.evidence.checkpoint_event

@@ -24,7 +24,7 @@ the verdicts, re-check every accusation, exclude whoever a replay shows wrong.
   also requires that part to be the committed update's slice, ``base - end`` encoded as a sender streams it
   (`averaging.group.part_digest`), and the weight to be the committed samples (`_Part`): else it fails
   (`UNBOUND`), so a peer cannot commit honest work and average something else. Each part came with the
-  prover's signed statement of it (`averaging.group.part_statement`, labelled with its commitment's digest; a
+  prover's signed statement of it (`averaging.group.PartStatement`, labelled with its commitment's digest; a
   reducer refuses a part without one, and excludes a prover whose statement names another commitment than the
   one it sent): an `UNBOUND` verdict is published with that statement, and any arbiter holds the prover to it
   (`_judge_unbound`): the statement is the prover's own word of what it averaged, so a mismatch with its
@@ -77,13 +77,13 @@ import torch
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from averaging.group import part_digest, part_problem, piece_bounds, slice_bounds
+from averaging.group import PartRejected, PartStatement, part_digest, piece_bounds, read_part, slice_bounds
 from bootstrap.dhtcalls import latest_within, store_within
 from bootstrap.framing import ProtocolError, header_field, linger, read_blob, read_frame, write_blob, write_frame
 from bootstrap.identity import Identity
 from bootstrap.runtime import Handler, peer_id_of
 from swarm import verify
-from swarm.config import WorkConfig
+from swarm.config import WorkConfig, averaging_prefix
 from swarm.replayer import CannotReplayHere, Replayer, random_in_training
 from swarm.verify import Commitment, ReplayInputs, WorkRecorder, WorkRejected
 
@@ -297,20 +297,16 @@ UNBOUND = "its part in the all-reduce was not its committed update"
 
 @dataclass(frozen=True, slots=True)
 class _Part:
-    """What a prover sent a reducer in the round it is checked for, as the prover signed it: the digest of its
-    part of that slice (`averaging.group.part_digest`) and the weight it claimed (`averaging.group.part_statement`
-    and its signature). A check whose replay matches the commitment also requires that part to be the committed
-    update's (``base - end``) slice, so that a peer cannot commit honest work and average something else (a
-    poisoned or a copied update)."""
+    """What a prover sent a reducer in the round it is checked for, as the prover signed it: its statement of
+    its part of that slice (`averaging.group.PartStatement`: the part's digest, `averaging.group.part_digest`,
+    and the weight it claimed) and the signature. A check whose replay matches the commitment also requires
+    that part to be the committed update's (``base - end``) slice, so that a peer cannot commit honest work and
+    average something else (a poisoned or a copied update)."""
 
-    digest: str
-    weight: float
-    lo: int
-    hi: int
-    codec: str
-    piece_numel: int
-    statement: dict
+    statement: PartStatement
     signature: str
+    weight: float
+    """The statement's claimed weight, parsed."""
 
     @classmethod
     def of(cls, record: Any, prover: str) -> _Part | None:
@@ -321,30 +317,24 @@ class _Part:
     @classmethod
     def signed(cls, statement: Any, signature: Any, prover: str, run: str | None) -> _Part | None:
         """From a statement ``prover`` signed (untrusted: None unless well-formed and, with ``run``, signed by
-        ``prover`` among the run's averagers, ``swarm_<run>``)."""
-        signer, prefix = (prover, f"swarm_{run}") if run is not None else (None, "")
-        if part_problem(statement, signature, signer=signer, prefix=prefix) is not None:
-            return None
+        ``prover`` among the run's averagers, `swarm.config.averaging_prefix`)."""
+        signer, prefix = (prover, averaging_prefix(run)) if run is not None else (None, "")
         try:
-            weight = float(statement["weight"])
-        except ValueError:
+            read = read_part(statement, signature, signer=signer, prefix=prefix)
+            return cls(read, signature, float(read.weight))
+        except (PartRejected, ValueError):
             return None
-        lo, hi, codec, numel = statement["lo"], statement["hi"], statement["codec"], statement["piece_numel"]
-        return cls(statement["sha256"], weight, lo, hi, codec, numel, statement, signature)
-
-    @property
-    def label(self) -> str:
-        """The commitment the prover bound this part to (`averaging.GroupAverager.step`'s ``label``)."""
-        return self.statement["label"]
 
     def shown(self) -> dict:
         """As it is published with an `UNBOUND` verdict."""
-        return {"statement": self.statement, "signature": self.signature}
+        return {"statement": self.statement.to_dict(), "signature": self.signature}
 
     def matches(self, delta: torch.Tensor, commitment: Commitment) -> bool:
-        if self.weight != float(max(commitment.samples, 1)) or not 0 <= self.lo <= self.hi <= delta.numel():
+        lo, hi = self.statement.lo, self.statement.hi
+        if self.weight != float(max(commitment.samples, 1)) or not 0 <= lo <= hi <= delta.numel():
             return False
-        return part_digest(delta[self.lo : self.hi], self.codec, self.piece_numel) == self.digest
+        digest = part_digest(delta[lo:hi], self.statement.codec, self.statement.piece_numel)
+        return digest == self.statement.sha256
 
 
 @dataclass
@@ -538,7 +528,7 @@ class WorkChecks:
         self._lag.newest_round = max([self._lag.newest_round, *(c.round for c in commitments.values())])
         parts = {prover: _Part.of(record, prover) for prover in commitments}
         for prover, part in parts.items():  # a statement an arbiter could not hold against this commitment
-            if part is not None and part.label != commitments[prover].digest():
+            if part is not None and part.statement.label != commitments[prover].digest():
                 self._exclude_peer(prover, f"{UNBOUND} (its part's statement names another commitment)")
         for peer, gathered in group.gathered.items():  # an unreachable prover is back: it is asked once more
             owed = self._lag.owed.pop(str(peer), None)
@@ -993,7 +983,7 @@ class WorkChecks:
             if isinstance(shown, dict)
             else None
         )
-        if part is None or part.label != verdict.commitment or verdict.commitment != commitment.digest():
+        if part is None or part.statement.label != verdict.commitment or verdict.commitment != commitment.digest():
             self.counts["rejected:unbound without its signed part"] += 1
             return
         # the first segment's inputs: the phase's start (the base it committed to) and its end, both digest-checked

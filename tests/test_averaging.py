@@ -33,12 +33,13 @@ from averaging.config import AveragingConfig
 from averaging.faults import Crashed, FaultInjector
 from averaging.group import (
     GroupAverager,
+    PartRejected,
     draw_groups,
     matchmaking_key,
     part_digest,
-    part_problem,
     part_statement,
     piece_bounds,
+    read_part,
     shard_count,
     shard_of,
     slice_bounds,
@@ -136,7 +137,7 @@ def _assert_parts_recorded(results, tensors, weights, codec: str, piece_numel: i
                 group_id=record.group_id, index=slice_bounds(tensors[i].numel(), len(record.members)).index((lo, hi)),
                 lo=lo, hi=hi, codec=codec, piece_numel=piece_numel, weight=weights[i], sha256=sha256, label="",
             )  # fmt: skip
-            assert part == {"sha256": sha256, "weight": weights[i], "statement": statement, "signature": ""}
+            assert part == {"sha256": sha256, "weight": weights[i], "statement": statement.to_dict(), "signature": ""}
             assert part["sha256"] != part_digest(-tensors[i][lo:hi], codec, piece_numel)  # it can tell another
 
 
@@ -1401,10 +1402,12 @@ def test_a_part_comes_with_its_senders_signed_statement_and_one_another_key_sign
             assert record.outcome == "ok", record.to_dict()
             part = record.parts[ids[1 - i]]
             assert part["statement"]["label"] == labels[1 - i] and part["statement"]["sha256"] == part["sha256"]
-            assert part_problem(part["statement"], part["signature"], signer=ids[1 - i], prefix=prefix) is None
             assert (
-                part_problem(part["statement"], part["signature"], signer=ids[i], prefix=prefix) == "bad part signature"
+                read_part(part["statement"], part["signature"], signer=ids[1 - i], prefix=prefix).label == labels[1 - i]
             )
+            with pytest.raises(PartRejected) as refused:
+                read_part(part["statement"], part["signature"], signer=ids[i], prefix=prefix)
+            assert refused.value.reason == "bad part signature"
         forger, real = Identity.generate(), group_module.sign_part
 
         def forged(identity, run, statement):

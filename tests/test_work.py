@@ -28,7 +28,7 @@ from bootstrap.identity import Identity
 from bootstrap.network import start_swarm_dht
 from swarm import verify
 from swarm import work as work_module
-from swarm.config import TaskInfo, WorkConfig
+from swarm.config import TaskInfo, WorkConfig, averaging_prefix
 from swarm.recipe import inner_step
 from swarm.replayer import CannotReplayHere, Replayer, ReplayerError, random_in_training
 from swarm.tasks import get_task
@@ -661,7 +661,7 @@ def test_an_unbound_accusation_is_judged_on_the_part_the_prover_signed() -> None
                 group_id="g", index=1, lo=lo, hi=hi, codec="int8", piece_numel=100, weight=float(commitment.samples),
                 sha256=part_digest(values, "int8", 100), label=label,
             )  # fmt: skip
-            return {"statement": statement, "signature": sign_part(signer, f"swarm_{RUN}", statement)}
+            return {"statement": statement.to_dict(), "signature": sign_part(signer, averaging_prefix(RUN), statement)}
 
         def accusation(accuser: Identity, part: dict) -> dict:
             verdict = verify.verdict_of(accuser, commitment, 1, (False, work_module.UNBOUND, ""))
