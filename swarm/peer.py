@@ -37,7 +37,7 @@ from bootstrap.network import start_swarm_dht
 from peers import ResourceGraph, pick_run, probe_hardware, probe_software
 from swarm.events import EventLog
 from swarm.node import Node, launched_size
-from swarm.recipe import PRECISIONS, Precision, ScaledStep, autocast_dtype, inner_step
+from swarm.recipe import DTYPES, PRECISIONS, Precision, ScaledStep, autocast_dtype, inner_step
 from swarm.tasks import get_task
 from swarm.trainer import TaskInfo, Trainer, TrainerConfig, WorkSpec
 
@@ -261,7 +261,7 @@ class PeerRunner:
     @property
     def precision_name(self) -> str:
         """What the forward pass runs in: fp32, bf16 or fp16 (with a loss scaler)."""
-        return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.autocast_dtype]
+        return next(name for name, dtype in DTYPES.items() if dtype == self.autocast_dtype)
 
     def evaluate_or_nan(self) -> float:
         """The trainer's ``evaluate``: after the rounds that ``eval_every`` names (NaN after the others)."""

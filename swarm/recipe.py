@@ -107,6 +107,8 @@ class ScaledStep:
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 """Mixed-precision choices of `autocast_dtype` (``swarm.peer --precision``)."""
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The autocast dtype of each explicit precision (None: fp32, no autocast)."""
 
 
 def autocast_dtype(precision: Precision, device: torch.device) -> torch.dtype | None:
@@ -117,7 +119,7 @@ def autocast_dtype(precision: Precision, device: torch.device) -> torch.dtype | 
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision != "auto":
-        return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        return DTYPES[precision]
     if device.type != "cuda":
         return None
     if torch.version.hip:
