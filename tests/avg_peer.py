@@ -18,14 +18,17 @@ from averaging import AveragingConfig, FaultInjector, GroupAverager
 from bootstrap import start_dht, start_reaper, stop_dht
 
 
-def _wait_for_the_others(out_dir: Path, index: int, peers: int, timeout_s: float = 60.0) -> None:
-    """Start the round together: a peer that starts it late (a loaded machine) would draw another group."""
-    (out_dir / f"ready{index}").touch()
+def _wait_for_the_others(out_dir: Path, index: int, peers: int, peer_id: str, timeout_s: float = 60.0) -> set[str]:
+    """Start the round together, and know who the others are (a peer that starts it late on a loaded machine,
+    or whose entry a read missed, would otherwise draw another group): the peers' IDs, each written by its peer."""
+    (out_dir / f"ready{index}.tmp").write_text(peer_id)
+    (out_dir / f"ready{index}.tmp").rename(out_dir / f"ready{index}")  # whole, or not there
     deadline = time.monotonic() + timeout_s
     while not all((out_dir / f"ready{i}").exists() for i in range(peers)):
         if time.monotonic() > deadline:
             raise TimeoutError(f"not all {peers} peers were up within {timeout_s:.0f} s")
         time.sleep(0.05)  # polling files with a deadline
+    return {(out_dir / f"ready{i}").read_text() for i in range(peers)}
 
 
 def main() -> None:
@@ -52,14 +55,15 @@ def main() -> None:
         codec="fp32",
     )
     averager = GroupAverager(dht, prefix=args.prefix, config=config)
-    _wait_for_the_others(Path(args.out), args.index, args.peers)
+    # the run's live members, as a trainer passes them (`GroupAverager.step`'s ``expected``)
+    members = _wait_for_the_others(Path(args.out), args.index, args.peers, averager.peer_id)
     if args.kill_phase:
         faults = FaultInjector()
         faults.attach(averager, f"peer{args.index}")
         faults.add(f"peer{args.index}", 1, args.kill_phase, "kill")
     tensor = torch.randn(args.numel, generator=torch.Generator().manual_seed(args.seed * 1000 + args.index))
     try:
-        out, record, _ = averager.step(tensor, weight=float(args.index + 1))
+        out, record, _ = averager.step(tensor, weight=float(args.index + 1), expected=members)
         out_dir = Path(args.out)
         if out is not None:
             save_file({"result": out}, str(out_dir / f"result{args.index}.safetensors"))
